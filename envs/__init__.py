@@ -1,0 +1,1 @@
+"""Environments: tasks, episodes and rewards. Depends on ``sandboxes``, never on ``orchestrator``."""

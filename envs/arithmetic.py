@@ -1,0 +1,98 @@
+"""Integer arithmetic with an exact-match reward: the default task a tiny model learns on CPU.
+
+Each task is ``a+b=`` (or ``a-b=``, ``a*b=`` when enabled) with operands of up to
+``digits`` digits; the reward is 1.0 when the reply, stripped of white space, is exactly the
+decimal result, else 0.0. Tasks are generated from a seed, so splits are reproducible and
+disjoint (eval operands never appear in train).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
+from envs.registry import register_env
+
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+async def exact_match(task: Task, reply: str) -> float:
+    return 1.0 if reply.strip() == task.answer else 0.0
+
+
+class ArithmeticEnv(Env):
+    def __init__(self) -> None:
+        self._task: Task | None = None
+        self._reply: str | None = None
+
+    async def reset(self, task: Task) -> tuple[Message, ...]:
+        self._task, self._reply = task, None
+        return task.messages
+
+    async def step(self, reply: str) -> StepResult:
+        if self._task is None:
+            raise RuntimeError("step() before reset()")
+        self._reply = reply
+        return StepResult(observation=(), reward=0.0, done=True)
+
+    async def reward(self) -> Reward:
+        if self._task is None or self._reply is None:
+            raise RuntimeError("reward() before the episode finished")
+        correct = await exact_match(self._task, self._reply)
+        return Reward(total=correct, components={"exact_match": correct})
+
+
+@register_env("arithmetic")
+class ArithmeticSpec(EnvSpec):
+    def __init__(
+        self,
+        digits: int = 2,
+        ops: Sequence[str] = ("+",),
+        train_size: int = 4000,
+        eval_size: int = 200,
+        seed: int = 0,
+        zero_pad: bool = True,
+    ) -> None:
+        unknown = [op for op in ops if op not in _OPS]
+        if unknown:
+            raise ValueError(f"env.ops has unknown operator(s) {unknown}; choose from {list(_OPS)}")
+        if digits < 1:
+            raise ValueError("env.digits must be >= 1")
+        universe = (10**digits) ** 2 * len(ops)
+        if train_size + eval_size > universe:
+            raise ValueError(
+                f"env.train_size + env.eval_size = {train_size + eval_size} exceeds the "
+                f"{universe} distinct problems with digits={digits}"
+            )
+        rng = random.Random(seed)
+        seen: set[tuple[int, str, int]] = set()
+        problems: list[tuple[int, str, int]] = []
+        while len(problems) < train_size + eval_size:
+            p = (rng.randrange(10**digits), rng.choice(list(ops)), rng.randrange(10**digits))
+            if p not in seen:
+                seen.add(p)
+                problems.append(p)
+        self.digits = digits
+        self.zero_pad = zero_pad
+        self._splits = {
+            "train": [self._task(i, p) for i, p in enumerate(problems[:train_size])],
+            "eval": [self._task(i, p) for i, p in enumerate(problems[train_size:])],
+        }
+
+    def _task(self, index: int, problem: tuple[int, str, int]) -> Task:
+        a, op, b = problem
+        width = self.digits if self.zero_pad else 0
+        return Task(
+            id=index,
+            messages=({"role": "user", "content": f"{a:0{width}d}{op}{b:0{width}d}="},),
+            answer=str(_OPS[op](a, b)),
+        )
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        if split not in self._splits:
+            raise KeyError(f"unknown split {split!r}; choose from {sorted(self._splits)}")
+        return self._splits[split]
+
+    def make_env(self) -> Env:
+        return ArithmeticEnv()

@@ -1,0 +1,85 @@
+"""What an episode is: tasks, the ``Env`` an episode runs in, and reward functions.
+
+This package sees text and token-free chat messages only; it knows nothing of engines,
+trainers or policy versions (the orchestrator drives it).
+
+* :class:`Task` — one dataset item: the opening messages and the reference answer.
+* :class:`Env` — one episode: ``reset(task)`` gives the opening messages, ``step(reply)``
+  takes the model's reply and returns the next observation, a step reward and ``done``;
+  ``reward()`` scores the finished episode.
+* :class:`EnvSpec` — what the registry builds from config: the task splits and a factory
+  for a fresh :class:`Env` per episode.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Protocol, Self
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class Task:
+    id: int
+    messages: tuple[Message, ...]
+    answer: str
+    metadata: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: tuple[Message, ...]  # messages to append before the model's next turn
+    reward: float
+    done: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reward:
+    """The total reward and its named parts (logged as metrics)."""
+
+    total: float
+    components: dict[str, float] = field(default_factory=dict)
+
+
+class RewardFn(Protocol):
+    async def __call__(self, task: Task, reply: str) -> float: ...
+
+
+class Env(ABC):
+    @abstractmethod
+    async def reset(self, task: Task) -> tuple[Message, ...]: ...
+
+    @abstractmethod
+    async def step(self, reply: str) -> StepResult: ...
+
+    @abstractmethod
+    async def reward(self) -> Reward:
+        """The episode's outcome reward, asked for once after ``step`` returned ``done``."""
+
+    async def aclose(self) -> None:  # noqa: B027 - stateless envs hold nothing
+        pass
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class EnvSpec(ABC):
+    name: str
+
+    @abstractmethod
+    def tasks(self, split: str) -> Sequence[Task]:
+        """The tasks of ``split`` ("train" or "eval")."""
+
+    @abstractmethod
+    def make_env(self) -> Env:
+        """A fresh environment for one episode."""

@@ -1,0 +1,82 @@
+"""Turning the composed Hydra config into typed settings, with one-sentence errors.
+
+Hydra's struct mode already rejects unknown keys; this module checks what it cannot: value
+types of the plain sections (``pipeline``, ``rollout``, ``warmstart``), ranges, and sizes that
+only make sense together (a batch must fit the dataset).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+
+from envs.base import EnvSpec
+from envs.registry import make_spec
+from orchestrator.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def section(cfg: DictConfig, key: str) -> dict[str, Any]:
+    node = OmegaConf.select(cfg, key)
+    if node is None:
+        raise ConfigError(f"the config has no '{key}' section")
+    return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+
+
+def _check(key: str, value: Any, annotation: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        if value not in typing.get_args(annotation):
+            choices = " or ".join(repr(a) for a in typing.get_args(annotation))
+            raise ConfigError(f"{key}={value} must be {choices}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        return _check(key, value, next(a for a in args if a is not type(None)))
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value} must be true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value} must be a whole number")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value} must be a number")
+        return float(value)
+    if annotation is str and not isinstance(value, str):
+        raise ConfigError(f"{key}={value} must be a string")
+    return value
+
+
+def typed(cls: type[T], cfg: DictConfig, key: str) -> T:
+    """Build the dataclass ``cls`` from ``cfg.<key>``, checking every value's type."""
+    values = section(cfg, key)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key '{key}.{unknown[0]}'; known: {', '.join(sorted(names))}")
+    checked = {k: _check(f"{key}.{k}", v, hints[k]) for k, v in values.items()}
+    return cls(**checked)
+
+
+def build_env(cfg: DictConfig) -> EnvSpec:
+    env_cfg = section(cfg, "env")
+    name = env_cfg.pop("name", None)
+    if name is None:
+        raise ConfigError("env.name is missing: name a registered environment")
+    try:
+        return make_spec(name, **env_cfg)
+    except KeyError as e:
+        raise ConfigError(f"env.name={name}: {e.args[0]}") from e
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"env={name}: {e}") from e

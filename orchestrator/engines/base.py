@@ -1,0 +1,56 @@
+"""The ``InferenceEngine`` interface every backend implements (torch, vLLM, simulated).
+
+An engine turns prompt token ids into sampled token ids, each stamped with its behaviour
+log-probability and the policy version that produced it. Weight updates land while requests
+are in flight: the pipeline calls :meth:`pause`, :meth:`update_weights`, :meth:`resume`.
+Between ``pause`` returning and ``resume`` no token is produced; requests that were in
+flight continue after ``resume`` under the new weights. (Finishing in-flight episodes under
+the old weights instead is the pipeline's choice: it waits for them before pausing.)
+
+Engines are async context managers: ``async with engine:`` starts whatever loop they run and
+stops it, failing any request still waiting with :class:`~orchestrator.errors.EngineClosed`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+from orchestrator.types import Generation, SamplingParams
+
+
+class InferenceEngine(ABC):
+    version: int = 0
+
+    @abstractmethod
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation: ...
+
+    @abstractmethod
+    async def update_weights(self, weights: Mapping[str, Any], version: int) -> None:
+        """Load ``weights`` (a state dict, or whatever the backend transfers) as ``version``.
+
+        Called only between :meth:`pause` and :meth:`resume`.
+        """
+
+    @abstractmethod
+    async def pause(self) -> None:
+        """Stop producing tokens at the next token boundary; return once stopped."""
+
+    @abstractmethod
+    async def resume(self) -> None: ...
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:  # noqa: B027 - engines without resources need nothing here
+        pass

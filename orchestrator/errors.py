@@ -1,0 +1,17 @@
+"""The project's exceptions, in one place.
+
+``ConfigError`` is the one a user sees: its message is a single sentence naming the key or
+value to change, and the entry point prints it without a traceback.
+"""
+
+
+class PolyRLError(Exception):
+    """Base class for errors raised by this project."""
+
+
+class ConfigError(PolyRLError, ValueError):
+    """A configuration key or value a user must change."""
+
+
+class EngineClosed(PolyRLError):
+    """A request reached an engine that has been shut down."""

@@ -1,0 +1,36 @@
+"""Greedy evaluation on held-out tasks through the same episode runner as training."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import anyio
+
+from envs.base import EnvSpec, Task
+from orchestrator.engines.base import InferenceEngine
+from orchestrator.models.tokenizer import Tokenizer
+from orchestrator.recorder import Recorder
+from orchestrator.rollout import RolloutConfig, run_episode
+
+
+async def evaluate(
+    engine: InferenceEngine,
+    tokenizer: Tokenizer,
+    spec: EnvSpec,
+    tasks: Sequence[Task],
+    rollout: RolloutConfig,
+    recorder: Recorder,
+) -> float:
+    """Mean reward of one greedy episode per task."""
+    greedy = replace(rollout, temperature=0.0)
+    rewards: list[float] = []
+
+    async def one(task: Task) -> None:
+        trajectory = await run_episode(engine, tokenizer, spec, task, greedy, recorder, "eval")
+        rewards.append(trajectory.reward)
+
+    async with anyio.create_task_group() as tg:
+        for task in tasks:
+            tg.start_soon(one, task)
+    return sum(rewards) / max(len(rewards), 1)

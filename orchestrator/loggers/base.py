@@ -1,0 +1,67 @@
+"""The logger interface and the metrics every logger gets from a step report."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from orchestrator.pipeline import StepReport
+
+
+def step_metrics(report: StepReport) -> dict[str, float]:
+    """Scalar metrics of one train step, under stable names."""
+    elapsed = max(report.elapsed, 1e-9)
+    metrics: dict[str, float] = {
+        "reward/mean": report.reward_mean,
+        "staleness/mean": sum(report.staleness) / max(len(report.staleness), 1),
+        "staleness/max": float(max(report.staleness, default=0)),
+        "staleness/dropped_total": float(report.dropped_total),
+        "throughput/samples_per_s": report.samples / elapsed,
+        "throughput/tokens_per_s": report.tokens / elapsed,
+        "policy/version": float(report.version),
+    }
+    metrics.update({f"train/{k}": v for k, v in report.metrics.items()})
+    metrics.update({f"time/{stage}": s for stage, s in report.stage_seconds.items()})
+    metrics["time/step"] = report.elapsed
+    return metrics
+
+
+class Logger(ABC):
+    def start(self, config: dict[str, Any], run_dir: Path) -> None:  # noqa: B027
+        pass
+
+    @abstractmethod
+    def log_step(self, report: StepReport) -> None: ...
+
+    def log(self, metrics: dict[str, float], step: int) -> None:  # noqa: B027
+        pass
+
+    def finish(self) -> None:  # noqa: B027
+        pass
+
+
+class NullLogger(Logger):
+    """``logger=none``: logs nowhere."""
+
+    def log_step(self, report: StepReport) -> None:
+        pass
+
+
+class JsonlMetrics(Logger):
+    """Every run's own record: one JSON line per step in ``<run_dir>/metrics.jsonl``."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a")
+
+    def log_step(self, report: StepReport) -> None:
+        self.log(step_metrics(report), report.step)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
+
+    def finish(self) -> None:
+        self._file.close()

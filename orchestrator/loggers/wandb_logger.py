@@ -1,0 +1,80 @@
+"""Weights & Biases logging that never prompts.
+
+``mode=auto`` logs online only when an API key is configured and the W&B host answers
+within a second; otherwise the run is written offline under ``<run_dir>/wandb`` (upload it
+later with ``wandb sync``). ``mode`` may also be ``online``, ``offline`` or ``disabled``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import ConfigError
+from orchestrator.loggers.base import Logger, step_metrics
+from orchestrator.pipeline import StepReport
+
+_MODES = ("auto", "online", "offline", "disabled")
+
+
+def _has_api_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path.home() / ".netrc"
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def _reachable(host: str = "api.wandb.ai", port: int = 443, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class WandbLogger(Logger):
+    def __init__(self, project: str = "polyrl", mode: str = "auto", name: str | None = None,
+                 tags: list[str] | None = None) -> None:
+        if mode not in _MODES:
+            raise ConfigError(f"logger.mode={mode} must be one of {', '.join(_MODES)}")
+        self.project = project
+        self.mode = mode
+        self.name = name
+        self.tags = list(tags or [])
+        self._run: Any = None
+
+    def start(self, config: dict[str, Any], run_dir: Path) -> None:
+        import wandb
+
+        mode = self.mode
+        if mode == "auto":
+            mode = "online" if _has_api_key() and _reachable() else "offline"
+        os.environ.setdefault("WANDB_SILENT", "true")
+        self._run = wandb.init(
+            project=self.project,
+            name=self.name or run_dir.name,
+            dir=str(run_dir),
+            config=config,
+            mode=mode,
+            tags=self.tags,
+            reinit="finish_previous",
+            settings=wandb.Settings(console="off", x_disable_stats=True),
+        )
+
+    def log_step(self, report: StepReport) -> None:
+        import wandb
+
+        metrics: dict[str, Any] = dict(step_metrics(report))
+        metrics["staleness/histogram"] = wandb.Histogram(list(report.staleness))
+        metrics["reward/histogram"] = wandb.Histogram(list(report.rewards))
+        self._run.log(metrics, step=report.step)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        if self._run is not None:
+            self._run.finish(quiet=True)
+            self._run = None

@@ -1,0 +1,167 @@
+"""One training run from a composed config: ``run(cfg)``.
+
+Builds the policy, environment, algorithm, trainer and engine the config names, runs the
+supervised warm start, then the asynchronous RL pipeline, and leaves everything in the run
+directory: ``config.yaml`` (resolved), ``metrics.jsonl``, ``spans.jsonl``, ``summary.json``,
+``checkpoints/final/`` and, with the W&B logger, ``wandb/``. The spans and metrics are
+written even when the run fails part-way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from envs.base import EnvSpec
+from orchestrator.algo.base import Algorithm
+from orchestrator.checkpoint import save_checkpoint
+from orchestrator.config import build_env, typed
+from orchestrator.engines.base import InferenceEngine
+from orchestrator.errors import ConfigError
+from orchestrator.evaluate import evaluate
+from orchestrator.loggers.base import JsonlMetrics, Logger
+from orchestrator.loggers.progress import StepProgress
+from orchestrator.models.policy import Policy
+from orchestrator.pipeline import Pipeline, PipelineConfig, StepReport, TaskSampler
+from orchestrator.recorder import Recorder
+from orchestrator.rollout import RolloutConfig
+from orchestrator.trainer import Trainer
+from orchestrator.warmstart import WarmStartConfig, warm_start
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    reports: list[StepReport]
+    eval_before: float | None = None
+    eval_after: float | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def check_sizes(pipeline: PipelineConfig, rollout: RolloutConfig, spec: EnvSpec) -> None:
+    pipeline.validate(rollout.group_size)
+    prompts = pipeline.batch_size // rollout.group_size
+    train = len(spec.tasks("train"))
+    if prompts > train:
+        raise ConfigError(
+            f"pipeline.batch_size={pipeline.batch_size} needs {prompts} prompts per step "
+            f"(group size {rollout.group_size}) but the environment has only {train} train tasks"
+        )
+    for key in ("group_size", "max_tokens", "max_turns"):
+        if getattr(rollout, key) < 1:
+            raise ConfigError(f"rollout.{key} must be >= 1, got {getattr(rollout, key)}")
+    if rollout.temperature < 0:
+        raise ConfigError(f"rollout.temperature must be >= 0, got {rollout.temperature}")
+
+
+def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
+    """Run the experiment ``cfg`` describes; raises :class:`ConfigError` on bad input."""
+    run_dir = Path(run_dir or cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    if cfg.get("torch_threads"):
+        torch.set_num_threads(int(cfg.torch_threads))
+    torch.manual_seed(int(cfg.seed))
+
+    pipeline_cfg = typed(PipelineConfig, cfg, "pipeline")
+    rollout_cfg = typed(RolloutConfig, cfg, "rollout")
+    warm = typed(WarmStartConfig, cfg, "warmstart")
+    spec = build_env(cfg)
+    check_sizes(pipeline_cfg, rollout_cfg, spec)
+
+    policy: Policy = instantiate(cfg.model)
+    algorithm: Algorithm = instantiate(cfg.algo)
+    trainer: Trainer = instantiate(
+        cfg.trainer, policy=policy, algorithm=algorithm, temperature=rollout_cfg.temperature
+    )
+    logger: Logger = instantiate(cfg.logger)
+    recorder = Recorder()
+    metrics_file = JsonlMetrics(run_dir / "metrics.jsonl")
+    config_dict = OmegaConf.to_container(cfg, resolve=True)
+    logger.start(config_dict, run_dir)  # type: ignore[arg-type]
+    result = RunResult(run_dir=run_dir, reports=[])
+    try:
+        with recorder.span("warm_start", "trainer", 0, steps=warm.steps):
+            losses = warm_start(trainer, policy.tokenizer, spec.tasks("train"), warm, seed=int(cfg.seed))
+        if losses:
+            log.info("warm start: %d steps, final loss %.3f", len(losses), losses[-1])
+
+        anyio.run(_train, cfg, policy, trainer, spec, pipeline_cfg, rollout_cfg, recorder,
+                  [logger, metrics_file], result)
+        save_checkpoint(trainer, run_dir / "checkpoints" / "final")
+    finally:
+        recorder.write_jsonl(run_dir / "spans.jsonl")
+        result.summary = _summary(result)
+        (run_dir / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+        for sink in (metrics_file, logger):
+            if result.summary:
+                sink.log({f"summary/{k}": v for k, v in result.summary.items()
+                          if isinstance(v, (int, float))}, len(result.reports))
+            sink.finish()
+    return result
+
+
+async def _train(
+    cfg: DictConfig,
+    policy: Policy,
+    trainer: Trainer,
+    spec: EnvSpec,
+    pipeline_cfg: PipelineConfig,
+    rollout_cfg: RolloutConfig,
+    recorder: Recorder,
+    sinks: list[Logger],
+    result: RunResult,
+) -> None:
+    engine: InferenceEngine = instantiate(cfg.engine, policy=policy, version=trainer.version)
+    eval_tasks = list(spec.tasks("eval"))[: int(cfg.eval.num_tasks)]
+    async with engine:
+        if eval_tasks:
+            result.eval_before = await evaluate(engine, policy.tokenizer, spec, eval_tasks, rollout_cfg, recorder)
+            log.info("eval before RL: %.3f", result.eval_before)
+        with StepProgress(pipeline_cfg.num_steps, enabled=bool(cfg.progress)) as progress:
+
+            def on_step(report: StepReport) -> None:
+                for sink in sinks:
+                    sink.log_step(report)
+                progress.update(report)
+                result.reports.append(report)
+
+            pipeline = Pipeline(
+                pipeline_cfg, rollout_cfg, engine, trainer, policy.tokenizer, spec,
+                TaskSampler(spec.tasks("train"), seed=int(cfg.seed)), recorder, on_step,
+            )
+            await pipeline.run()
+        if eval_tasks:
+            result.eval_after = await evaluate(engine, policy.tokenizer, spec, eval_tasks, rollout_cfg, recorder)
+            log.info("eval after RL: %.3f", result.eval_after)
+
+
+def _summary(result: RunResult) -> dict[str, Any]:
+    reports = result.reports
+    if not reports:
+        return {}
+    tenth = max(1, len(reports) // 10)
+    first = sum(r.reward_mean for r in reports[:tenth]) / tenth
+    last = sum(r.reward_mean for r in reports[-tenth:]) / tenth
+    wall = sum(r.elapsed for r in reports)
+    samples = sum(r.samples for r in reports)
+    return {
+        "steps": len(reports),
+        "reward_first_10pct": first,
+        "reward_last_10pct": last,
+        "eval_before": result.eval_before,
+        "eval_after": result.eval_after,
+        "dropped_stale": reports[-1].dropped_total,
+        "samples_per_s": samples / max(wall, 1e-9),
+        "rl_seconds": wall,
+    }

@@ -1,0 +1,94 @@
+"""The policy: a causal LM from ``transformers`` and the tokenizer that goes with it.
+
+Two ways in, one config group (``conf/model/``):
+
+* :func:`tiny_policy` builds a small model from a standard architecture config
+  (``model_type`` is any that ``transformers`` knows, Llama by default) with random weights
+  and the project's character tokenizer; nothing is downloaded.
+* :func:`pretrained_policy` loads any local Hugging Face causal-LM directory with its own
+  tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from orchestrator.errors import ConfigError
+from orchestrator.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Policy:
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    device: torch.device
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={device} but no CUDA device is visible; use model.device=cpu")
+    return torch.device(device)
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ConfigError(f"model.dtype={name} is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def tiny_policy(
+    architecture: str = "llama",
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+    dtype: str = "float32",
+    device: str = "auto",
+) -> Policy:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = CharTokenizer()
+    try:
+        config = AutoConfig.for_model(
+            architecture,
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_id,
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.end_id,
+        )
+    except ValueError as e:
+        raise ConfigError(f"model.architecture={architecture} is not a transformers model type") from e
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=_dtype(dtype), attn_implementation="eager")
+    target = resolve_device(device)
+    return Policy(model=model.to(target), tokenizer=tokenizer, device=target)
+
+
+def pretrained_policy(path: str, dtype: str = "bfloat16", device: str = "auto") -> Policy:
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.path={path} is not a local directory holding a Hugging Face checkpoint")
+    tokenizer = HFTokenizer(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path={path} could not be loaded as a causal LM: {e}") from e
+    target = resolve_device(device)
+    return Policy(model=model.to(target), tokenizer=tokenizer, device=target)

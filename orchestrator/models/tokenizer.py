@@ -1,0 +1,138 @@
+"""Tokenizers and the chat format.
+
+The default policy is tiny and trained from scratch, so it gets a character-level tokenizer
+of its own: every printable ASCII character is one token, plus a handful of special tokens
+that frame chat turns. A local Hugging Face checkpoint brings its own tokenizer and chat
+template through :class:`HFTokenizer`; both satisfy :class:`Tokenizer`.
+
+Chat layout of :class:`CharTokenizer` (one token per special)::
+
+    <bos><user>37+85=<end><assistant>122<end>
+
+A prompt ends with ``<assistant>``; generation stops at ``<end>``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+from orchestrator.errors import ConfigError
+
+Message = dict[str, str]  # {"role": "user" | "assistant" | "system" | "tool", "content": ...}
+
+
+class Tokenizer(ABC):
+    pad_id: int
+    vocab_size: int
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    @abstractmethod
+    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False) -> list[int]:
+        """Token ids of ``messages`` followed by the header of the assistant's turn.
+
+        With ``continuation`` the ids are meant to be appended after an assistant turn that
+        ended with a stop token (no beginning-of-sequence marker).
+        """
+
+    @property
+    @abstractmethod
+    def stop_ids(self) -> tuple[int, ...]:
+        """Tokens that end an assistant turn."""
+
+    def completion(self, text: str) -> list[int]:
+        """Token ids of an assistant reply, stop token included (for supervised targets)."""
+        return self.encode(text) + [self.stop_ids[0]]
+
+
+class CharTokenizer(Tokenizer):
+    SPECIALS = ("<pad>", "<bos>", "<end>", "<system>", "<user>", "<assistant>", "<tool>")
+    CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+
+    def __init__(self) -> None:
+        self._itos = list(self.SPECIALS) + list(self.CHARS)
+        self._stoi = {s: i for i, s in enumerate(self._itos)}
+        self.vocab_size = len(self._itos)
+        self.pad_id = self._stoi["<pad>"]
+        self.bos_id = self._stoi["<bos>"]
+        self.end_id = self._stoi["<end>"]
+        self._unknown = self._stoi["?"]
+
+    def encode(self, text: str) -> list[int]:
+        return [self._stoi.get(ch, self._unknown) for ch in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(
+            self._itos[i] for i in ids if 0 <= i < self.vocab_size and i >= len(self.SPECIALS)
+        )
+
+    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False) -> list[int]:
+        ids = [] if continuation else [self.bos_id]
+        for message in messages:
+            role = message["role"]
+            if f"<{role}>" not in self._stoi:
+                raise ValueError(f"unknown chat role {role!r}")
+            ids += [self._stoi[f"<{role}>"], *self.encode(message["content"]), self.end_id]
+        return ids + [self._stoi["<assistant>"]]
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.end_id,)
+
+
+class HFTokenizer(Tokenizer):
+    """A local Hugging Face tokenizer and its chat template (no network access)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except OSError as e:
+            raise ConfigError(f"model.path={path} holds no loadable tokenizer: {e}") from e
+        self.vocab_size = len(self._tok)
+        pad = self._tok.pad_token_id
+        self.pad_id = pad if pad is not None else self._tok.eos_token_id
+        stops = [self._tok.eos_token_id]
+        for name in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+            tid = self._tok.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid != self._tok.unk_token_id and tid not in stops:
+                stops.append(tid)
+        self._stops = tuple(s for s in stops if s is not None)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False) -> list[int]:
+        if self._tok.chat_template is None:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+            return self.encode(text)
+        if not continuation:
+            return self._template(list(messages))
+        # The template renders whole conversations; the ids of the new messages are what a
+        # fixed conversation gains when they are appended to it.
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        before = self._template(base, generation_prompt=False)
+        after = self._template(base + list(messages))
+        if after[: len(before)] != before:
+            raise ValueError("this chat template does not render appended messages as a suffix")
+        return after[len(before) :]
+
+    def _template(self, messages: list[Message], generation_prompt: bool = True) -> list[int]:
+        ids = self._tok.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stops

@@ -1,0 +1,308 @@
+"""The asynchronous RL pipeline: rollout workers, the trainer and weight sync in one task group.
+
+::
+
+    rollout-0..N-1 ──(Group)──▶ trainer ──(version, weights)──▶ weight-sync ──▶ engine
+         ▲ admission                 freshness check                 │ version + 1
+         └──────────────── StalenessController ◀────────────────────┘
+
+* Each rollout worker takes the next task, waits for admission (see
+  :mod:`orchestrator.staleness`), runs a group of episodes and sends it to the trainer over
+  a bounded stream.
+* The trainer forms a batch from the groups that arrived, dropping any whose start version
+  is older than ``version - k``, runs one step in a worker thread and hands a copy of the
+  weights to weight sync.
+* Weight sync pauses the engine at a token boundary, loads the weights, resumes it and only
+  then publishes the new version to admission control. With ``inflight_update="finish"`` it
+  first waits for in-flight episodes to finish under the old weights.
+
+``max_staleness = 0`` is the synchronous baseline through this same code: admission lets
+exactly one batch start per version, so generation and training alternate.
+
+The trainer loop ends the run after ``num_steps`` steps: it waits for the last weight sync,
+then cancels the workers. A crash anywhere cancels everything and surfaces.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from envs.base import EnvSpec, Task
+from orchestrator.engines.base import InferenceEngine
+from orchestrator.errors import ConfigError
+from orchestrator.gate import Gate
+from orchestrator.models.tokenizer import Tokenizer
+from orchestrator.recorder import Recorder
+from orchestrator.rollout import RolloutConfig, run_group
+from orchestrator.staleness import StalenessController
+from orchestrator.types import Group
+
+
+class TrainerBackend(Protocol):
+    """What the pipeline needs of a trainer (see :class:`orchestrator.trainer.Trainer`)."""
+
+    version: int
+
+    def step(self, groups: Sequence[Group]) -> dict[str, float]: ...
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    batch_size: int = 64  # samples per train step; a multiple of the group size
+    max_staleness: int = 1
+    num_workers: int = 8
+    num_steps: int = 100
+    inflight_update: Literal["continue", "finish"] = "continue"
+
+    def validate(self, group_size: int) -> None:
+        if self.max_staleness < 0:
+            raise ConfigError(f"pipeline.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.batch_size < 1 or self.batch_size % group_size:
+            raise ConfigError(
+                f"pipeline.batch_size={self.batch_size} must be a positive multiple of "
+                f"rollout.group_size={group_size}"
+            )
+        if self.num_workers < 1:
+            raise ConfigError(f"pipeline.num_workers must be >= 1, got {self.num_workers}")
+        if self.num_steps < 1:
+            raise ConfigError(f"pipeline.num_steps must be >= 1, got {self.num_steps}")
+        if self.inflight_update not in ("continue", "finish"):
+            raise ConfigError(
+                f"pipeline.inflight_update={self.inflight_update} must be 'continue' or 'finish'"
+            )
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Everything about one train step, for loggers and tests."""
+
+    step: int
+    version: int  # the version the batch was trained at (the new weights are version + 1)
+    metrics: dict[str, float]
+    rewards: tuple[float, ...]
+    staleness: tuple[int, ...]  # per trained sample: version - start version
+    start_versions: tuple[int, ...]
+    dropped_total: int
+    samples: int
+    tokens: int  # generated (trained) tokens in the batch
+    elapsed: float  # seconds since the previous step's report
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def reward_mean(self) -> float:
+        return sum(self.rewards) / max(len(self.rewards), 1)
+
+
+class TaskSampler:
+    """Endless shuffled passes over a task list, shared by every worker."""
+
+    def __init__(self, tasks: Sequence[Task], seed: int = 0) -> None:
+        if not tasks:
+            raise ConfigError("the environment's train split is empty")
+        self._tasks = tasks
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+
+    def next(self) -> Task:
+        if not self._order:
+            self._order = list(range(len(self._tasks)))
+            self._rng.shuffle(self._order)
+        return self._tasks[self._order.pop()]
+
+
+OnStep = Callable[[StepReport], Awaitable[None] | None]
+
+
+class Pipeline:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        rollout: RolloutConfig,
+        engine: InferenceEngine,
+        trainer: TrainerBackend,
+        tokenizer: Tokenizer,
+        spec: EnvSpec,
+        sampler: TaskSampler,
+        recorder: Recorder | None = None,
+        on_step: OnStep | None = None,
+    ) -> None:
+        config.validate(rollout.group_size)
+        self.config = config
+        self.rollout = rollout
+        self.engine = engine
+        self.trainer = trainer
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.sampler = sampler
+        self.recorder = recorder or Recorder()
+        self.on_step = on_step
+        self.staleness = StalenessController(
+            config.batch_size, config.max_staleness, version=trainer.version
+        )
+        self.gate = Gate()  # held by episodes when inflight_update='finish'
+        self.reports: list[StepReport] = []
+
+    async def run(self) -> list[StepReport]:
+        groups_per_batch = self.config.batch_size // self.rollout.group_size
+        # Room for every group admission allows, so workers never block on a full stream
+        # while holding finished work; admission is the real bound.
+        capacity = groups_per_batch * (self.config.max_staleness + 2)
+        send_groups, receive_groups = anyio.create_memory_object_stream[Group](capacity)
+        send_weights, receive_weights = anyio.create_memory_object_stream[
+            tuple[int, Mapping[str, Any]]
+        ](1)
+        async with receive_groups, anyio.create_task_group() as tg:
+            async with send_groups:
+                for i in range(self.config.num_workers):
+                    tg.start_soon(self._worker, f"rollout-{i}", send_groups.clone(), name=f"rollout-{i}")
+            sync_done = anyio.Event()
+            tg.start_soon(self._weight_sync, receive_weights, sync_done, name="weight-sync")
+            await self._trainer_loop(receive_groups, send_weights, groups_per_batch)
+            await sync_done.wait()
+            tg.cancel_scope.cancel()
+        return self.reports
+
+    # -- rollout -------------------------------------------------------------------------
+
+    async def _worker(self, name: str, send: ObjectSendStream[Group]) -> None:
+        group_size = self.rollout.group_size
+        async with send:
+            while True:
+                task = self.sampler.next()
+                with self.recorder.span("wait_admission", name, self.staleness.version):
+                    await self.staleness.admit(group_size)
+                episode_scope: AbstractAsyncContextManager[Any] = (
+                    self.gate if self.config.inflight_update == "finish" else nullcontext()
+                )
+                try:
+                    async with episode_scope:
+                        with self.recorder.span("rollout", name, self.engine.version,
+                                                prompt_id=task.id) as attrs:
+                            group = await run_group(
+                                self.engine, self.tokenizer, self.spec, task,
+                                self.rollout, self.recorder, name,
+                            )
+                            attrs["start_version"] = group.start_version
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await self.staleness.release(group_size, dropped=False)
+                    raise
+                await send.send(group)
+
+    # -- training --------------------------------------------------------------------------
+
+    async def _trainer_loop(
+        self,
+        receive: ObjectReceiveStream[Group],
+        send_weights: ObjectSendStream[tuple[int, Mapping[str, Any]]],
+        groups_per_batch: int,
+    ) -> None:
+        pending: list[Group] = []
+        last_report = self.recorder.now()
+        async with send_weights:  # closing it lets weight sync finish; receive stays open
+            # until the workers are cancelled, so none of them fails on a closed stream.
+            for step in range(self.config.num_steps):
+                version = self.trainer.version
+                with self.recorder.span("wait_batch", "trainer", version):
+                    batch = await self._next_batch(receive, pending, groups_per_batch, version)
+                with self.recorder.span("train_step", "trainer", version) as attrs:
+                    metrics = await anyio.to_thread.run_sync(self.trainer.step, batch)
+                    weights = await anyio.to_thread.run_sync(self.trainer.state_dict)
+                    attrs["samples"] = sum(len(g) for g in batch)
+                await send_weights.send((self.trainer.version, weights))
+                now = self.recorder.now()
+                report = self._report(step, version, batch, metrics, last_report, now)
+                last_report = now
+                self.reports.append(report)
+                if self.on_step is not None:
+                    result = self.on_step(report)
+                    if result is not None:
+                        await result
+
+    async def _next_batch(
+        self,
+        receive: ObjectReceiveStream[Group],
+        pending: list[Group],
+        groups_per_batch: int,
+        version: int,
+    ) -> list[Group]:
+        while True:
+            fresh = []
+            for group in pending:
+                if self.staleness.is_fresh(group.start_version, version):
+                    fresh.append(group)
+                else:
+                    await self.staleness.release(len(group), dropped=True)
+            pending[:] = fresh
+            if len(pending) >= groups_per_batch:
+                batch = pending[:groups_per_batch]
+                del pending[:groups_per_batch]
+                return batch
+            pending.append(await receive.receive())
+
+    async def _weight_sync(
+        self,
+        receive: ObjectReceiveStream[tuple[int, Mapping[str, Any]]],
+        done: anyio.Event,
+    ) -> None:
+        finish_old = self.config.inflight_update == "finish"
+        async with receive:
+            async for version, weights in receive:
+                with self.recorder.span("weight_sync", "weight_sync", version) as attrs:
+                    if finish_old:
+                        with self.recorder.span("wait_inflight", "weight_sync", version):
+                            await self.gate.acquire_exclusive()
+                    try:
+                        started = self.recorder.now()
+                        await self.engine.pause()
+                        try:
+                            await self.engine.update_weights(weights, version)
+                        finally:
+                            await self.engine.resume()
+                        attrs["load_seconds"] = self.recorder.now() - started
+                    finally:
+                        if finish_old:
+                            await self.gate.release_exclusive()
+                await self.staleness.set_version(version)
+        done.set()
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def _report(
+        self,
+        step: int,
+        version: int,
+        batch: Sequence[Group],
+        metrics: dict[str, float],
+        since: float,
+        now: float,
+    ) -> StepReport:
+        trajectories = [t for g in batch for t in g.trajectories]
+        stage_seconds: Counter[str] = Counter()
+        for span in reversed(self.recorder.spans):
+            if span.end <= since:
+                break
+            stage_seconds[span.stage] += span.duration
+        return StepReport(
+            step=step,
+            version=version,
+            metrics=metrics,
+            rewards=tuple(t.reward for t in trajectories),
+            staleness=tuple(version - t.start_version for t in trajectories),
+            start_versions=tuple(t.start_version for t in trajectories),
+            dropped_total=self.staleness.dropped,
+            samples=len(trajectories),
+            tokens=sum(t.num_generated for t in trajectories),
+            elapsed=now - since,
+            stage_seconds=dict(stage_seconds),
+        )

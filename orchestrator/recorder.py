@@ -1,0 +1,67 @@
+"""A recorder of timed spans: (stage, worker, start, end, version, attributes).
+
+Stages are free-form names ("generate", "reward", "train_step", "weight_sync",
+"wait_admission", "wait_batch", …). Times are ``time.perf_counter()`` seconds relative to
+the recorder's creation, so spans from every task share one clock. The recorder is plain
+data; writers (JSONL here, PolyTrace and Perfetto later) read :attr:`spans`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Span:
+    stage: str
+    worker: str
+    start: float
+    end: float
+    version: int | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self._origin = time.perf_counter()
+        self.wall_origin = time.time()
+        self.spans: list[Span] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self._origin
+
+    def add(self, stage: str, worker: str, start: float, end: float,
+            version: int | None = None, **attributes: Any) -> Span:
+        span = Span(stage, worker, start, end, version, attributes)
+        self.spans.append(span)
+        return span
+
+    @contextmanager
+    def span(self, stage: str, worker: str, version: int | None = None,
+             **attributes: Any) -> Iterator[dict[str, Any]]:
+        """Time the body; the yielded dict collects attributes known only at the end."""
+        start = self.now()
+        extra: dict[str, Any] = dict(attributes)
+        try:
+            yield extra
+        finally:
+            self.add(stage, worker, start, self.now(), version, **extra)
+
+    def of(self, stage: str) -> list[Span]:
+        return [s for s in self.spans if s.stage == stage]
+
+    def write_jsonl(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for span in self.spans:
+                f.write(json.dumps(asdict(span)) + "\n")

@@ -1,0 +1,125 @@
+"""The episode runner: drives an ``Env`` with an engine, token in and token out.
+
+The episode's token sequence is built only by appending: the prompt's tokens, then exactly
+the tokens the engine sampled (trained on, with their behaviour log-probs and versions),
+then the tokens of each observation (not trained on). Nothing earlier is re-tokenised, so
+what the trainer scores is exactly what the engine saw and produced.
+
+A group is ``group_size`` episodes of one task run concurrently (the engine batches them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+
+from envs.base import EnvSpec, Task
+from orchestrator.engines.base import InferenceEngine
+from orchestrator.models.tokenizer import Tokenizer
+from orchestrator.recorder import Recorder
+from orchestrator.types import FinishReason, Group, SamplingParams, Trajectory
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 8
+    max_tokens: int = 16
+    temperature: float = 1.0
+    max_turns: int = 1
+
+
+async def run_episode(
+    engine: InferenceEngine,
+    tokenizer: Tokenizer,
+    spec: EnvSpec,
+    task: Task,
+    config: RolloutConfig,
+    recorder: Recorder,
+    worker: str,
+    sample_index: int = 0,
+) -> Trajectory:
+    sampling = SamplingParams(
+        max_tokens=config.max_tokens,
+        temperature=config.temperature,
+        stop_token_ids=tokenizer.stop_ids,
+    )
+    async with spec.make_env() as env:
+        messages = await env.reset(task)
+        ids = tokenizer.chat_prompt(messages)
+        mask = [False] * len(ids)
+        logprobs = [0.0] * len(ids)
+        versions = [-1] * len(ids)
+        step_reward = 0.0
+        start_version: int | None = None
+        finish = FinishReason.LENGTH
+        metrics: dict[str, float] = {}
+        for turn in range(config.max_turns):
+            with recorder.span("generate", worker, engine.version, turn=turn,
+                               prompt_tokens=len(ids)) as attrs:
+                gen = await engine.generate(ids, sampling)
+                attrs.update(completion_tokens=len(gen.token_ids), finish_reason=str(gen.finish_reason))
+            if start_version is None:
+                start_version = gen.versions[0] if gen.versions else gen.start_version
+            ids += gen.token_ids
+            mask += [True] * len(gen.token_ids)
+            logprobs += gen.logprobs
+            versions += gen.versions
+            finish = gen.finish_reason
+            reply_ids = [t for t in gen.token_ids if t not in tokenizer.stop_ids]
+            result = await env.step(tokenizer.decode(reply_ids))
+            step_reward += result.reward
+            metrics.update(result.metrics)
+            if result.done:
+                break
+            observation = tokenizer.chat_prompt(result.observation, continuation=True)
+            ids += observation
+            mask += [False] * len(observation)
+            logprobs += [0.0] * len(observation)
+            versions += [-1] * len(observation)
+        with recorder.span("reward", worker, engine.version) as attrs:
+            reward = await env.reward()
+            attrs["reward"] = reward.total
+    metrics.update({f"reward/{k}": v for k, v in reward.components.items()})
+    return Trajectory(
+        prompt_id=task.id,
+        sample_index=sample_index,
+        token_ids=tuple(ids),
+        loss_mask=tuple(mask),
+        logprobs=tuple(logprobs),
+        versions=tuple(versions),
+        reward=step_reward + reward.total,
+        start_version=start_version if start_version is not None else engine.version,
+        finish_reason=finish,
+        metrics=metrics,
+    )
+
+
+async def run_group(
+    engine: InferenceEngine,
+    tokenizer: Tokenizer,
+    spec: EnvSpec,
+    task: Task,
+    config: RolloutConfig,
+    recorder: Recorder,
+    worker: str,
+) -> Group:
+    started = recorder.now()
+    results: list[Trajectory | None] = [None] * config.group_size
+
+    async def one(index: int) -> None:
+        results[index] = await run_episode(
+            engine, tokenizer, spec, task, config, recorder, worker, sample_index=index
+        )
+
+    async with anyio.create_task_group() as tg:
+        for i in range(config.group_size):
+            tg.start_soon(one, i)
+    trajectories = tuple(t for t in results if t is not None)
+    return Group(
+        prompt_id=task.id,
+        trajectories=trajectories,
+        start_version=min(t.start_version for t in trajectories),
+        started_at=started,
+        finished_at=recorder.now(),
+    )

@@ -1,0 +1,63 @@
+"""Bounded staleness: admission control at rollout start, a freshness check at batch time.
+
+With batch size ``B`` (samples per train step) and ``k = max_staleness``:
+
+* **Admission.** A rollout of ``n`` samples may start only while
+  ``admitted + n <= (version + k + 1) * B``, where ``admitted`` counts every sample ever
+  started minus those dropped or lost (AReaL's rule). ``version`` is the policy version the
+  engines serve, so with ``k = 0`` nothing new starts until the weights of the last step
+  are loaded: generation and training alternate.
+* **Freshness.** When a batch is formed at trainer version ``v``, a sample whose start
+  version is older than ``v - k`` is never trained on; it is dropped, counted, and its
+  admission slot given back.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from orchestrator.errors import ConfigError
+
+
+class StalenessController:
+    def __init__(self, batch_size: int, max_staleness: int, version: int = 0) -> None:
+        if max_staleness < 0:
+            raise ConfigError(f"pipeline.max_staleness must be >= 0, got {max_staleness}")
+        if batch_size < 1:
+            raise ConfigError(f"pipeline.batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.version = version
+        self.admitted = 0
+        self.dropped = 0
+        self._changed = anyio.Condition()
+
+    @property
+    def capacity(self) -> int:
+        return (self.version + self.max_staleness + 1) * self.batch_size
+
+    async def admit(self, n: int) -> int:
+        """Wait until ``n`` more samples may start; return the version they start under."""
+        if n > self.batch_size:
+            raise ConfigError(f"a rollout of {n} samples can never fit a batch of {self.batch_size}")
+        async with self._changed:
+            while self.admitted + n > self.capacity:
+                await self._changed.wait()
+            self.admitted += n
+            return self.version
+
+    async def release(self, n: int, *, dropped: bool) -> None:
+        """Give back ``n`` admission slots (samples dropped as stale, or lost)."""
+        async with self._changed:
+            self.admitted -= n
+            if dropped:
+                self.dropped += n
+            self._changed.notify_all()
+
+    async def set_version(self, version: int) -> None:
+        async with self._changed:
+            self.version = version
+            self._changed.notify_all()
+
+    def is_fresh(self, start_version: int, train_version: int) -> bool:
+        return start_version >= train_version - self.max_staleness

@@ -1,0 +1,214 @@
+"""The trainer: one optimiser step per batch of groups, and the weights it hands to engines.
+
+``Trainer.step`` is blocking torch work; the pipeline runs it in a worker thread. The
+version counts optimiser steps: a batch trained at version ``v`` produces version ``v + 1``.
+
+Per step: GRPO advantages from each group's rewards, then ``num_minibatches`` optimiser
+updates over the batch. With a single update the proximal policy is the current one (its
+log-probs are the detached forward pass); with several it is recomputed once, up front.
+Each update accumulates gradients over micro-batches, normalised by the trained tokens of
+the whole minibatch so token-level aggregation does not depend on how it is split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from orchestrator.algo.base import Algorithm, LossInputs
+from orchestrator.models.policy import Policy
+from orchestrator.types import Group
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Right-padded next-token tensors: position ``t`` predicts ``targets[:, t]``."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    attention: torch.Tensor
+    mask: torch.Tensor  # float: 1.0 where the target token is trained
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    def slice(self, rows: slice) -> PackedBatch:
+        return PackedBatch(*(t[rows] for t in (
+            self.inputs, self.targets, self.attention, self.mask,
+            self.behaviour_logprobs, self.advantages,
+        )))
+
+
+def pack(
+    sequences: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[bool]],
+    pad_id: int,
+    behaviour: Sequence[Sequence[float]] | None = None,
+    advantages: Sequence[float] | None = None,
+) -> PackedBatch:
+    width = max(len(s) for s in sequences) - 1
+    n = len(sequences)
+    ids = torch.full((n, width + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width + 1))
+    behav = torch.zeros((n, width + 1))
+    attention = torch.zeros((n, width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = torch.tensor(masks[i], dtype=torch.float32)
+        attention[i, : len(seq) - 1] = 1
+        if behaviour is not None:
+            behav[i, : len(seq)] = torch.tensor(behaviour[i])
+    adv = torch.tensor(advantages if advantages is not None else [0.0] * n, dtype=torch.float32)
+    return PackedBatch(
+        inputs=ids[:, :-1],
+        targets=ids[:, 1:],
+        attention=attention,
+        mask=mask[:, 1:],
+        behaviour_logprobs=behav[:, 1:],
+        advantages=adv[:, None].expand(n, width).contiguous(),
+    )
+
+
+class Trainer:
+    def __init__(
+        self,
+        policy: Policy,
+        algorithm: Algorithm,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.99),
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int = 64,
+        num_minibatches: int = 1,
+        temperature: float = 1.0,
+    ) -> None:
+        self.policy = policy
+        self.model = policy.model
+        self.algorithm = algorithm
+        self.device = policy.device
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_size = micro_batch_size
+        self.num_minibatches = num_minibatches
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=tuple(betas)
+        )
+        self.version = 0
+
+    # -- forward ---------------------------------------------------------------------
+
+    def _logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs of the targets and the policy's entropy at each position."""
+        logits = self.model(
+            input_ids=batch.inputs.to(self.device), attention_mask=batch.attention.to(self.device)
+        ).logits.float() / self.temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, batch.targets.to(self.device)[..., None]).squeeze(-1)
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
+
+    def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
+        size = self.micro_batch_size
+        return [batch.slice(slice(i, i + size)) for i in range(0, len(batch), size)]
+
+    # -- RL step -----------------------------------------------------------------------
+
+    def step(self, groups: Sequence[Group]) -> dict[str, float]:
+        trajectories = [t for g in groups for t in g.trajectories]
+        advantages = self.algorithm.advantages([g.rewards for g in groups])
+        batch = pack(
+            [t.token_ids for t in trajectories],
+            [t.loss_mask for t in trajectories],
+            self.policy.tokenizer.pad_id,
+            behaviour=[t.logprobs for t in trajectories],
+            advantages=[a for group in advantages for a in group],
+        )
+        self.model.train()
+        minibatch = math.ceil(len(batch) / self.num_minibatches)
+        proximal = None
+        if self.num_minibatches > 1:
+            with torch.no_grad():
+                proximal = torch.cat([self._logprobs(mb)[0] for mb in self._micro_batches(batch)])
+
+        sums: dict[str, float] = {}
+        counts = 0
+        grad_norm = 0.0
+        for start in range(0, len(batch), minibatch):
+            rows = slice(start, start + minibatch)
+            part = batch.slice(rows)
+            num_tokens = float(part.mask.sum())
+            self.optimizer.zero_grad(set_to_none=True)
+            offset = 0
+            for mb in self._micro_batches(part):
+                logp, entropy = self._logprobs(mb)
+                mask = mb.mask.to(self.device)
+                if proximal is None:
+                    prox = logp.detach()
+                else:
+                    prox = proximal[start + offset : start + offset + len(mb)].to(self.device)
+                offset += len(mb)
+                out = self.algorithm.loss(LossInputs(
+                    logprobs=logp,
+                    proximal_logprobs=prox,
+                    behaviour_logprobs=mb.behaviour_logprobs.to(self.device),
+                    advantages=mb.advantages.to(self.device),
+                    mask=mask,
+                    num_tokens=num_tokens,
+                ))
+                out.loss.backward()
+                tokens = float(mask.sum())
+                weighted = {"loss": float(out.loss.detach()) * num_tokens, **{
+                    k: v * tokens for k, v in out.metrics.items()
+                }}
+                weighted["entropy"] = float((entropy * mask).sum())
+                for k, v in weighted.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                counts += int(tokens)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+            self.optimizer.step()
+        self.version += 1
+        metrics = {k: v / max(counts, 1) for k, v in sums.items()}
+        metrics["grad_norm"] = grad_norm
+        metrics["trained_tokens"] = float(counts)
+        return metrics
+
+    # -- supervised warm start ---------------------------------------------------------
+
+    def supervised_step(
+        self,
+        sequences: Sequence[Sequence[int]],
+        masks: Sequence[Sequence[bool]],
+        optimizer: torch.optim.Optimizer,
+    ) -> float:
+        """One cross-entropy step on the masked tokens with ``optimizer`` (the warm start's
+        own, so the RL optimiser starts fresh); does not change the version."""
+        batch = pack(sequences, masks, self.policy.tokenizer.pad_id)
+        self.model.train()
+        optimizer.zero_grad(set_to_none=True)
+        num_tokens = float(batch.mask.sum())
+        total = 0.0
+        for mb in self._micro_batches(batch):
+            logits = self.model(
+                input_ids=mb.inputs.to(self.device), attention_mask=mb.attention.to(self.device)
+            ).logits.float()
+            nll = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), mb.targets.to(self.device).flatten(), reduction="none"
+            )
+            loss = (nll * mb.mask.to(self.device).flatten()).sum() / max(num_tokens, 1.0)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        optimizer.step()
+        return total
+
+    # -- weights -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A detached copy of the weights, safe to hand to an engine while training goes on."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}

@@ -1,0 +1,94 @@
+"""Typed records that travel between the pipeline's stages.
+
+Everything here is a frozen dataclass: a record is built once by the stage that owns it and
+read by the ones downstream. Token-level fields are plain tuples so a record can cross a
+stream, a thread or a process without aliasing a tensor someone else mutates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # the model emitted a stop token
+    LENGTH = "length"  # max_tokens reached
+    ABORTED = "aborted"  # the engine was closed under the request
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What an engine returns for one prompt: the sampled tokens and where they came from.
+
+    ``versions[i]`` is the policy version whose weights produced ``token_ids[i]``, and
+    ``logprobs[i]`` its behaviour log-probability under the temperature-scaled distribution.
+    Versions differ within one generation only when weights changed mid-flight and the
+    engine was told to continue under the new ones.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: FinishReason
+    start_version: int
+
+    def __post_init__(self) -> None:
+        if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
+            raise ValueError("token_ids, logprobs and versions must have the same length")
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One finished episode, ready to be trained on.
+
+    ``token_ids`` is the whole sequence (prompt, then every turn) exactly as the engine and
+    the environment produced it. ``loss_mask[i]`` is True for tokens the policy generated;
+    ``logprobs``/``versions`` are only meaningful where the mask is set.
+    """
+
+    prompt_id: int
+    sample_index: int
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[bool, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    reward: float
+    start_version: int
+    finish_reason: FinishReason
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def end_version(self) -> int:
+        generated = [v for v, m in zip(self.versions, self.loss_mask, strict=True) if m]
+        return max(generated, default=self.start_version)
+
+
+@dataclass(frozen=True)
+class Group:
+    """The samples of one prompt; GRPO normalises rewards within a group."""
+
+    prompt_id: int
+    trajectories: tuple[Trajectory, ...]
+    start_version: int
+    started_at: float
+    finished_at: float
+
+    @property
+    def rewards(self) -> tuple[float, ...]:
+        return tuple(t.reward for t in self.trajectories)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
