@@ -243,6 +243,9 @@ class Pipeline:
                     fresh.append(group)
                 else:
                     await self.staleness.release(len(group), dropped=True)
+            # Oldest first: a slow group overtaken by later ones is trained before it ages
+            # past k (the sort is stable, so equal versions keep arrival order).
+            fresh.sort(key=lambda g: g.start_version)
             pending[:] = fresh
             if len(pending) >= groups_per_batch:
                 batch = pending[:groups_per_batch]

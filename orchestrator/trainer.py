@@ -85,6 +85,7 @@ class Trainer:
         max_grad_norm: float = 1.0,
         micro_batch_size: int = 64,
         num_minibatches: int = 1,
+        warmup_steps: int = 0,
         temperature: float = 1.0,
     ) -> None:
         self.policy = policy
@@ -97,6 +98,10 @@ class Trainer:
         self.temperature = temperature if temperature > 0 else 1.0
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=tuple(betas)
+        )
+        # Linear warm-up: Adam's first updates are sign-like and RL gradients are noisy.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / max(warmup_steps, 1))
         )
         self.version = 0
 
@@ -172,9 +177,11 @@ class Trainer:
                 counts += int(tokens)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
             self.optimizer.step()
+        self.scheduler.step()
         self.version += 1
         metrics = {k: v / max(counts, 1) for k, v in sums.items()}
         metrics["grad_norm"] = grad_norm
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
         metrics["trained_tokens"] = float(counts)
         return metrics
 

@@ -1,0 +1,1 @@
+"""Benchmarks that print ratios; run each as ``python -m bench.<name>``."""

@@ -1,0 +1,77 @@
+"""Shared fixtures: the anyio backend, a tiny CPU policy and a fake trainer backend."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.types import Group
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "conf"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def conf_dir() -> Path:
+    return CONF_DIR
+
+
+def make_tiny_policy(seed: int = 0):  # noqa: ANN201 - returns orchestrator.models.policy.Policy
+    from orchestrator.models.policy import tiny_policy
+
+    return tiny_policy(
+        hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed, device="cpu"
+    )
+
+
+@pytest.fixture
+def tiny():  # noqa: ANN201
+    """A fresh tiny CPU policy (seed 0): hidden 32, one layer."""
+    return make_tiny_policy(seed=0)
+
+
+@pytest.fixture
+def make_policy():  # noqa: ANN201
+    """``make_policy(seed)``: a fresh tiny CPU policy with weights drawn from ``seed``."""
+    return make_tiny_policy
+
+
+class FakeTrainer:
+    """A trainer backend with no model: a step sleeps a few random milliseconds and bumps the
+    version; it remembers every batch it was given."""
+
+    def __init__(self, min_s: float = 0.001, max_s: float = 0.005, seed: int = 0) -> None:
+        self.version = 0
+        self.min_s = min_s
+        self.max_s = max_s
+        self._rng = random.Random(seed)
+        self.batches: list[tuple[int, Sequence[Group]]] = []
+
+    def step(self, groups: Sequence[Group]) -> dict[str, float]:
+        self.batches.append((self.version, list(groups)))
+        time.sleep(self._rng.uniform(self.min_s, self.max_s))
+        self.version += 1
+        return {"loss": 0.0}
+
+    def state_dict(self) -> Mapping[str, Any]:
+        return {}
+
+
+@pytest.fixture
+def fake_trainer_cls() -> type[FakeTrainer]:
+    return FakeTrainer

@@ -1,0 +1,192 @@
+"""The trainer (orchestrator/trainer.py): packing, and RL steps on groups the torch engine
+produced through the episode runner."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from envs.arithmetic import ArithmeticSpec
+from orchestrator.algo.grpo import GRPO
+from orchestrator.engines.torch_engine import TorchEngine
+from orchestrator.recorder import Recorder
+from orchestrator.rollout import RolloutConfig, run_group
+from orchestrator.trainer import Trainer, pack
+from orchestrator.types import Group
+
+SPEC = ArithmeticSpec(digits=2, train_size=16, eval_size=4, seed=0)
+
+
+def rollout_groups(policy: Any, num_groups: int = 2, group_size: int = 4,
+                   max_tokens: int = 6, seed: int = 0) -> list[Group]:
+    rollout = RolloutConfig(group_size=group_size, max_tokens=max_tokens, temperature=1.0)
+
+    async def main() -> list[Group]:
+        async with TorchEngine(policy, seed=seed) as engine:
+            groups = []
+            for task in SPEC.tasks("train")[:num_groups]:
+                groups.append(await run_group(engine, policy.tokenizer, SPEC, task, rollout,
+                                              Recorder(), "test"))
+            return groups
+
+    return anyio.run(main)
+
+
+def with_rewards(group: Group, rewards: list[float]) -> Group:
+    trajectories = tuple(dataclasses.replace(t, reward=r)
+                         for t, r in zip(group.trajectories, rewards, strict=True))
+    return dataclasses.replace(group, trajectories=trajectories)
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def changed(before: dict[str, torch.Tensor], model: torch.nn.Module) -> list[str]:
+    return [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
+
+
+# -- pack ------------------------------------------------------------------------------------
+
+
+def test_pack_aligns_targets_mask_and_behaviour_logprobs() -> None:
+    batch = pack(
+        sequences=[[1, 2, 3, 4], [5, 6]],
+        masks=[[False, False, True, True], [False, True]],
+        pad_id=0,
+        behaviour=[[0.0, 0.0, -0.5, -0.6], [0.0, -0.7]],
+        advantages=[1.5, -2.0],
+    )
+    assert batch.inputs.tolist() == [[1, 2, 3], [5, 6, 0]]
+    assert batch.targets.tolist() == [[2, 3, 4], [6, 0, 0]]
+    assert batch.attention.tolist() == [[1, 1, 1], [1, 0, 0]]
+    # position t predicts targets[t]; the mask and behaviour log-probs are those of targets[t]
+    assert batch.mask.tolist() == [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    assert torch.allclose(batch.behaviour_logprobs, torch.tensor([[0.0, -0.5, -0.6], [-0.7, 0.0, 0.0]]))
+    assert batch.advantages.tolist() == [[1.5, 1.5, 1.5], [-2.0, -2.0, -2.0]]
+    assert len(batch) == 2
+    part = batch.slice(slice(1, 2))
+    assert part.inputs.tolist() == [[5, 6, 0]] and part.mask.tolist() == [[1.0, 0.0, 0.0]]
+
+
+def test_pack_without_behaviour_or_advantages_fills_zeros() -> None:
+    batch = pack([[1, 2, 3]], [[False, True, True]], pad_id=0)
+    assert batch.behaviour_logprobs.tolist() == [[0.0, 0.0]]
+    assert batch.advantages.tolist() == [[0.0, 0.0]]
+
+
+# -- RL steps ----------------------------------------------------------------------------------
+
+
+def test_rollout_groups_are_well_formed(tiny: Any) -> None:
+    groups = rollout_groups(tiny, num_groups=2, group_size=4)
+    assert len(groups) == 2
+    for g in groups:
+        assert len(g) == 4 and g.start_version == 0
+        for t in g.trajectories:
+            n = len(t.token_ids)
+            assert len(t.loss_mask) == len(t.logprobs) == len(t.versions) == n
+            prompt = tiny.tokenizer.chat_prompt(SPEC.tasks("train")[g.prompt_id].messages)
+            assert list(t.token_ids[: len(prompt)]) == prompt
+            assert not any(t.loss_mask[: len(prompt)])
+            assert all(t.loss_mask[len(prompt):]) and t.num_generated >= 1
+            assert [v for v, m in zip(t.versions, t.loss_mask, strict=True) if m] == [0] * t.num_generated
+
+
+def test_on_policy_step_has_unit_ratio_and_weight_and_bumps_the_version(tiny: Any) -> None:
+    groups = [with_rewards(g, [1.0, 0.0, 0.0, 1.0]) for g in rollout_groups(tiny)]
+    trainer = Trainer(tiny, GRPO(), lr=1e-3)
+    before = snapshot(tiny.model)
+    metrics = trainer.step(groups)
+    assert trainer.version == 1
+    assert metrics["ratio"] == pytest.approx(1.0, abs=1e-6)
+    # the trainer's forward agrees with the engine's behaviour log-probs
+    assert metrics["importance_weight"] == pytest.approx(1.0, abs=1e-3)
+    assert abs(metrics["kl_to_behaviour"]) < 1e-5
+    assert metrics["clip_fraction"] == 0.0 and metrics["truncated_fraction"] == 0.0
+    tokens = sum(t.num_generated for g in groups for t in g.trajectories)
+    assert metrics["trained_tokens"] == tokens
+    assert metrics["grad_norm"] > 0.0
+    assert changed(before, tiny.model)  # rewards differ within a group: the weights move
+    trainer.step(groups)
+    assert trainer.version == 2
+
+
+def test_equal_rewards_leave_the_weights_unchanged(tiny: Any) -> None:
+    groups = [with_rewards(g, [1.0] * 4) for g in rollout_groups(tiny, seed=1)]
+    trainer = Trainer(tiny, GRPO(), lr=1e-2, weight_decay=0.0)
+    before = snapshot(tiny.model)
+    metrics = trainer.step(groups)
+    assert metrics["grad_norm"] == 0.0
+    assert changed(before, tiny.model) == []
+    assert trainer.version == 1
+
+
+def test_the_better_sample_becomes_more_likely(tiny: Any) -> None:
+    (group,) = rollout_groups(tiny, num_groups=1, group_size=4, seed=2)
+    group = with_rewards(group, [1.0, 0.0, 0.0, 0.0])
+    best = group.trajectories[0]
+    trainer = Trainer(tiny, GRPO(), lr=1e-2)
+
+    def logprob_of_best() -> float:
+        batch = pack([best.token_ids], [best.loss_mask], tiny.tokenizer.pad_id)
+        with torch.no_grad():
+            logp, _ = trainer._logprobs(batch)
+        return float((logp * batch.mask).sum())
+
+    start = logprob_of_best()
+    for _ in range(3):
+        trainer.step([group])
+    assert logprob_of_best() > start
+
+
+def test_micro_batching_does_not_change_the_gradient(make_policy: Any) -> None:
+    groups = [with_rewards(g, [1.0, 0.0, 0.5, 0.0]) for g in rollout_groups(make_policy(0), seed=3)]
+    whole = Trainer(make_policy(0), GRPO(), micro_batch_size=64, max_grad_norm=1e9)
+    split = Trainer(make_policy(0), GRPO(), micro_batch_size=3, max_grad_norm=1e9)
+    a, b = whole.step(groups), split.step(groups)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
+    assert a["trained_tokens"] == b["trained_tokens"]
+    for (name, p), q in zip(whole.model.state_dict().items(), split.model.state_dict().values(),
+                            strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_several_minibatches_take_several_optimiser_steps(tiny: Any) -> None:
+    groups = [with_rewards(g, [1.0, 0.0, 0.0, 1.0]) for g in rollout_groups(tiny, seed=4)]
+    trainer = Trainer(tiny, GRPO(), lr=1e-3, num_minibatches=2)
+    metrics = trainer.step(groups)
+    assert trainer.version == 1
+    state = trainer.optimizer.state_dict()["state"]
+    assert state and all(int(s["step"]) == 2 for s in state.values())
+    # the first minibatch is on-policy; the second sees weights one update newer
+    assert metrics["ratio"] != 1.0
+    assert metrics["ratio"] == pytest.approx(1.0, abs=0.1)
+
+
+def test_state_dict_is_a_detached_copy(tiny: Any) -> None:
+    trainer = Trainer(tiny, GRPO())
+    weights = trainer.state_dict()
+    assert set(weights) == set(tiny.model.state_dict())
+    with torch.no_grad():
+        for p in tiny.model.parameters():
+            p.add_(1.0)
+    name = next(iter(weights))
+    assert not torch.equal(weights[name], tiny.model.state_dict()[name])
+
+
+def test_supervised_step_lowers_the_loss_and_keeps_the_version(tiny: Any) -> None:
+    trainer = Trainer(tiny, GRPO())
+    tok = tiny.tokenizer
+    task = SPEC.tasks("train")[0]
+    prompt, answer = tok.chat_prompt(task.messages), tok.completion(task.answer)
+    seq, mask = [prompt + answer], [[False] * len(prompt) + [True] * len(answer)]
+    optimizer = torch.optim.AdamW(tiny.model.parameters(), lr=1e-2)
+    losses = [trainer.supervised_step(seq, mask, optimizer) for _ in range(5)]
+    assert losses[-1] < losses[0]
+    assert trainer.version == 0
