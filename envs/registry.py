@@ -32,8 +32,12 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_spec(name: str, **kwargs: Any) -> EnvSpec:
+def spec_class(name: str) -> type[EnvSpec]:
     names = available()
     if name not in _REGISTRY:
         raise KeyError(f"unknown environment {name!r}; registered: {', '.join(names)}")
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY[name]
+
+
+def make_spec(name: str, **kwargs: Any) -> EnvSpec:
+    return spec_class(name)(**kwargs)

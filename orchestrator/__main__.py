@@ -16,7 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from orchestrator.errors import ConfigError
 
@@ -27,7 +27,7 @@ def _entry(cfg: DictConfig) -> float | None:
 
     try:
         result = run(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except (ConfigError, InstantiationException) as error:
+    except (ConfigError, InstantiationException, OmegaConfBaseException) as error:
         # Exit from inside the job: Hydra would otherwise print its own line first.
         message = explain(error)
         if message is None:
@@ -57,6 +57,9 @@ def explain(error: BaseException) -> str | None:
     for e in chain:
         if isinstance(e, ConfigError):
             return str(e)
+        if isinstance(e, MissingMandatoryValue):
+            key = getattr(e, "full_key", None) or "a required key"
+            return f"{key} must be set, e.g. {key}=…"
     if isinstance(error, MissingConfigException):
         missing = re.search(r"Could not find '([^']+)/([^'/]+)'", str(error))
         options = re.findall(r"^\t(\S+)$", str(error), flags=re.M)

@@ -15,6 +15,9 @@ from orchestrator.trainer import Trainer
 
 
 def save_checkpoint(trainer: Trainer, directory: Path) -> Path:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the run has its own progress display
     directory.mkdir(parents=True, exist_ok=True)
     trainer.model.save_pretrained(directory / "model", safe_serialization=True)
     tokenizer = getattr(trainer.policy.tokenizer, "_tok", None)

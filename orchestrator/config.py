@@ -8,10 +8,13 @@ only make sense together (a batch must fit the dataset).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
 from envs.base import EnvSpec
@@ -69,13 +72,55 @@ def typed(cls: type[T], cfg: DictConfig, key: str) -> T:
     return cls(**checked)
 
 
+def check_arguments(fn: Callable[..., Any], values: dict[str, Any], key: str) -> None:
+    """Check ``values`` against the annotated parameters of ``fn`` (a class or function)."""
+    target = fn.__init__ if inspect.isclass(fn) else fn  # type: ignore[misc]
+    try:
+        hints = typing.get_type_hints(target)
+    except (NameError, TypeError):  # unresolvable annotations: nothing to check against
+        return
+    params = inspect.signature(target).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name, value in values.items():
+        if name.startswith("_"):
+            continue
+        if name not in params and not takes_any:
+            known = ", ".join(p for p in params if p != "self")
+            raise ConfigError(f"unknown config key '{key}.{name}'; known: {known}")
+        if name in hints:
+            _check(f"{key}.{name}", value, hints[name])
+
+
+def check_target(cfg: DictConfig, key: str) -> None:
+    """Type-check the keys of a ``_target_`` node before Hydra instantiates it."""
+    values = section(cfg, key)
+    target = values.get("_target_")
+    if not isinstance(target, str):
+        raise ConfigError(f"{key}._target_ is missing: name the class or function to build")
+    try:
+        fn = get_object(target)
+    except Exception as e:  # hydra raises a bare ImportError/ValueError mix here
+        raise ConfigError(f"{key}._target_={target} cannot be imported") from e
+    check_arguments(fn, values, key)
+
+
+def scalar(cfg: DictConfig, key: str, annotation: Any) -> Any:
+    """A top-level value, type-checked."""
+    return _check(key, OmegaConf.select(cfg, key), annotation)
+
+
 def build_env(cfg: DictConfig) -> EnvSpec:
     env_cfg = section(cfg, "env")
     name = env_cfg.pop("name", None)
     if name is None:
         raise ConfigError("env.name is missing: name a registered environment")
     try:
+        from envs.registry import spec_class
+
+        check_arguments(spec_class(name), env_cfg, "env")
         return make_spec(name, **env_cfg)
+    except ConfigError:
+        raise
     except KeyError as e:
         raise ConfigError(f"env.name={name}: {e.args[0]}") from e
     except (TypeError, ValueError) as e:

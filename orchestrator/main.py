@@ -20,10 +20,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from envs.base import EnvSpec
+from envs.base import EnvSpec, Task
 from orchestrator.algo.base import Algorithm
 from orchestrator.checkpoint import save_checkpoint
-from orchestrator.config import build_env, typed
+from orchestrator.config import build_env, check_target, scalar, typed
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.evaluate import evaluate
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 class RunResult:
     run_dir: Path
     reports: list[StepReport]
+    warm_start_steps: int = 0
     eval_before: float | None = None
     eval_after: float | None = None
     summary: dict[str, Any] = field(default_factory=dict)
@@ -64,20 +65,30 @@ def check_sizes(pipeline: PipelineConfig, rollout: RolloutConfig, spec: EnvSpec)
         raise ConfigError(f"rollout.temperature must be >= 0, got {rollout.temperature}")
 
 
-def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
-    """Run the experiment ``cfg`` describes; raises :class:`ConfigError` on bad input."""
-    run_dir = Path(run_dir or cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-    if cfg.get("torch_threads"):
-        torch.set_num_threads(int(cfg.torch_threads))
-    torch.manual_seed(int(cfg.seed))
+@dataclass(frozen=True)
+class EvalConfig:
+    num_tasks: int = 200  # greedy episodes on the eval split before and after RL (0: skip)
 
+
+def run(cfg: DictConfig, run_dir: Path) -> RunResult:
+    """Run the experiment ``cfg`` describes; raises :class:`ConfigError` on bad input."""
+    seed: int = scalar(cfg, "seed", int)
+    threads: int | None = scalar(cfg, "torch_threads", int | None)
+    progress: bool = scalar(cfg, "progress", bool)
     pipeline_cfg = typed(PipelineConfig, cfg, "pipeline")
     rollout_cfg = typed(RolloutConfig, cfg, "rollout")
     warm = typed(WarmStartConfig, cfg, "warmstart")
+    eval_cfg = typed(EvalConfig, cfg, "eval")
+    for key in ("model", "engine", "algo", "trainer", "logger"):
+        check_target(cfg, key)
     spec = build_env(cfg)
     check_sizes(pipeline_cfg, rollout_cfg, spec)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
 
     policy: Policy = instantiate(cfg.model)
     algorithm: Algorithm = instantiate(cfg.algo)
@@ -91,13 +102,24 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> RunResult:
     logger.start(config_dict, run_dir)  # type: ignore[arg-type]
     result = RunResult(run_dir=run_dir, reports=[])
     try:
-        with recorder.span("warm_start", "trainer", 0, steps=warm.steps):
-            losses = warm_start(trainer, policy.tokenizer, spec.tasks("train"), warm, seed=int(cfg.seed))
+        check_tasks = list(spec.tasks("train"))[: warm.check_tasks]
+        checks: list[float] = []
+
+        def accuracy() -> float:
+            checks.append(anyio.run(_greedy_check, cfg, policy, trainer, spec, check_tasks, rollout_cfg))
+            log.info("warm start: greedy accuracy %.3f on %d train tasks", checks[-1], len(check_tasks))
+            return checks[-1]
+
+        with recorder.span("warm_start", "trainer", 0) as attrs:
+            losses = warm_start(trainer, policy.tokenizer, spec.tasks("train"), warm,
+                                seed=seed, accuracy=accuracy)
+            attrs.update(steps=len(losses), accuracy=checks[-1] if checks else None)
         if losses:
             log.info("warm start: %d steps, final loss %.3f", len(losses), losses[-1])
+        result.warm_start_steps = len(losses)
 
-        anyio.run(_train, cfg, policy, trainer, spec, pipeline_cfg, rollout_cfg, recorder,
-                  [logger, metrics_file], result)
+        anyio.run(_train, cfg, policy, trainer, spec, pipeline_cfg, rollout_cfg, eval_cfg,
+                  progress, recorder, [logger, metrics_file], result)
         save_checkpoint(trainer, run_dir / "checkpoints" / "final")
     finally:
         recorder.write_jsonl(run_dir / "spans.jsonl")
@@ -118,17 +140,19 @@ async def _train(
     spec: EnvSpec,
     pipeline_cfg: PipelineConfig,
     rollout_cfg: RolloutConfig,
+    eval_cfg: EvalConfig,
+    progress_bar: bool,
     recorder: Recorder,
     sinks: list[Logger],
     result: RunResult,
 ) -> None:
     engine: InferenceEngine = instantiate(cfg.engine, policy=policy, version=trainer.version)
-    eval_tasks = list(spec.tasks("eval"))[: int(cfg.eval.num_tasks)]
+    eval_tasks = list(spec.tasks("eval"))[: eval_cfg.num_tasks]
     async with engine:
         if eval_tasks:
             result.eval_before = await evaluate(engine, policy.tokenizer, spec, eval_tasks, rollout_cfg, recorder)
             log.info("eval before RL: %.3f", result.eval_before)
-        with StepProgress(pipeline_cfg.num_steps, enabled=bool(cfg.progress)) as progress:
+        with StepProgress(pipeline_cfg.num_steps, enabled=progress_bar) as progress:
 
             def on_step(report: StepReport) -> None:
                 for sink in sinks:
@@ -146,6 +170,19 @@ async def _train(
             log.info("eval after RL: %.3f", result.eval_after)
 
 
+async def _greedy_check(
+    cfg: DictConfig,
+    policy: Policy,
+    trainer: Trainer,
+    spec: EnvSpec,
+    tasks: list[Task],
+    rollout_cfg: RolloutConfig,
+) -> float:
+    engine: InferenceEngine = instantiate(cfg.engine, policy=policy, version=trainer.version)
+    async with engine:
+        return await evaluate(engine, policy.tokenizer, spec, tasks, rollout_cfg, Recorder())
+
+
 def _summary(result: RunResult) -> dict[str, Any]:
     reports = result.reports
     if not reports:
@@ -157,6 +194,7 @@ def _summary(result: RunResult) -> dict[str, Any]:
     samples = sum(r.samples for r in reports)
     return {
         "steps": len(reports),
+        "warm_start_steps": result.warm_start_steps,
         "reward_first_10pct": first,
         "reward_last_10pct": last,
         "eval_before": result.eval_before,

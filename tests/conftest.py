@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
 
+from orchestrator.models.policy import Policy, tiny_policy
 from orchestrator.types import Group
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO_ROOT / "conf"
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture
@@ -21,32 +29,20 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="session")
-def repo_root() -> Path:
-    return REPO_ROOT
-
-
-@pytest.fixture(scope="session")
-def conf_dir() -> Path:
-    return CONF_DIR
-
-
-def make_tiny_policy(seed: int = 0):  # noqa: ANN201 - returns orchestrator.models.policy.Policy
-    from orchestrator.models.policy import tiny_policy
-
+def make_tiny_policy(seed: int = 0) -> Policy:
     return tiny_policy(
         hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed, device="cpu"
     )
 
 
 @pytest.fixture
-def tiny():  # noqa: ANN201
+def tiny() -> Policy:
     """A fresh tiny CPU policy (seed 0): hidden 32, one layer."""
     return make_tiny_policy(seed=0)
 
 
 @pytest.fixture
-def make_policy():  # noqa: ANN201
+def make_policy() -> Callable[[int], Policy]:
     """``make_policy(seed)``: a fresh tiny CPU policy with weights drawn from ``seed``."""
     return make_tiny_policy
 

@@ -26,6 +26,8 @@ from orchestrator.algo.base import Algorithm, LossInputs, LossOutput
 
 def group_advantages(rewards: Sequence[float], normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
     r = torch.tensor(rewards, dtype=torch.float64)
+    if len(rewards) == 0 or bool((r == r[0]).all()):
+        return [0.0] * len(rewards)  # exactly zero: no signal, and no float residue either
     centred = r - r.mean()
     if normalize_std and len(rewards) > 1:
         centred = centred / (r.std(unbiased=False) + eps)

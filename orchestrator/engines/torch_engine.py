@@ -5,7 +5,9 @@ Requests queue on a stream; one scheduler loop takes every request waiting at th
 and then one decode step per token with the model's KV cache until every sequence in the
 wave has stopped. Forward passes run in a worker thread so the event loop stays free.
 
-Weight updates: :meth:`pause` takes the step lock, so it returns only at a token boundary.
+Weight updates: each decode step holds the :class:`~orchestrator.gate.Gate` shared and
+:meth:`pause` takes it exclusively, so it returns only at a token boundary (and any task may
+call :meth:`resume`).
 When a wave next takes the lock and finds a newer version, it discards its KV cache and
 re-runs the prefill over prompt + tokens generated so far under the new weights; later
 tokens carry the new version. This is the "continue under new weights" behaviour.
@@ -28,6 +30,7 @@ from anyio.abc import TaskGroup
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import EngineClosed
+from orchestrator.gate import Gate
 from orchestrator.models.policy import Policy
 from orchestrator.types import FinishReason, Generation, SamplingParams
 
@@ -76,7 +79,7 @@ class TorchEngine(InferenceEngine):
         self.version = version
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._send, self._receive = anyio.create_memory_object_stream[_Request](queue_size)
-        self._step_lock = anyio.Lock()
+        self._step_gate = Gate()
         self._paused = False
         self._task_group: TaskGroup | None = None
         self._closed = False
@@ -94,6 +97,8 @@ class TorchEngine(InferenceEngine):
             return
         self._closed = True
         await self._send.aclose()
+        if self._task_group is None:  # never started: the scheduler owns no receive stream
+            await self._receive.aclose()
         if self._task_group is not None:
             self._task_group.cancel_scope.cancel()
             await self._task_group.__aexit__(None, None, None)
@@ -127,13 +132,13 @@ class TorchEngine(InferenceEngine):
 
     async def pause(self) -> None:
         if not self._paused:
-            await self._step_lock.acquire()
+            await self._step_gate.acquire_exclusive()
             self._paused = True
 
     async def resume(self) -> None:
         if self._paused:
+            await self._step_gate.release_exclusive()
             self._paused = False
-            self._step_lock.release()
 
     # -- scheduling ----------------------------------------------------------------------
 
@@ -176,7 +181,7 @@ class TorchEngine(InferenceEngine):
                 if budgets[i] == 0:
                     r.finish_reason = FinishReason.LENGTH
             while not all(r.finished for r in wave):
-                async with self._step_lock:
+                async with self._step_gate:
                     if cache is None or cache_version != self.version:
                         # First step, or the weights changed under us: prefill from scratch.
                         cache, attention, positions, logits = await anyio.to_thread.run_sync(

@@ -76,5 +76,5 @@ class WandbLogger(Logger):
 
     def finish(self) -> None:
         if self._run is not None:
-            self._run.finish(quiet=True)
+            self._run.finish()
             self._run = None

@@ -49,7 +49,7 @@ def cli(args: list[str], run_dir: Path, timeout: float = 240) -> subprocess.Comp
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
     return subprocess.run(
         [sys.executable, "-m", "orchestrator", *args, f"hydra.run.dir={run_dir}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
     )
 
 

@@ -102,7 +102,7 @@ def test_experiments_combine_with_a_local_checkpoint(experiment: str) -> None:
 
 def test_experiment_overlays_apply() -> None:
     cfg = composed(["experiment=smoke"])
-    assert cfg.pipeline.num_steps == 4 and cfg.model.hidden_size == 32
+    assert cfg.pipeline.num_steps == 4 and cfg.rollout.group_size == 4
     assert cfg.model._target_.endswith("tiny_policy")
     cfg = composed(["experiment=smoke", "pipeline.max_staleness=3"])
     assert cfg.pipeline.max_staleness == 3

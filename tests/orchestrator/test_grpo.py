@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from orchestrator.algo.base import LossInputs
+from orchestrator.algo.base import LossInputs, LossOutput
 from orchestrator.algo.grpo import GRPO, decoupled_ppo_loss, group_advantages
 
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 5.0
@@ -34,7 +34,7 @@ def inputs(
     return LossInputs(logp, prox, behav, adv, m, n), logp
 
 
-def loss_of(li: LossInputs):  # noqa: ANN201
+def loss_of(li: LossInputs) -> LossOutput:
     return decoupled_ppo_loss(li, EPS_LOW, EPS_HIGH, CAP)
 
 

@@ -165,20 +165,23 @@ async def test_max_tokens_is_capped_by_the_position_limit(make_policy: Any) -> N
 # -- weight updates in flight --------------------------------------------------------------
 
 
-class CountingEngine(TorchEngine):
-    """Signals (from the forward thread) once ``after`` decode steps have run."""
+class HoldingEngine(TorchEngine):
+    """At decode step ``at`` (from the forward thread) it signals ``reached`` and holds the
+    step there until ``proceed`` is set, so a test can queue a pause at an exact token."""
 
-    def __init__(self, *args: Any, after: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, at: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.decodes = 0
-        self.after = after
+        self.at = at
         self.reached = threading.Event()
+        self.proceed = threading.Event()
 
     def _decode(self, *args: Any) -> Any:
         out = super()._decode(*args)
         self.decodes += 1
-        if self.decodes >= self.after:
+        if self.decodes == self.at:
             self.reached.set()
+            self.proceed.wait(timeout=30)
         return out
 
 
@@ -187,29 +190,36 @@ async def test_weights_updated_mid_generation_continue_under_the_new_version(mak
     new_weights = {k: v.clone() for k, v in new.model.state_dict().items()}
     prompt = prompts(1, old.tokenizer.vocab_size, seed=8)[0]
     sampling = SamplingParams(max_tokens=40, temperature=1.0)
+    at = 10
     result: list[Generation] = []
-    async with CountingEngine(old, seed=0, after=10) as engine:
+    paused_at: list[int] = []
+    async with HoldingEngine(old, seed=0, at=at) as engine:
 
         async def run() -> None:
             result.append(await engine.generate(prompt, sampling))
+
+        async def swap_weights() -> None:  # what weight sync does, in one task
+            await engine.pause()
+            paused_at.append(engine.decodes)
+            await anyio.sleep(0.05)
+            assert engine.decodes == paused_at[0], "a token was produced while paused"
+            await engine.update_weights(new_weights, version=1)
+            assert engine.version == 1
+            await engine.resume()
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run)
                 await anyio.to_thread.run_sync(engine.reached.wait)
-                await engine.pause()
-                paused_at = engine.decodes
-                await anyio.sleep(0.05)
-                assert engine.decodes == paused_at, "a token was produced while paused"
-                await engine.update_weights(new_weights, version=1)
-                assert engine.version == 1
-                await engine.resume()
+                tg.start_soon(swap_weights)
+                await anyio.wait_all_tasks_blocked()  # the pause is queued behind this step
+                engine.proceed.set()
+    assert paused_at == [at]
     (gen,) = result
     assert len(gen.token_ids) == 40 and gen.finish_reason is FinishReason.LENGTH
     assert gen.start_version == 0
-    assert gen.versions[0] == 0 and gen.versions[-1] == 1
-    switch = gen.versions.index(1)
-    assert 10 <= switch < 40
+    # the prefill gave token 0 and decode step i token i: tokens 0..at ran on the old weights
+    switch = at + 1
     assert gen.versions == (0,) * switch + (1,) * (40 - switch)
     logprobs = torch.tensor(gen.logprobs)
     before = full_forward_logprobs(old.model, prompt, gen.token_ids[:switch])
@@ -220,6 +230,21 @@ async def test_weights_updated_mid_generation_continue_under_the_new_version(mak
     # and it really is different from what the old weights would have said
     stale = full_forward_logprobs(old.model, prompt, gen.token_ids)[switch:]
     assert not torch.allclose(logprobs[switch:], stale, atol=1e-2)
+
+
+async def test_resume_may_come_from_another_task_than_pause(tiny: Any) -> None:
+    """pause() and resume() are separate calls of the engine interface (separate requests
+    for a remote engine): the task that resumes need not be the one that paused."""
+    prompt = prompts(1, tiny.tokenizer.vocab_size, seed=10)[0]
+    async with TorchEngine(tiny) as engine:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.pause)
+            await engine.update_weights(tiny.model.state_dict(), version=1)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.resume)
+            gen = await engine.generate(prompt, SamplingParams(max_tokens=3))
+    assert gen.versions == (1, 1, 1)
 
 
 async def test_update_weights_outside_pause_is_refused(tiny: Any) -> None:
@@ -279,3 +304,4 @@ async def test_closing_an_engine_that_never_started_releases_its_streams(tiny: A
         del engine
         gc.collect()
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+

@@ -1,0 +1,69 @@
+"""Step metrics and the loggers that take them (orchestrator/loggers/)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import ConfigError
+from orchestrator.loggers.base import JsonlMetrics, NullLogger, step_metrics
+from orchestrator.loggers.progress import StepProgress
+from orchestrator.loggers.wandb_logger import WandbLogger
+from orchestrator.pipeline import StepReport
+
+
+def report(step: int = 2) -> StepReport:
+    return StepReport(
+        step=step, version=step, metrics={"loss": 0.5, "ratio": 1.0},
+        rewards=(1.0, 0.0, 1.0, 0.0), staleness=(0, 1, 1, 0), start_versions=(2, 1, 1, 2),
+        dropped_total=3, samples=4, tokens=20, elapsed=2.0,
+        stage_seconds={"generate": 1.5, "train_step": 0.25},
+    )
+
+
+def test_step_metrics_have_stable_names_and_values() -> None:
+    m = step_metrics(report())
+    assert m["reward/mean"] == 0.5
+    assert m["staleness/mean"] == 0.5 and m["staleness/max"] == 1.0
+    assert m["staleness/dropped_total"] == 3.0
+    assert m["throughput/samples_per_s"] == 2.0 and m["throughput/tokens_per_s"] == 10.0
+    assert m["policy/version"] == 2.0
+    assert m["train/loss"] == 0.5 and m["train/ratio"] == 1.0
+    assert m["time/generate"] == 1.5 and m["time/train_step"] == 0.25 and m["time/step"] == 2.0
+    assert all(isinstance(v, float) for v in m.values())
+
+
+def test_jsonl_metrics_appends_one_line_per_step(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "metrics.jsonl"
+    sink = JsonlMetrics(path)
+    sink.log_step(report(0))
+    sink.log_step(report(1))
+    sink.log({"summary/steps": 2.0}, 2)
+    sink.finish()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert lines[0]["reward/mean"] == 0.5 and lines[2] == {"step": 2, "summary/steps": 2.0}
+
+
+def test_null_logger_accepts_everything(tmp_path: Path) -> None:
+    logger = NullLogger()
+    logger.start({"a": 1}, tmp_path)
+    logger.log_step(report())
+    logger.log({"x": 1.0}, 0)
+    logger.finish()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_wandb_logger_rejects_an_unknown_mode() -> None:
+    with pytest.raises(ConfigError, match="logger.mode=sometimes"):
+        WandbLogger(mode="sometimes")
+    assert WandbLogger(mode="offline", tags=None).tags == []
+
+
+def test_progress_tracks_a_reward_average() -> None:
+    with StepProgress(3, enabled=False) as progress:
+        progress.update(report(0))
+        progress.update(StepReport(**{**report(1).__dict__, "rewards": (0.0, 0.0, 0.0, 0.0)}))
+    assert progress._reward_ema == pytest.approx(0.9 * 0.5)

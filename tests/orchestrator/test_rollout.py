@@ -1,0 +1,158 @@
+"""The episode runner (orchestrator/rollout.py): token-in/token-out trajectories, rewards,
+multi-turn observations; and greedy evaluation (orchestrator/evaluate.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from envs.arithmetic import ArithmeticSpec
+from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
+from orchestrator.engines.base import InferenceEngine
+from orchestrator.evaluate import evaluate
+from orchestrator.models.tokenizer import CharTokenizer
+from orchestrator.recorder import Recorder
+from orchestrator.rollout import RolloutConfig, run_episode, run_group
+from orchestrator.types import FinishReason, Generation, SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+TOK = CharTokenizer()
+
+
+class ScriptedEngine(InferenceEngine):
+    """Replies with ``reply(prompt)`` (then the first stop token), log-prob -0.5 per token."""
+
+    def __init__(self, reply: Any, version: int = 3) -> None:
+        self.reply = reply
+        self.version = version
+        self.prompts: list[list[int]] = []
+        self.sampling: list[SamplingParams] = []
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
+        self.prompts.append(list(prompt_ids))
+        self.sampling.append(sampling)
+        ids = TOK.encode(self.reply(list(prompt_ids)))[: sampling.max_tokens - 1] + [sampling.stop_token_ids[0]]
+        return Generation(tuple(ids), tuple([-0.5] * len(ids)), tuple([self.version] * len(ids)),
+                          FinishReason.STOP, self.version)
+
+    async def update_weights(self, weights: Mapping[str, Any], version: int) -> None:
+        self.version = version
+
+    async def pause(self) -> None:
+        pass
+
+    async def resume(self) -> None:
+        pass
+
+
+SPEC = ArithmeticSpec(digits=2, train_size=8, eval_size=4, seed=0)
+
+
+async def test_a_correct_reply_is_rewarded_and_laid_out_token_by_token() -> None:
+    task = SPEC.tasks("train")[0]
+    engine = ScriptedEngine(lambda _: task.answer)
+    rec = Recorder()
+    t = await run_episode(engine, TOK, SPEC, task, RolloutConfig(max_tokens=8, temperature=0.7), rec, "w", 2)
+    prompt = TOK.chat_prompt(task.messages)
+    reply = TOK.encode(task.answer) + [TOK.end_id]
+    assert engine.prompts == [prompt]
+    assert engine.sampling[0] == SamplingParams(max_tokens=8, temperature=0.7, stop_token_ids=TOK.stop_ids)
+    assert list(t.token_ids) == prompt + reply
+    assert list(t.loss_mask) == [False] * len(prompt) + [True] * len(reply)
+    assert list(t.logprobs) == [0.0] * len(prompt) + [-0.5] * len(reply)
+    assert list(t.versions) == [-1] * len(prompt) + [3] * len(reply)
+    assert t.reward == 1.0 and t.metrics == {"reward/exact_match": 1.0}
+    assert t.start_version == 3 and t.end_version == 3 and t.sample_index == 2
+    assert t.finish_reason is FinishReason.STOP and t.num_generated == len(reply)
+    assert [s.stage for s in rec.spans] == ["generate", "reward"]
+    assert rec.spans[0].attributes["completion_tokens"] == len(reply)
+    assert rec.spans[1].attributes["reward"] == 1.0
+
+
+async def test_a_wrong_reply_gets_nothing() -> None:
+    task = SPEC.tasks("train")[1]
+    t = await run_episode(ScriptedEngine(lambda _: task.answer + "1"), TOK, SPEC, task,
+                          RolloutConfig(), Recorder(), "w")
+    assert t.reward == 0.0
+
+
+async def test_a_group_runs_every_sample_of_one_task() -> None:
+    task = SPEC.tasks("train")[2]
+    answers = iter([task.answer, "x", task.answer, "y"])
+    engine = ScriptedEngine(lambda _: next(answers))
+    group = await run_group(engine, TOK, SPEC, task, RolloutConfig(group_size=4), Recorder(), "w")
+    assert len(group) == 4 and group.prompt_id == task.id and group.start_version == 3
+    assert sorted(t.sample_index for t in group.trajectories) == [0, 1, 2, 3]
+    assert sorted(group.rewards) == [0.0, 0.0, 1.0, 1.0]
+    assert group.finished_at >= group.started_at
+
+
+class EchoEnv(Env):
+    """Two turns: the first reply is echoed back as a tool message; reward = number of turns."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    async def reset(self, task: Task) -> tuple[Message, ...]:
+        return task.messages
+
+    async def step(self, reply: str) -> StepResult:
+        self.turns += 1
+        done = self.turns >= 2
+        observation = () if done else ({"role": "tool", "content": f"got {reply}"},)
+        return StepResult(observation=observation, reward=0.25, done=done, metrics={"turns": self.turns})
+
+    async def reward(self) -> Reward:
+        return Reward(total=float(self.turns), components={"turns": float(self.turns)})
+
+
+class EchoSpec(EnvSpec):
+    name = "echo"
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        return [Task(id=0, messages=({"role": "user", "content": "hi"},), answer="")]
+
+    def make_env(self) -> Env:
+        return EchoEnv()
+
+
+async def test_observations_are_appended_and_never_trained_on() -> None:
+    spec = EchoSpec()
+    replies = iter(["ab", "c"])
+    engine = ScriptedEngine(lambda _: next(replies))
+    t = await run_episode(engine, TOK, spec, spec.tasks("train")[0], RolloutConfig(max_turns=3),
+                          Recorder(), "w")
+    prompt = TOK.chat_prompt([{"role": "user", "content": "hi"}])
+    first = TOK.encode("ab") + [TOK.end_id]
+    observation = TOK.chat_prompt([{"role": "tool", "content": "got ab"}], continuation=True)
+    second = TOK.encode("c") + [TOK.end_id]
+    assert list(t.token_ids) == prompt + first + observation + second
+    # the second turn was generated from exactly the tokens so far (nothing re-tokenised)
+    assert engine.prompts == [prompt, prompt + first + observation]
+    assert list(t.loss_mask) == ([False] * len(prompt) + [True] * len(first)
+                                 + [False] * len(observation) + [True] * len(second))
+    assert t.reward == 0.25 + 0.25 + 2.0
+    assert t.metrics["turns"] == 2 and t.metrics["reward/turns"] == 2.0
+
+
+async def test_max_turns_ends_the_episode() -> None:
+    spec = EchoSpec()
+    engine = ScriptedEngine(lambda _: "z")
+    t = await run_episode(engine, TOK, spec, spec.tasks("train")[0], RolloutConfig(max_turns=1),
+                          Recorder(), "w")
+    assert len(engine.prompts) == 1
+    assert t.reward == 0.25 + 1.0
+
+
+async def test_evaluate_is_greedy_and_averages_rewards() -> None:
+    tasks = SPEC.tasks("eval")
+    right = {tuple(TOK.chat_prompt(t.messages)): t.answer for t in tasks[:3]}
+    engine = ScriptedEngine(lambda prompt: right.get(tuple(prompt), "wrong"))
+    with anyio.fail_after(10):
+        score = await evaluate(engine, TOK, SPEC, tasks, RolloutConfig(temperature=1.0), Recorder())
+    assert score == pytest.approx(3 / 4)
+    assert all(s.temperature == 0.0 for s in engine.sampling)
