@@ -43,7 +43,7 @@ from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_group
 from orchestrator.staleness import StalenessController
-from orchestrator.types import Group
+from orchestrator.types import FinishReason, Group
 
 
 class TrainerBackend(Protocol):
@@ -97,6 +97,7 @@ class StepReport:
     tokens: int  # generated (trained) tokens in the batch
     elapsed: float  # seconds since the previous step's report
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    length_capped: int = 0  # samples that ran into rollout.max_tokens
 
     @property
     def reward_mean(self) -> float:
@@ -308,4 +309,5 @@ class Pipeline:
             tokens=sum(t.num_generated for t in trajectories),
             elapsed=now - since,
             stage_seconds=dict(stage_seconds),
+            length_capped=sum(t.finish_reason is FinishReason.LENGTH for t in trajectories),
         )

@@ -18,6 +18,8 @@ def step_metrics(report: StepReport) -> dict[str, float]:
         "staleness/mean": sum(report.staleness) / max(len(report.staleness), 1),
         "staleness/max": float(max(report.staleness, default=0)),
         "staleness/dropped_total": float(report.dropped_total),
+        "rollout/tokens_per_sample": report.tokens / max(report.samples, 1),
+        "rollout/length_capped_fraction": report.length_capped / max(report.samples, 1),
         "throughput/samples_per_s": report.samples / elapsed,
         "throughput/tokens_per_s": report.tokens / elapsed,
         "policy/version": float(report.version),
