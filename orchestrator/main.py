@@ -118,8 +118,13 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
             log.info("warm start: %d steps, final loss %.3f", len(losses), losses[-1])
         result.warm_start_steps = len(losses)
 
-        anyio.run(_train, cfg, policy, trainer, spec, pipeline_cfg, rollout_cfg, eval_cfg,
-                  progress, recorder, [logger, metrics_file], result)
+        try:
+            anyio.run(_train, cfg, policy, trainer, spec, pipeline_cfg, rollout_cfg, eval_cfg,
+                      progress, recorder, [logger, metrics_file], result)
+        except BaseException:
+            if result.reports:  # keep what was trained, even when the run did not finish
+                save_checkpoint(trainer, run_dir / "checkpoints" / "interrupted")
+            raise
         save_checkpoint(trainer, run_dir / "checkpoints" / "final")
     finally:
         recorder.write_jsonl(run_dir / "spans.jsonl")
