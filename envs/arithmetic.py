@@ -59,6 +59,8 @@ class ArithmeticSpec(EnvSpec):
             raise ValueError(f"env.ops has unknown operator(s) {unknown}; choose from {list(_OPS)}")
         if digits < 1:
             raise ValueError("env.digits must be >= 1")
+        if train_size < 1 or eval_size < 0:
+            raise ValueError("env.train_size must be >= 1 and env.eval_size >= 0")
         universe = (10**digits) ** 2 * len(ops)
         if train_size + eval_size > universe:
             raise ValueError(

@@ -27,7 +27,7 @@ def _entry(cfg: DictConfig) -> float | None:
 
     try:
         result = run(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except (ConfigError, InstantiationException, OmegaConfBaseException) as error:
+    except (ConfigError, InstantiationException, OmegaConfBaseException, BaseExceptionGroup) as error:
         # Exit from inside the job: Hydra would otherwise print its own line first.
         message = explain(error)
         if message is None:
@@ -50,10 +50,15 @@ def _entry(cfg: DictConfig) -> float | None:
 def explain(error: BaseException) -> str | None:
     """One sentence for a configuration mistake, or None if ``error`` is not one."""
     chain: list[BaseException] = []
-    e: BaseException | None = error
-    while e is not None and e not in chain:
+    todo: list[BaseException] = [error]
+    while todo:  # causes, contexts, and the members of exception groups (task-group crashes)
+        e = todo.pop(0)
+        if e in chain:
+            continue
         chain.append(e)
-        e = e.__cause__ or e.__context__
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
     for e in chain:
         if isinstance(e, ConfigError):
             return str(e)
@@ -68,9 +73,11 @@ def explain(error: BaseException) -> str | None:
             listed = f"; available: {', '.join(options)}" if options else ""
             return f"unknown {group} '{name}'{listed}"
     if isinstance(error, InstantiationException):
+        # A bad argument is the user's to fix; anything else (out of memory, a bug) is not.
         for e in chain[1:]:
             if isinstance(e, (ValueError, TypeError)):
                 return f"{e}".splitlines()[0]
+        return None
     text = str(error)
     override = re.search(r"Could not override '([^']+)'", text)
     if override:
@@ -86,7 +93,8 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach explain() instead of Hydra's printer
     try:
         _entry()
-    except (ConfigError, HydraException, OmegaConfBaseException, ValueError, TypeError) as error:
+    except (ConfigError, HydraException, OmegaConfBaseException, ValueError, TypeError,
+            BaseExceptionGroup) as error:
         message = explain(error)
         if message is None:
             raise

@@ -50,6 +50,7 @@ class RunResult:
 
 
 def check_sizes(pipeline: PipelineConfig, rollout: RolloutConfig, spec: EnvSpec) -> None:
+    rollout.validate()
     pipeline.validate(rollout.group_size)
     prompts = pipeline.batch_size // rollout.group_size
     train = len(spec.tasks("train"))
@@ -58,16 +59,15 @@ def check_sizes(pipeline: PipelineConfig, rollout: RolloutConfig, spec: EnvSpec)
             f"pipeline.batch_size={pipeline.batch_size} needs {prompts} prompts per step "
             f"(group size {rollout.group_size}) but the environment has only {train} train tasks"
         )
-    for key in ("group_size", "max_tokens", "max_turns"):
-        if getattr(rollout, key) < 1:
-            raise ConfigError(f"rollout.{key} must be >= 1, got {getattr(rollout, key)}")
-    if rollout.temperature < 0:
-        raise ConfigError(f"rollout.temperature must be >= 0, got {rollout.temperature}")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     num_tasks: int = 200  # greedy episodes on the eval split before and after RL (0: skip)
+
+    def validate(self) -> None:
+        if self.num_tasks < 0:
+            raise ConfigError(f"eval.num_tasks must be >= 0, got {self.num_tasks}")
 
 
 def run(cfg: DictConfig, run_dir: Path) -> RunResult:
@@ -79,6 +79,10 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     rollout_cfg = typed(RolloutConfig, cfg, "rollout")
     warm = typed(WarmStartConfig, cfg, "warmstart")
     eval_cfg = typed(EvalConfig, cfg, "eval")
+    warm.validate()
+    eval_cfg.validate()
+    if threads is not None and threads < 1:
+        raise ConfigError(f"torch_threads must be >= 1 or null, got {threads}")
     for key in ("model", "engine", "algo", "trainer", "logger"):
         check_target(cfg, key)
     spec = build_env(cfg)
@@ -99,9 +103,10 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     recorder = Recorder()
     metrics_file = JsonlMetrics(run_dir / "metrics.jsonl")
     config_dict = OmegaConf.to_container(cfg, resolve=True)
-    logger.start(config_dict, run_dir)  # type: ignore[arg-type]
     result = RunResult(run_dir=run_dir, reports=[])
+    failed = True
     try:
+        logger.start(config_dict, run_dir)  # type: ignore[arg-type]
         check_tasks = list(spec.tasks("train"))[: warm.check_tasks]
         checks: list[float] = []
 
@@ -126,6 +131,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
                 save_checkpoint(trainer, run_dir / "checkpoints" / "interrupted")
             raise
         save_checkpoint(trainer, run_dir / "checkpoints" / "final")
+        failed = False
     finally:
         recorder.write_jsonl(run_dir / "spans.jsonl")
         result.summary = _summary(result)
@@ -134,7 +140,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
             if result.summary:
                 sink.log({f"summary/{k}": v for k, v in result.summary.items()
                           if isinstance(v, (int, float))}, len(result.reports))
-            sink.finish()
+            sink.finish(failed=failed)
     return result
 
 

@@ -16,6 +16,7 @@ import anyio
 
 from envs.base import EnvSpec, Task
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
 from orchestrator.types import FinishReason, Group, SamplingParams, Trajectory
@@ -27,6 +28,13 @@ class RolloutConfig:
     max_tokens: int = 16
     temperature: float = 1.0
     max_turns: int = 1
+
+    def validate(self) -> None:
+        for key in ("group_size", "max_tokens", "max_turns"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
+        if self.temperature < 0:
+            raise ConfigError(f"rollout.temperature must be >= 0, got {self.temperature}")
 
 
 async def run_episode(

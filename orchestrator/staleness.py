@@ -3,8 +3,8 @@
 With batch size ``B`` (samples per train step) and ``k = max_staleness``:
 
 * **Admission.** A rollout of ``n`` samples may start only while
-  ``admitted + n <= (version + k + 1) * B``, where ``admitted`` counts every sample ever
-  started minus those dropped or lost (AReaL's rule). ``version`` is the policy version the
+  ``admitted + n <= (version - v0 + k + 1) * B``, where ``admitted`` counts every sample
+  started since the run began at version ``v0``, minus those dropped or lost (AReaL's rule). ``version`` is the policy version the
   engines serve, so with ``k = 0`` nothing new starts until the weights of the last step
   are loaded: generation and training alternate.
 * **Freshness.** When a batch is formed at trainer version ``v``, a sample whose start
@@ -28,13 +28,14 @@ class StalenessController:
         self.batch_size = batch_size
         self.max_staleness = max_staleness
         self.version = version
+        self._base = version  # a resumed run starts counting admissions from here
         self.admitted = 0
         self.dropped = 0
         self._changed = anyio.Condition()
 
     @property
     def capacity(self) -> int:
-        return (self.version + self.max_staleness + 1) * self.batch_size
+        return (self.version - self._base + self.max_staleness + 1) * self.batch_size
 
     async def admit(self, n: int) -> int:
         """Wait until ``n`` more samples may start; return the version they start under."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from orchestrator.algo.base import Algorithm, LossInputs
+from orchestrator.errors import ConfigError
 from orchestrator.models.policy import Policy
 from orchestrator.types import Group
 
@@ -88,6 +89,14 @@ class Trainer:
         warmup_steps: int = 0,
         temperature: float = 1.0,
     ) -> None:
+        if micro_batch_size < 1:
+            raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {micro_batch_size}")
+        if num_minibatches < 1:
+            raise ConfigError(f"trainer.num_minibatches must be >= 1, got {num_minibatches}")
+        if lr <= 0:
+            raise ConfigError(f"trainer.lr must be > 0, got {lr}")
+        if warmup_steps < 0:
+            raise ConfigError(f"trainer.warmup_steps must be >= 0, got {warmup_steps}")
         self.policy = policy
         self.model = policy.model
         self.algorithm = algorithm
@@ -134,7 +143,9 @@ class Trainer:
             behaviour=[t.logprobs for t in trajectories],
             advantages=[a for group in advantages for a in group],
         )
-        self.model.train()
+        # Eval mode (no dropout): the engine samples without it, and the importance weight and
+        # the clip ratio compare log-probs that must be deterministic. Gradients still flow.
+        self.model.eval()
         minibatch = math.ceil(len(batch) / self.num_minibatches)
         proximal = None
         if self.num_minibatches > 1:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from envs.base import Task
+from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.trainer import Trainer
 
@@ -31,6 +32,15 @@ class WarmStartConfig:
     target_accuracy: float | None = None  # stop once the greedy check reaches this
     check_every: int = 25
     check_tasks: int = 128  # train tasks the greedy check runs on
+
+    def validate(self) -> None:
+        for key in ("batch_size", "check_every", "check_tasks"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"warmstart.{key} must be >= 1, got {getattr(self, key)}")
+        if self.steps < 0 or self.lr <= 0:
+            raise ConfigError("warmstart.steps must be >= 0 and warmstart.lr > 0")
+        if self.target_accuracy is not None and not 0.0 <= self.target_accuracy <= 1.0:
+            raise ConfigError(f"warmstart.target_accuracy={self.target_accuracy} must be in [0, 1]")
 
 
 def warm_start(

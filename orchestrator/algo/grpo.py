@@ -51,8 +51,8 @@ def decoupled_ppo_loss(
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
-        # k3 estimator of KL(behaviour || proximal) from behaviour samples.
-        kl = (raw_weight.reciprocal() - 1.0 + log_w) * mask
+        # k3 estimator of KL(behaviour || proximal) from behaviour samples, w = prox / behav.
+        kl = (raw_weight - 1.0 - log_w) * mask
         metrics = {
             "clip_fraction": float(((clipped > unclipped) * mask).sum() / n),
             "importance_weight": float((raw_weight * mask).sum() / n),

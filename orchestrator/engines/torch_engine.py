@@ -7,7 +7,7 @@ wave has stopped. Forward passes run in a worker thread so the event loop stays 
 
 Weight updates: each decode step holds the :class:`~orchestrator.gate.Gate` shared and
 :meth:`pause` takes it exclusively, so it returns only at a token boundary (and any task may
-call :meth:`resume`).
+call :meth:`resume`). One controller (the pipeline's weight sync) pauses and resumes.
 When a wave next takes the lock and finds a newer version, it discards its KV cache and
 re-runs the prefill over prompt + tokens generated so far under the new weights; later
 tokens carry the new version. This is the "continue under new weights" behaviour.
@@ -70,6 +70,8 @@ class TorchEngine(InferenceEngine):
         version: int = 0,
         queue_size: int = 1024,
     ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
         # The engine owns its own copy so the trainer can update the original concurrently.
         self.model = copy.deepcopy(policy.model).eval()
         self.device = policy.device
@@ -116,8 +118,9 @@ class TorchEngine(InferenceEngine):
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as e:
             raise EngineClosed("the torch engine was closed") from e
         await request.done.wait()
-        if request.finish_reason is FinishReason.ABORTED and not request.token_ids:
-            raise EngineClosed("the torch engine was closed before the request ran")
+        if request.finish_reason is FinishReason.ABORTED:
+            # A cut-off generation is never handed out as if it had finished.
+            raise EngineClosed("the torch engine stopped before the request finished")
         return request.result()
 
     async def update_weights(self, weights: Mapping[str, Any], version: int) -> None:

@@ -40,7 +40,7 @@ class Logger(ABC):
     def log(self, metrics: dict[str, float], step: int) -> None:  # noqa: B027
         pass
 
-    def finish(self) -> None:  # noqa: B027
+    def finish(self, failed: bool = False) -> None:  # noqa: B027
         pass
 
 
@@ -65,5 +65,5 @@ class JsonlMetrics(Logger):
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         self._file.close()

@@ -74,7 +74,7 @@ class WandbLogger(Logger):
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         if self._run is not None:
-            self._run.finish()
+            self._run.finish(exit_code=1 if failed else 0)
             self._run = None

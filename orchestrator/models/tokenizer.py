@@ -18,9 +18,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
+from envs.base import Message
 from orchestrator.errors import ConfigError
-
-Message = dict[str, str]  # {"role": "user" | "assistant" | "system" | "tool", "content": ...}
 
 
 class Tokenizer(ABC):

@@ -113,6 +113,10 @@ def test_is_fresh_boundary(k: int) -> None:
     assert ctl.is_fresh(train, train)
 
 
-def test_initial_version_sets_capacity() -> None:
+@pytest.mark.anyio
+async def test_a_resumed_run_counts_admissions_from_its_starting_version() -> None:
+    # Resumed at version 3 with nothing admitted yet: still only (k + 1) batches may start.
     ctl = StalenessController(batch_size=4, max_staleness=1, version=3)
-    assert ctl.capacity == (3 + 1 + 1) * 4
+    assert ctl.capacity == (1 + 1) * 4
+    await ctl.set_version(4)
+    assert ctl.capacity == (1 + 1 + 1) * 4
