@@ -9,6 +9,12 @@ so a wrong type becomes an ``error`` result the model can read.
 
 Calls are bounded in time: past ``timeout`` seconds the result is ``timeout``. An exception
 raised by the tool body is recorded as an ``error`` result with its type and message.
+
+Per-episode state (a sandbox session, an HTTP client) lives in an :class:`EpisodeContext`:
+a function tool that declares a parameter annotated ``EpisodeContext`` gets the episode's
+context injected (the parameter is left out of the schema), creates its resource on first
+use with :meth:`EpisodeContext.resource`, and the environment closes every resource when
+the episode ends — also when it is cancelled.
 """
 
 from __future__ import annotations
@@ -20,11 +26,37 @@ import types
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
+
+T = TypeVar("T")
+
+
+class EpisodeContext:
+    """Resources of one episode, created on first use and closed together at its end."""
+
+    def __init__(self) -> None:
+        self._stack = AsyncExitStack()
+        self._resources: dict[str, Any] = {}
+        self._lock = anyio.Lock()
+        self.closed = False
+
+    async def resource(self, name: str, factory: Callable[[], AbstractAsyncContextManager[T]]) -> T:
+        async with self._lock:  # two concurrent calls of one turn must not both create it
+            if self.closed:
+                raise RuntimeError("the episode has ended")
+            if name not in self._resources:
+                self._resources[name] = await self._stack.enter_async_context(factory())
+            return self._resources[name]
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):  # release even when the episode was cancelled
+            self.closed = True
+            await self._stack.aclose()
 
 
 class ToolStatus(StrEnum):
@@ -52,7 +84,7 @@ class Tool(ABC):
     timeout: float = 30.0
 
     @abstractmethod
-    async def run(self, arguments: Mapping[str, Any]) -> str:
+    async def run(self, arguments: Mapping[str, Any], context: EpisodeContext | None = None) -> str:
         """Do the work; raise to report an error (it becomes an ``error`` result)."""
 
     @property
@@ -67,7 +99,8 @@ class Tool(ABC):
             },
         }
 
-    async def __call__(self, arguments: Mapping[str, Any]) -> ToolResult:
+    async def __call__(self, arguments: Mapping[str, Any],
+                       context: EpisodeContext | None = None) -> ToolResult:
         problem = check_arguments(self.parameters, arguments)
         if problem is not None:
             return ToolResult(ToolStatus.ERROR, f"{self.name}: {problem}",
@@ -75,7 +108,7 @@ class Tool(ABC):
         start = time.perf_counter()
         try:
             with anyio.fail_after(self.timeout):
-                content = await self.run(arguments)
+                content = await self.run(arguments, context)
         except TimeoutError:
             return ToolResult(ToolStatus.TIMEOUT, f"{self.name} timed out after {self.timeout:g} s",
                               time.perf_counter() - start, {"error_kind": "timeout"})
@@ -94,9 +127,16 @@ class FunctionTool(Tool):
         self.name = name or fn.__name__
         self.timeout = timeout
         self.description, self.parameters = function_schema(fn)
+        hints = typing.get_type_hints(fn)
+        self._context_param = next((n for n, h in hints.items() if h is EpisodeContext), None)
 
-    async def run(self, arguments: Mapping[str, Any]) -> str:
-        return await self.fn(**arguments)
+    async def run(self, arguments: Mapping[str, Any], context: EpisodeContext | None = None) -> str:
+        kwargs = dict(arguments)
+        if self._context_param is not None:
+            if context is None:
+                raise RuntimeError(f"tool {self.name!r} needs an episode context")
+            kwargs[self._context_param] = context
+        return await self.fn(**kwargs)
 
 
 def tool(fn: Callable[..., Awaitable[Any]] | None = None, *, name: str | None = None,
@@ -159,6 +199,8 @@ def function_schema(fn: Callable[..., Any]) -> tuple[str, dict[str, Any]]:
     properties: dict[str, Any] = {}
     required: list[str] = []
     for name, param in inspect.signature(fn).parameters.items():
+        if hints.get(name) is EpisodeContext:
+            continue  # injected by the environment, not chosen by the model
         if name not in hints:
             raise TypeError(f"tool parameter {name!r} of {fn.__name__} needs a type annotation")
         schema, optional = _type_schema(hints[name])

@@ -17,7 +17,7 @@ import anyio
 
 from envs.base import Message
 from envs.parsers import ParsedReply, ToolCall
-from envs.tools import Tool, ToolResult, ToolStatus
+from envs.tools import EpisodeContext, Tool, ToolResult, ToolStatus
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ToolSet:
     def schemas(self) -> list[dict]:
         return [t.schema for t in self.tools.values()]
 
-    async def run_turn(self, parsed: ParsedReply) -> TurnOutcome:
+    async def run_turn(self, parsed: ParsedReply, context: EpisodeContext | None = None) -> TurnOutcome:
         slots: list[tuple[str | None, ToolResult, str | None] | None] = [None] * parsed.attempted
         for error in parsed.errors:
             slots[error.index] = (None, ToolResult(ToolStatus.ERROR, error.message), error.kind)
@@ -70,7 +70,7 @@ class ToolSet:
 
         async def run(call: ToolCall) -> None:
             async with self._limiter:
-                result = await self.tools[call.name](call.arguments)
+                result = await self.tools[call.name](call.arguments, context)
             slots[call.index] = (call.name, result, result.metadata.get("error_kind"))
 
         async with anyio.create_task_group() as tg:

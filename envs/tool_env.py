@@ -1,0 +1,103 @@
+"""A multi-turn environment with tools, and rewards that score the whole episode.
+
+Each model turn is parsed for tool calls (format by name from the parser registry). A turn
+with calls runs them (see :class:`~envs.toolset.ToolSet`) and the results come back as
+``tool`` messages for the next turn; a turn without calls is the final answer and ends the
+episode. Per-episode tool state lives in an :class:`~envs.tools.EpisodeContext` that is
+closed by ``aclose()`` — the runner's ``async with env`` — also on cancellation.
+
+Rewards are async functions of the finished :class:`Episode`, combined with weights; a
+weight-0 reward is computed and logged but does not count.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from envs.base import Env, Message, Reward, StepResult, Task
+from envs.parsers import make_parser
+from envs.tools import EpisodeContext
+from envs.toolset import CallRecord, ToolSet
+
+
+@dataclass
+class Episode:
+    task: Task
+    messages: list[Message] = field(default_factory=list)  # the whole conversation
+    tool_calls: list[CallRecord] = field(default_factory=list)
+    final_reply: str = ""
+
+
+EpisodeReward = Callable[[Episode], Awaitable[float]]
+
+
+@dataclass(frozen=True)
+class WeightedReward:
+    name: str
+    fn: EpisodeReward
+    weight: float = 1.0
+
+
+async def combine_rewards(rewards: Sequence[WeightedReward], episode: Episode) -> Reward:
+    components: dict[str, float] = {}
+    total = 0.0
+    for reward in rewards:
+        value = float(await reward.fn(episode))
+        components[reward.name] = value
+        total += reward.weight * value
+    return Reward(total=total, components=components)
+
+
+class ToolEnv(Env):
+    def __init__(
+        self,
+        tools: ToolSet,
+        rewards: Sequence[WeightedReward],
+        parser: str = "hermes",
+        system_prompt: str | None = None,
+        describe_tools: bool = True,
+    ) -> None:
+        if not rewards:
+            raise ValueError("a tool environment needs at least one reward")
+        self.tools = tools
+        self.rewards = list(rewards)
+        self.parser = make_parser(parser)
+        self.system_prompt = system_prompt
+        self.describe_tools = describe_tools
+        self.context = EpisodeContext()
+        self.episode: Episode | None = None
+
+    def _system(self) -> list[Message]:
+        parts = [self.system_prompt] if self.system_prompt else []
+        if self.describe_tools and self.tools.tools:
+            parts.append("Tools:\n" + "\n".join(json.dumps(s) for s in self.tools.schemas))
+        return [{"role": "system", "content": "\n\n".join(parts)}] if parts else []
+
+    async def reset(self, task: Task) -> tuple[Message, ...]:
+        opening = [*self._system(), *task.messages]
+        self.episode = Episode(task=task, messages=list(opening))
+        return tuple(opening)
+
+    async def step(self, reply: str) -> StepResult:
+        if self.episode is None:
+            raise RuntimeError("step() before reset()")
+        self.episode.messages.append({"role": "assistant", "content": reply})
+        parsed = self.parser.parse(reply)
+        if parsed.attempted == 0:
+            self.episode.final_reply = reply
+            return StepResult(observation=(), reward=0.0, done=True)
+        outcome = await self.tools.run_turn(parsed, self.context)
+        self.episode.messages.extend(outcome.observation)
+        self.episode.tool_calls.extend(outcome.records)
+        return StepResult(observation=outcome.observation, reward=0.0, done=False,
+                          metrics=outcome.metrics)
+
+    async def reward(self) -> Reward:
+        if self.episode is None:
+            raise RuntimeError("reward() before reset()")
+        return await combine_rewards(self.rewards, self.episode)
+
+    async def aclose(self) -> None:
+        await self.context.aclose()
