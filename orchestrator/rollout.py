@@ -5,12 +5,17 @@ the tokens the engine sampled (trained on, with their behaviour log-probs and ve
 then the tokens of each observation (not trained on). Nothing earlier is re-tokenised, so
 what the trainer scores is exactly what the engine saw and produced.
 
+Caps end an episode with a recorded ``end_reason``: ``done`` (the environment finished it),
+``max_turns``, ``max_length`` (``max_total_tokens`` reached: each turn's generation is also
+limited to what is left) or ``tool_response_too_long`` (an observation longer than
+``max_tool_response_tokens``; it is not appended). Per-turn metrics are summed.
+
 A group is ``group_size`` episodes of one task run concurrently (the engine batches them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 
@@ -28,6 +33,8 @@ class RolloutConfig:
     max_tokens: int = 16
     temperature: float = 1.0
     max_turns: int = 1
+    max_total_tokens: int | None = None  # prompt + every turn; None: the engine's context
+    max_tool_response_tokens: int | None = None
 
     def validate(self) -> None:
         for key in ("group_size", "max_tokens", "max_turns"):
@@ -35,6 +42,10 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
         if self.temperature < 0:
             raise ConfigError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        for key in ("max_total_tokens", "max_tool_response_tokens"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"rollout.{key} must be >= 1 or null, got {value}")
 
 
 async def run_episode(
@@ -62,10 +73,18 @@ async def run_episode(
         start_version: int | None = None
         finish = FinishReason.LENGTH
         metrics: dict[str, float] = {}
+        end_reason = "max_turns"
+        limit = config.max_total_tokens
         for turn in range(config.max_turns):
+            if limit is not None and len(ids) >= limit:
+                end_reason = "max_length"
+                break
+            turn_sampling = sampling if limit is None else replace(
+                sampling, max_tokens=min(sampling.max_tokens, limit - len(ids)))
+            metrics["episode/turns"] = turn + 1.0
             with recorder.span("generate", worker, engine.version, turn=turn,
                                prompt_tokens=len(ids)) as attrs:
-                gen = await engine.generate(ids, sampling)
+                gen = await engine.generate(ids, turn_sampling)
                 attrs.update(completion_tokens=len(gen.token_ids), finish_reason=str(gen.finish_reason))
             if start_version is None:
                 start_version = gen.versions[0] if gen.versions else gen.start_version
@@ -77,10 +96,19 @@ async def run_episode(
             reply_ids = [t for t in gen.token_ids if t not in tokenizer.stop_ids]
             result = await env.step(tokenizer.decode(reply_ids))
             step_reward += result.reward
-            metrics.update(result.metrics)
+            for key, value in result.metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + value
             if result.done:
+                end_reason = "done"
                 break
             observation = tokenizer.chat_prompt(result.observation, continuation=True)
+            cap = config.max_tool_response_tokens
+            if cap is not None and len(observation) > cap:
+                end_reason = "tool_response_too_long"
+                break
+            if limit is not None and len(ids) + len(observation) >= limit:
+                end_reason = "max_length"
+                break
             ids += observation
             mask += [False] * len(observation)
             logprobs += [0.0] * len(observation)
@@ -100,6 +128,7 @@ async def run_episode(
         start_version=start_version if start_version is not None else engine.version,
         finish_reason=finish,
         metrics=metrics,
+        end_reason=end_reason,
     )
 
 

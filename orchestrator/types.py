@@ -63,8 +63,9 @@ class Trajectory:
     versions: tuple[int, ...]
     reward: float
     start_version: int
-    finish_reason: FinishReason
+    finish_reason: FinishReason  # of the last turn's generation
     metrics: dict[str, float] = field(default_factory=dict)
+    end_reason: str = "done"  # done | max_turns | max_length | tool_response_too_long
 
     @property
     def num_generated(self) -> int:

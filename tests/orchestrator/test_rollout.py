@@ -65,7 +65,7 @@ async def test_a_correct_reply_is_rewarded_and_laid_out_token_by_token() -> None
     assert list(t.loss_mask) == [False] * len(prompt) + [True] * len(reply)
     assert list(t.logprobs) == [0.0] * len(prompt) + [-0.5] * len(reply)
     assert list(t.versions) == [-1] * len(prompt) + [3] * len(reply)
-    assert t.reward == 1.0 and t.metrics == {"reward/exact_match": 1.0}
+    assert t.reward == 1.0 and t.metrics == {"reward/exact_match": 1.0, "episode/turns": 1.0}
     assert t.start_version == 3 and t.end_version == 3 and t.sample_index == 2
     assert t.finish_reason is FinishReason.STOP and t.num_generated == len(reply)
     assert [s.stage for s in rec.spans] == ["generate", "reward"]
@@ -104,7 +104,7 @@ class EchoEnv(Env):
         self.turns += 1
         done = self.turns >= 2
         observation = () if done else ({"role": "tool", "content": f"got {reply}"},)
-        return StepResult(observation=observation, reward=0.25, done=done, metrics={"turns": self.turns})
+        return StepResult(observation=observation, reward=0.25, done=done, metrics={"turns": 1.0})
 
     async def reward(self) -> Reward:
         return Reward(total=float(self.turns), components={"turns": float(self.turns)})
@@ -136,6 +136,7 @@ async def test_observations_are_appended_and_never_trained_on() -> None:
     assert list(t.loss_mask) == ([False] * len(prompt) + [True] * len(first)
                                  + [False] * len(observation) + [True] * len(second))
     assert t.reward == 0.25 + 0.25 + 2.0
+    # per-turn metrics add up over the episode
     assert t.metrics["turns"] == 2 and t.metrics["reward/turns"] == 2.0
 
 
