@@ -21,6 +21,16 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from orchestrator.errors import ConfigError
 
 
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def register_plugins() -> None:
+    """Environments from installed plug-in packages become ``env=<name>`` options."""
+    from envs.registry import register_hydra_configs
+
+    register_hydra_configs({p.stem for p in (CONF / "env").glob("*.yaml")})
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _entry(cfg: DictConfig) -> float | None:
     from orchestrator.main import run
@@ -91,6 +101,7 @@ def explain(error: BaseException) -> str | None:
 
 def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach explain() instead of Hydra's printer
+    register_plugins()
     try:
         _entry()
     except (ConfigError, HydraException, OmegaConfBaseException, ValueError, TypeError,
