@@ -20,7 +20,6 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from orchestrator.errors import ConfigError
 
-
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
