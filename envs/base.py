@@ -31,11 +31,23 @@ class Task:
 
 
 @dataclass(frozen=True)
+class ToolCallRecord:
+    """What happened to one attempted tool call; the runner turns each into a trace span."""
+
+    name: str | None  # None when the call could not even be parsed
+    status: str  # ok | error | timeout
+    started: float  # time.perf_counter() when the call began
+    latency: float  # seconds
+    error_kind: str | None = None  # malformed_json | unknown_tool | bad_arguments | too_many | …
+
+
+@dataclass(frozen=True)
 class StepResult:
     observation: tuple[Message, ...]  # messages to append before the model's next turn
     reward: float
     done: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    tool_calls: tuple[ToolCallRecord, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,17 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from envs.base import Env, Message, Reward, StepResult, Task
+from envs.base import Env, Message, Reward, StepResult, Task, ToolCallRecord
 from envs.parsers import make_parser
 from envs.tools import EpisodeContext
-from envs.toolset import CallRecord, ToolSet
+from envs.toolset import ToolSet
 
 
 @dataclass
 class Episode:
     task: Task
     messages: list[Message] = field(default_factory=list)  # the whole conversation
-    tool_calls: list[CallRecord] = field(default_factory=list)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
     final_reply: str = ""
 
 
@@ -92,7 +92,7 @@ class ToolEnv(Env):
         self.episode.messages.extend(outcome.observation)
         self.episode.tool_calls.extend(outcome.records)
         return StepResult(observation=outcome.observation, reward=0.0, done=False,
-                          metrics=outcome.metrics)
+                          metrics=outcome.metrics, tool_calls=outcome.records)
 
     async def reward(self) -> Reward:
         if self.episode is None:

@@ -71,6 +71,7 @@ class ToolResult:
     content: str
     latency: float = 0.0  # seconds, measured around the call
     metadata: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)  # perf_counter at the call
 
     @property
     def ok(self) -> bool:
@@ -111,11 +112,11 @@ class Tool(ABC):
                 content = await self.run(arguments, context)
         except TimeoutError:
             return ToolResult(ToolStatus.TIMEOUT, f"{self.name} timed out after {self.timeout:g} s",
-                              time.perf_counter() - start, {"error_kind": "timeout"})
+                              time.perf_counter() - start, {"error_kind": "timeout"}, start)
         except Exception as e:  # noqa: BLE001 - a failing tool is recorded, never raised into the episode
             return ToolResult(ToolStatus.ERROR, f"{self.name} failed: {type(e).__name__}: {e}",
-                              time.perf_counter() - start, {"error_kind": "tool_failed"})
-        return ToolResult(ToolStatus.OK, str(content), time.perf_counter() - start)
+                              time.perf_counter() - start, {"error_kind": "tool_failed"}, start)
+        return ToolResult(ToolStatus.OK, str(content), time.perf_counter() - start, started=start)
 
 
 class FunctionTool(Tool):

@@ -15,25 +15,15 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from envs.base import Message
+from envs.base import Message, ToolCallRecord
 from envs.parsers import ParsedReply, ToolCall
 from envs.tools import EpisodeContext, Tool, ToolResult, ToolStatus
 
 
 @dataclass(frozen=True)
-class CallRecord:
-    """What happened to one attempted call (for metrics and traces)."""
-
-    name: str | None
-    status: ToolStatus
-    latency: float
-    error_kind: str | None = None  # malformed_json | bad_call | unclosed | unknown_tool | too_many | ...
-
-
-@dataclass(frozen=True)
 class TurnOutcome:
     observation: tuple[Message, ...]
-    records: tuple[CallRecord, ...]
+    records: tuple[ToolCallRecord, ...]
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -78,22 +68,22 @@ class ToolSet:
                 tg.start_soon(run, call)
 
         observation: list[Message] = []
-        records: list[CallRecord] = []
+        records: list[ToolCallRecord] = []
         for slot in slots:
             assert slot is not None
             name, result, kind = slot
             content = result.content if result.ok else f"[{result.status}] {result.content}"
             observation.append({"role": "tool", "content": content})
-            records.append(CallRecord(name, result.status, result.latency, kind))
+            records.append(ToolCallRecord(name, str(result.status), result.started, result.latency, kind))
         return TurnOutcome(tuple(observation), tuple(records), self._metrics(records))
 
     @staticmethod
-    def _metrics(records: Sequence[CallRecord]) -> dict[str, float]:
+    def _metrics(records: Sequence[ToolCallRecord]) -> dict[str, float]:
         kinds = Counter(r.error_kind for r in records if r.error_kind)
         metrics = {
             "tools/calls": float(len(records)),
-            "tools/ok": float(sum(r.status is ToolStatus.OK for r in records)),
-            "tools/errors": float(sum(r.status is not ToolStatus.OK for r in records)),
+            "tools/ok": float(sum(r.status == ToolStatus.OK for r in records)),
+            "tools/errors": float(sum(r.status != ToolStatus.OK for r in records)),
         }
         metrics.update({f"tools/error/{k}": float(v) for k, v in kinds.items()})
         return metrics

@@ -40,6 +40,10 @@ class Recorder:
     def now(self) -> float:
         return time.perf_counter() - self._origin
 
+    def at(self, perf_counter: float) -> float:
+        """A ``time.perf_counter()`` reading on this recorder's timeline."""
+        return perf_counter - self._origin
+
     def add(self, stage: str, worker: str, start: float, end: float,
             version: int | None = None, **attributes: Any) -> Span:
         span = Span(stage, worker, start, end, version, attributes)

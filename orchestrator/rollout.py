@@ -95,6 +95,11 @@ async def run_episode(
             finish = gen.finish_reason
             reply_ids = [t for t in gen.token_ids if t not in tokenizer.stop_ids]
             result = await env.step(tokenizer.decode(reply_ids))
+            for call in result.tool_calls:  # one span per tool call, with its latency and status
+                start = recorder.at(call.started)
+                recorder.add("tool_call", worker, start, start + call.latency, engine.version,
+                             tool=call.name, status=call.status, error_kind=call.error_kind,
+                             turn=turn)
             step_reward += result.reward
             for key, value in result.metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + value

@@ -76,3 +76,47 @@ async def test_each_cap_ends_the_episode_with_its_reason(config: dict, reason: s
     if "max_total_tokens" in config:
         assert len(t.token_ids) <= config["max_total_tokens"]
     assert t.reward == 1.0  # the episode is still scored
+
+
+async def test_every_tool_call_becomes_a_span_with_latency_and_status() -> None:
+    import anyio
+
+    from envs.tool_env import ToolEnv, WeightedReward
+    from envs.tools import tool
+    from envs.toolset import ToolSet
+
+    @tool
+    async def nap(seconds: float) -> str:
+        """Sleep, then say so."""
+        await anyio.sleep(seconds)
+        return "rested"
+
+    async def answered(episode) -> float:  # noqa: ANN001
+        return float(episode.final_reply == "ok")
+
+    class NapSpec(EchoSpec):
+        def make_env(self) -> Env:
+            return ToolEnv(ToolSet([nap]), [WeightedReward("answer", answered)], describe_tools=False)
+
+    replies = iter([
+        '<tool_call>{"name": "nap", "arguments": {"seconds": 0.02}}</tool_call>'
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+        "ok",
+    ])
+
+    class Scripted(SimulatedEngine):
+        async def generate(self, prompt_ids, sampling):  # noqa: ANN001, ANN202
+            gen = await super().generate(prompt_ids, sampling)
+            ids = tuple(CharTokenizer().encode(next(replies))) + (sampling.stop_token_ids[0],)
+            return type(gen)(ids, (-1.0,) * len(ids), (0,) * len(ids), gen.finish_reason, 0)
+
+    recorder = Recorder()
+    rollout = RolloutConfig(group_size=1, max_tokens=200, max_turns=3)
+    t = await run_episode(Scripted(median_tokens=1, sigma=0.0, seconds_per_token=0.0),
+                          CharTokenizer(), NapSpec(), TASK, rollout, recorder, "w")
+    assert t.end_reason == "done" and t.reward == 1.0
+    spans = recorder.of("tool_call")
+    assert [(s.attributes["tool"], s.attributes["status"]) for s in spans] == [
+        ("nap", "ok"), ("nope", "error")]
+    assert spans[0].duration >= 0.02 and spans[1].attributes["error_kind"] == "unknown_tool"
+    assert t.metrics["tools/calls"] == 2 and t.metrics["tools/error/unknown_tool"] == 1
