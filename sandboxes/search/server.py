@@ -1,0 +1,106 @@
+"""The aiohttp search server (an async context manager; an ephemeral port by default).
+
+Each request first asks the :class:`FaultModel` for its fate — a latency in seconds and a
+status — then sleeps that long (times ``time_scale``) and answers: ``success`` with ranked
+documents, ``api_error`` with HTTP 503, ``unknown`` with HTTP 500. The PolyTrace-fitted model
+plugs in here; :class:`NoFaults` answers at once. Bad requests get HTTP 400 and one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+from aiohttp import web
+
+from sandboxes.search.bm25 import BM25Index
+
+MAX_TOPK = 100
+MAX_QUERIES = 256
+
+
+class FaultModel(ABC):
+    @abstractmethod
+    def sample(self, query_count: int) -> tuple[float, str]:
+        """(latency in seconds, status: success | unknown | api_error) for one request."""
+
+
+class NoFaults(FaultModel):
+    def sample(self, query_count: int) -> tuple[float, str]:
+        return 0.0, "success"
+
+
+def _bad(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)
+
+
+class SearchServer:
+    def __init__(self, index: BM25Index, faults: FaultModel | None = None, host: str = "127.0.0.1",
+                 port: int = 0, time_scale: float = 1.0) -> None:
+        self.index = index
+        self.faults = faults or NoFaults()
+        self.host, self.port = host, port
+        self.time_scale = time_scale
+        self.requests = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def __aenter__(self) -> Self:
+        app = web.Application()
+        app.router.add_post("/retrieve", self._retrieve)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=2048)
+        await site.start()
+        sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            with anyio.CancelScope(shield=True):
+                await self._runner.cleanup()
+            self._runner = None
+
+    async def _retrieve(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        try:
+            body: Any = await request.json()
+        except json.JSONDecodeError:
+            return _bad("the request body is not JSON")
+        if not isinstance(body, dict):
+            return _bad('the request body must be an object {"queries": [...], "topk": k}')
+        queries, topk = body.get("queries"), body.get("topk", 3)
+        if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+            return _bad('"queries" must be a list of strings')
+        if not 0 < len(queries) <= MAX_QUERIES:
+            return _bad(f'"queries" must hold 1 to {MAX_QUERIES} strings')
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 0 < topk <= MAX_TOPK:
+            return _bad(f'"topk" must be a whole number from 1 to {MAX_TOPK}')
+        scores = bool(body.get("return_scores", False))
+
+        latency, status = self.faults.sample(len(queries))
+        await anyio.sleep(latency * self.time_scale)
+        if status == "api_error":
+            return web.json_response({"error": "injected api_error"}, status=503)
+        if status != "success":
+            return web.json_response({"error": f"injected {status}"}, status=500)
+        result = []
+        for query in queries:
+            hits = self.index.search(query, topk)
+            if scores:
+                result.append([{"document": d.as_json(), "score": s} for d, s in hits])
+            else:
+                result.append([d.as_json() for d, _ in hits])
+        return web.json_response({"result": result})
