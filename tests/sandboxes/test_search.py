@@ -3,6 +3,7 @@ Search-R1's response shape, injected failures, client retries, and 1,000 concurr
 
 from __future__ import annotations
 
+import json
 import random
 
 import aiohttp
@@ -129,3 +130,28 @@ async def test_a_thousand_concurrent_requests_lose_nothing_to_injected_failures(
                     tg.start_soon(one, i)
     assert failures == []
     assert faults.injected > 0 and server.requests == 1000 + faults.injected
+
+
+async def test_the_server_runs_standalone_from_the_command_line(tmp_path) -> None:  # noqa: ANN001
+    import socket
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps(d.as_json()) for d in CORPUS) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sandboxes.search", "--corpus", str(corpus), "--port", str(port),
+         "--latency", "empirical", "--time-scale", "0.01"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert "search server on" in process.stdout.readline()
+        async with SearchClient(f"http://127.0.0.1:{port}") as client:
+            result, _ = await client.retrieve(["capital of Italy"], topk=1)
+        assert result[0][0]["document"]["id"] == "3"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        process.stdout.close()
