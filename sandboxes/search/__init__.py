@@ -9,7 +9,7 @@ it. Per-request latency and failures come from a pluggable :class:`FaultModel`; 
 
 from sandboxes.search.bm25 import BM25Index, Document
 from sandboxes.search.client import Attempt, SearchClient, SearchError
-from sandboxes.search.latency import TraceFaultModel  # noqa: E402 - needs FaultModel first
+from sandboxes.search.latency import TraceFaultModel
 from sandboxes.search.server import FaultModel, NoFaults, SearchServer
 
 __all__ = ["Attempt", "BM25Index", "Document", "FaultModel", "NoFaults", "SearchClient",

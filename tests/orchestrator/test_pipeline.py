@@ -289,15 +289,20 @@ def _generated_versions(t: Trajectory) -> list[int]:
     return [v for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
 
 
-async def test_finish_mode_never_lets_an_episode_span_two_versions(fake_trainer_cls: Any) -> None:
+async def run_inflight(fake_trainer_cls: Any, mode: str) -> tuple[Any, list]:
+    """Long generations and a fast trainer, so weight updates land mid-episode."""
     trainer = fake_trainer_cls(min_s=0.0005, max_s=0.001)
     engine = SimulatedEngine(median_tokens=100, sigma=0.5, seconds_per_token=1e-4,
                              chunk_tokens=4, seed=7)
     pipeline = make_pipeline(trainer, engine, k=2, num_steps=8, max_tokens=200,
-                             inflight_update="finish")
+                             inflight_update=mode)
     with anyio.fail_after(60):
         await pipeline.run()
-    trained = trained_trajectories(trainer)
+    return pipeline, trained_trajectories(trainer)
+
+
+async def test_finish_mode_never_lets_an_episode_span_two_versions(fake_trainer_cls: Any) -> None:
+    pipeline, trained = await run_inflight(fake_trainer_cls, "finish")
     assert len(trained) == 8 * 8
     for _, t in trained:
         versions = set(_generated_versions(t))
@@ -306,14 +311,7 @@ async def test_finish_mode_never_lets_an_episode_span_two_versions(fake_trainer_
 
 
 async def test_continue_mode_lets_long_episodes_cross_a_weight_update(fake_trainer_cls: Any) -> None:
-    trainer = fake_trainer_cls(min_s=0.0005, max_s=0.001)
-    engine = SimulatedEngine(median_tokens=100, sigma=0.5, seconds_per_token=1e-4,
-                             chunk_tokens=4, seed=7)
-    pipeline = make_pipeline(trainer, engine, k=2, num_steps=8, max_tokens=200,
-                             inflight_update="continue")
-    with anyio.fail_after(60):
-        await pipeline.run()
-    trained = trained_trajectories(trainer)
+    _, trained = await run_inflight(fake_trainer_cls, "continue")
     crossing = [t for _, t in trained if len(set(_generated_versions(t))) > 1]
     assert crossing, "no episode continued under new weights"
     for t in crossing:
