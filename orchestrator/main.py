@@ -3,8 +3,11 @@
 Builds the policy, environment, algorithm, trainer and engine the config names, runs the
 supervised warm start, then the asynchronous RL pipeline, and leaves everything in the run
 directory: ``config.yaml`` (resolved), ``metrics.jsonl``, ``spans.jsonl``, ``summary.json``,
-``checkpoints/final/`` and, with the W&B logger, ``wandb/``. The spans and metrics are
-written even when the run fails part-way.
+``checkpoints/final/``, the PolyTrace files of every trained step
+(``multiturn_workload_step_N.jsonl``, ``reward_timings_step_N.jsonl``,
+``packed_lengths_step_N.jsonl``; see :mod:`orchestrator.trace.writer`), the Perfetto
+timeline ``timeline.json`` and, with the W&B logger, ``wandb/``. The spans, trace files and
+metrics are written even when the run fails part-way.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from orchestrator.models.policy import Policy
 from orchestrator.pipeline import Pipeline, PipelineConfig, StepReport, TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig
+from orchestrator.trace.timeline import write_timeline
+from orchestrator.trace.writer import TraceWriter
 from orchestrator.trainer import Trainer
 from orchestrator.warmstart import WarmStartConfig, warm_start
 
@@ -72,6 +77,10 @@ class EvalConfig:
 
 def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     """Run the experiment ``cfg`` describes; raises :class:`ConfigError` on bad input."""
+    if OmegaConf.select(cfg, "replay") is not None:  # experiment=replay: no model, virtual time
+        from orchestrator.engines.replay_run import run_replay
+
+        return run_replay(cfg, run_dir)
     seed: int = scalar(cfg, "seed", int)
     threads: int | None = scalar(cfg, "torch_threads", int | None)
     progress: bool = scalar(cfg, "progress", bool)
@@ -134,6 +143,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
         failed = False
     finally:
         recorder.write_jsonl(run_dir / "spans.jsonl")
+        write_timeline(recorder.spans, run_dir / "timeline.json", process=run_dir.name)
         result.summary = _summary(result)
         (run_dir / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
         for sink in (metrics_file, logger):
@@ -165,7 +175,10 @@ async def _train(
             log.info("eval before RL: %.3f", result.eval_before)
         with StepProgress(pipeline_cfg.num_steps, enabled=progress_bar) as progress:
 
+            trace = TraceWriter(result.run_dir, rollout_cfg.max_total_tokens)
+
             def on_step(report: StepReport) -> None:
+                trace.write_step(report.step, report.version, report.groups)
                 for sink in sinks:
                     sink.log_step(report)
                 progress.update(report)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ class TrainerBackend(Protocol):
     version: int
 
     def step(self, groups: Sequence[Group]) -> dict[str, float]: ...
+
+    # A backend may also define ``async def step_async(groups)``: the pipeline then awaits it
+    # in the event loop instead of running ``step`` in a thread (simulated trainers use it to
+    # take virtual time; see orchestrator.engines.replay).
 
     def state_dict(self) -> Mapping[str, Any]: ...
 
@@ -98,6 +103,7 @@ class StepReport:
     elapsed: float  # seconds since the previous step's report
     stage_seconds: dict[str, float] = field(default_factory=dict)
     length_capped: int = 0  # samples that ran into rollout.max_tokens
+    groups: tuple[Group, ...] = ()  # the trained batch, for trace writers
 
     @property
     def reward_mean(self) -> float:
@@ -180,8 +186,10 @@ class Pipeline:
         async with send:
             while True:
                 task = self.sampler.next()
+                waited = self.recorder.now()
                 with self.recorder.span("wait_admission", name, self.staleness.version):
                     await self.staleness.admit(group_size)
+                waited = self.recorder.now() - waited
                 episode_scope: AbstractAsyncContextManager[Any] = (
                     self.gate if self.config.inflight_update == "finish" else nullcontext()
                 )
@@ -194,6 +202,7 @@ class Pipeline:
                                 self.rollout, self.recorder, name,
                             )
                             attrs["start_version"] = group.start_version
+                            group = replace(group, queue_wait=waited)
                 except BaseException:
                     with anyio.CancelScope(shield=True):
                         await self.staleness.release(group_size, dropped=False)
@@ -217,8 +226,13 @@ class Pipeline:
                 with self.recorder.span("wait_batch", "trainer", version):
                     batch = await self._next_batch(receive, pending, groups_per_batch, version)
                 with self.recorder.span("train_step", "trainer", version) as attrs:
-                    metrics = await anyio.to_thread.run_sync(self.trainer.step, batch)
-                    weights = await anyio.to_thread.run_sync(self.trainer.state_dict)
+                    step_async = getattr(self.trainer, "step_async", None)
+                    if step_async is not None:  # a simulated trainer that takes (virtual) time
+                        metrics = await step_async(batch)
+                        weights = self.trainer.state_dict()
+                    else:
+                        metrics = await anyio.to_thread.run_sync(self.trainer.step, batch)
+                        weights = await anyio.to_thread.run_sync(self.trainer.state_dict)
                     attrs["samples"] = sum(len(g) for g in batch)
                 await send_weights.send((self.trainer.version, weights))
                 now = self.recorder.now()
@@ -310,4 +324,5 @@ class Pipeline:
             elapsed=now - since,
             stage_seconds=dict(stage_seconds),
             length_capped=sum(t.finish_reason is FinishReason.LENGTH for t in trajectories),
+            groups=tuple(batch),
         )

@@ -1,8 +1,9 @@
 """A recorder of timed spans: (stage, worker, start, end, version, attributes).
 
 Stages are free-form names ("generate", "reward", "train_step", "weight_sync",
-"wait_admission", "wait_batch", …). Times are ``time.perf_counter()`` seconds relative to
-the recorder's creation, so spans from every task share one clock. The recorder is plain
+"wait_admission", "wait_batch", …). Times are seconds of ``clock`` (``time.perf_counter`` by
+default; a replay in virtual time passes ``anyio.current_time``) relative to the recorder's
+creation, so spans from every task share one clock. The recorder is plain
 data; writers (JSONL here, PolyTrace and Perfetto later) read :attr:`spans`.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,16 +33,17 @@ class Span:
 
 
 class Recorder:
-    def __init__(self) -> None:
-        self._origin = time.perf_counter()
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._origin = clock()
         self.wall_origin = time.time()
         self.spans: list[Span] = []
 
     def now(self) -> float:
-        return time.perf_counter() - self._origin
+        return self._clock() - self._origin
 
     def at(self, perf_counter: float) -> float:
-        """A ``time.perf_counter()`` reading on this recorder's timeline."""
+        """A reading of the recorder's clock (``time.perf_counter()`` by default) on its timeline."""
         return perf_counter - self._origin
 
     def add(self, stage: str, worker: str, start: float, end: float,

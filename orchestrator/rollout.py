@@ -15,16 +15,24 @@ A group is ``group_size`` episodes of one task run concurrently (the engine batc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import anyio
 
-from envs.base import EnvSpec, Task
+from envs.base import EnvSpec, Message, Task, ToolCallRecord
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.types import FinishReason, Group, SamplingParams, Trajectory
+from orchestrator.types import (
+    FinishReason,
+    Group,
+    SamplingParams,
+    ToolTiming,
+    Trajectory,
+    TurnTiming,
+)
 
 
 @dataclass(frozen=True)
@@ -63,9 +71,13 @@ async def run_episode(
         temperature=config.temperature,
         stop_token_ids=tokenizer.stop_ids,
     )
+    started_at = recorder.now()
+    turns: list[TurnTiming] = []
+    tool_timings: list[ToolTiming] = []
     async with spec.make_env() as env:
         messages = await env.reset(task)
         ids = tokenizer.chat_prompt(messages)
+        prompt_tokens = len(ids)
         mask = [False] * len(ids)
         logprobs = [0.0] * len(ids)
         versions = [-1] * len(ids)
@@ -82,10 +94,13 @@ async def run_episode(
             turn_sampling = sampling if limit is None else replace(
                 sampling, max_tokens=min(sampling.max_tokens, limit - len(ids)))
             metrics["episode/turns"] = turn + 1.0
+            turn_start = recorder.now()
+            turn_prompt = len(ids)
             with recorder.span("generate", worker, engine.version, turn=turn,
-                               prompt_tokens=len(ids)) as attrs:
+                               prompt_tokens=len(ids), sample=sample_index) as attrs:
                 gen = await engine.generate(ids, turn_sampling)
                 attrs.update(completion_tokens=len(gen.token_ids), finish_reason=str(gen.finish_reason))
+            turn_latency = recorder.now() - turn_start
             if start_version is None:
                 start_version = gen.versions[0] if gen.versions else gen.start_version
             ids += gen.token_ids
@@ -99,7 +114,14 @@ async def run_episode(
                 start = recorder.at(call.started)
                 recorder.add("tool_call", worker, start, start + call.latency, engine.version,
                              tool=call.name, status=call.status, error_kind=call.error_kind,
-                             turn=turn)
+                             turn=turn, sample=sample_index)
+            turns.append(TurnTiming(
+                turn=turn, start=turn_start, latency=turn_latency, prompt_tokens=turn_prompt,
+                cached_tokens=gen.cached_tokens, completion_tokens=len(gen.token_ids),
+                max_new_tokens=turn_sampling.max_tokens, text_tokens=len(reply_ids),
+                finish_reason=_trace_finish(gen.finish_reason, result.done, len(result.tool_calls)),
+                tool_call_count=len(result.tool_calls), version=gen.start_version,
+            ))
             step_reward += result.reward
             for key, value in result.metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + value
@@ -114,13 +136,18 @@ async def run_episode(
             if limit is not None and len(ids) + len(observation) >= limit:
                 end_reason = "max_length"
                 break
+            turns[-1] = replace(turns[-1], observation_tokens=len(observation))
+            tool_timings += _tool_timings(tokenizer, turn, result.tool_calls, result.observation,
+                                          len(observation), recorder)
             ids += observation
             mask += [False] * len(observation)
             logprobs += [0.0] * len(observation)
             versions += [-1] * len(observation)
-        with recorder.span("reward", worker, engine.version) as attrs:
+        reward_start = recorder.now()
+        with recorder.span("reward", worker, engine.version, sample=sample_index) as attrs:
             reward = await env.reward()
             attrs["reward"] = reward.total
+        reward_seconds = recorder.now() - reward_start
     metrics.update({f"reward/{k}": v for k, v in reward.components.items()})
     return Trajectory(
         prompt_id=task.id,
@@ -134,7 +161,46 @@ async def run_episode(
         finish_reason=finish,
         metrics=metrics,
         end_reason=end_reason,
+        turns=tuple(turns),
+        tool_calls=tuple(tool_timings),
+        prompt_tokens=prompt_tokens,
+        max_tokens=config.max_tokens,
+        started_at=started_at,
+        finished_at=recorder.now(),
+        reward_seconds=reward_seconds,
+        worker=worker,
     )
+
+
+def _trace_finish(finish: FinishReason, done: bool, tool_calls: int) -> str:
+    """The PolyTrace name of why a turn ended."""
+    if finish is FinishReason.LENGTH:
+        return "length"
+    if not done and tool_calls:
+        return "tool_calls"
+    return "stop" if finish is FinishReason.STOP else str(finish)
+
+
+def _tool_timings(tokenizer: Tokenizer, turn: int, calls: Sequence[ToolCallRecord],
+                  observation: Sequence[Message], appended: int,
+                  recorder: Recorder) -> list[ToolTiming]:
+    """One record per tool call; the turn's observation tokens are split over its calls by
+    their messages' lengths (the last takes the chat template's tokens)."""
+    sizes = [len(tokenizer.encode(m.get("content", ""))) for m in observation]
+    if len(sizes) != len(calls):  # an environment whose observation is not one message per call
+        sizes = [0] * len(calls)
+    timings = []
+    for i, call in enumerate(calls):
+        metadata = getattr(call, "metadata", None) or {}
+        query_count = metadata.get("query_count", 1)
+        timings.append(ToolTiming(
+            turn=turn, name=call.name, status=call.status, start=recorder.at(call.started),
+            latency=call.latency, error_kind=call.error_kind,
+            query_count=query_count if isinstance(query_count, int) else 1,
+            response_tokens=sizes[i],
+            append_tokens=sizes[i] if i < len(calls) - 1 else appended - sum(sizes[:-1]),
+        ))
+    return timings
 
 
 async def run_group(

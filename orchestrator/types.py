@@ -40,10 +40,48 @@ class Generation:
     versions: tuple[int, ...]
     finish_reason: FinishReason
     start_version: int
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache, if it has one
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
             raise ValueError("token_ids, logprobs and versions must have the same length")
+
+
+@dataclass(frozen=True)
+class TurnTiming:
+    """One generation call of an episode: its token counts and when and how long it ran.
+
+    Times are seconds on the run's recorder clock. ``finish_reason`` uses the PolyTrace
+    vocabulary: ``tool_calls`` (the turn called tools), ``stop`` or ``length``.
+    """
+
+    turn: int
+    start: float
+    latency: float  # the engine call, queueing inside the engine included
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    max_new_tokens: int
+    text_tokens: int  # completion tokens that are not stop tokens
+    finish_reason: str
+    tool_call_count: int
+    version: int  # policy version of the turn's first token
+    observation_tokens: int = 0  # tool output appended after this turn (not trained on)
+
+
+@dataclass(frozen=True)
+class ToolTiming:
+    """One tool call of an episode (see :class:`envs.base.ToolCallRecord`)."""
+
+    turn: int
+    name: str | None
+    status: str  # ok | error | timeout
+    start: float
+    latency: float
+    error_kind: str | None = None
+    query_count: int = 1
+    response_tokens: int = 0  # tokens of its observation message
+    append_tokens: int = 0  # tokens appended to the sequence for it (template included)
 
 
 @dataclass(frozen=True)
@@ -66,6 +104,15 @@ class Trajectory:
     finish_reason: FinishReason  # of the last turn's generation
     metrics: dict[str, float] = field(default_factory=dict)
     end_reason: str = "done"  # done | max_turns | max_length | tool_response_too_long
+    # Timings of every turn and tool call, and of the whole episode (recorder clock).
+    turns: tuple[TurnTiming, ...] = ()
+    tool_calls: tuple[ToolTiming, ...] = ()
+    prompt_tokens: int = 0  # the opening prompt
+    max_tokens: int = 0  # per-turn generation cap the episode ran with
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    reward_seconds: float = 0.0
+    worker: str = ""
 
     @property
     def num_generated(self) -> int:
@@ -86,6 +133,7 @@ class Group:
     start_version: int
     started_at: float
     finished_at: float
+    queue_wait: float = 0.0  # seconds the group waited for admission before it started
 
     @property
     def rewards(self) -> tuple[float, ...]:
