@@ -1,0 +1,121 @@
+"""The Docker engine: connecting with one clear error, container labels, and the reaper.
+
+Every container this package starts carries labels: ``polyrl.sandbox=1``, the run id, the
+owner's host, pid and process start time, and an expiry timestamp. :func:`reap` removes the
+containers whose run is over: the given run's own, those past their expiry, and those whose
+owner process on this host is gone (also after a SIGKILL, when no cleanup code ran). The pool
+calls it at start-up, periodically and at shutdown; ``python -m sandboxes.docker reap`` by hand.
+Independently, each container's PID 1 is ``sleep <lifetime>`` under an init, with auto-remove,
+so a container nobody reaps still disappears by itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import docker
+import docker.errors
+import requests.exceptions
+
+from sandboxes.docker.api import EngineUnavailable, ImageMissing
+
+LABEL = "polyrl.sandbox"
+LABEL_RUN = "polyrl.run_id"
+LABEL_HOST = "polyrl.owner_host"
+LABEL_PID = "polyrl.owner_pid"
+LABEL_START = "polyrl.owner_start"
+LABEL_EXPIRES = "polyrl.expires"
+DEFAULT_HOST = "unix:///var/run/docker.sock"
+SETUP_HINT = "start one with `bash scripts/docker_setup.sh`"
+
+
+def engine_url(docker_host: str | None = None) -> str:
+    return docker_host or os.environ.get("DOCKER_HOST") or DEFAULT_HOST
+
+
+def connect(docker_host: str | None = None, max_pool_size: int = 32) -> docker.DockerClient:
+    """A client of an engine that answers, or :class:`EngineUnavailable` in one line."""
+    url = engine_url(docker_host)
+    try:
+        client = docker.DockerClient(base_url=url, version="auto", max_pool_size=max_pool_size,
+                                     timeout=120)
+        client.ping()
+    except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
+        raise EngineUnavailable(f"no Docker engine at {url}; {SETUP_HINT}") from e
+    return client
+
+
+def require_image(client: docker.DockerClient, image: str) -> None:
+    try:
+        client.images.get(image)
+    except docker.errors.ImageNotFound as e:
+        raise ImageMissing(
+            f"image {image} is not in the engine; build it with "
+            f"`python -m sandboxes.docker build-image --image {image}` (or pull it)") from e
+
+
+def process_start(pid: int) -> str:
+    """The start time of a process in clock ticks since boot ('' when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    return stat[stat.rfind(b")") + 2:].split()[19].decode()
+
+
+@dataclass(frozen=True)
+class Owner:
+    run_id: str
+    host: str
+    pid: int
+    start: str
+
+    @classmethod
+    def this_process(cls, run_id: str) -> Owner:
+        return cls(run_id, socket.gethostname(), os.getpid(), process_start(os.getpid()))
+
+    def labels(self, lifetime_s: float) -> dict[str, str]:
+        return {LABEL: "1", LABEL_RUN: self.run_id, LABEL_HOST: self.host,
+                LABEL_PID: str(self.pid), LABEL_START: self.start,
+                LABEL_EXPIRES: str(int(time.time() + lifetime_s))}
+
+
+def is_leaked(labels: dict[str, str], run_id: str | None = None, now: float | None = None) -> bool:
+    """Whether a labelled container belongs to no live owner (or to ``run_id``)."""
+    if run_id is not None and labels.get(LABEL_RUN) == run_id:
+        return True
+    now = time.time() if now is None else now
+    try:
+        if float(labels.get(LABEL_EXPIRES, "0")) < now:
+            return True
+        pid = int(labels.get(LABEL_PID, "0"))
+    except ValueError:
+        return True
+    if labels.get(LABEL_HOST) != socket.gethostname():
+        return False  # another machine's run: only its expiry tells
+    return process_start(pid) != labels.get(LABEL_START)
+
+
+def labelled(client: docker.DockerClient) -> list:
+    return client.containers.list(all=True, filters={"label": f"{LABEL}=1"})
+
+
+def reap(client: docker.DockerClient, run_id: str | None = None) -> int:
+    """Remove leaked containers (blocking; see the module docstring). Returns how many."""
+    removed = 0
+    for container in labelled(client):
+        if not is_leaked(container.labels, run_id):
+            continue
+        try:
+            container.remove(force=True)
+            removed += 1
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as e:
+            if e.status_code != 409:  # 409: removal already in progress (auto-remove)
+                raise
+    return removed

@@ -1,0 +1,397 @@
+"""The warm container pool and the per-episode sandbox (a stateful Python session).
+
+``DockerSandboxPool`` keeps ``pool_size`` hardened containers started, each with the session
+runner attached over a long-lived ``docker exec`` whose stdin/stdout socket carries the
+runner's length-prefixed protocol; a call is one round trip on that socket (no new exec, no
+thread), which is why a session call costs milliseconds instead of a ``docker exec``'s ~70 ms.
+``pool.session()`` hands an episode its own container; afterwards the container is reset
+(every process of the code's uid killed, the tmpfs dirs emptied, a fresh interpreter) and
+reused, or destroyed when anything about it is in doubt: a lost runner, a host-side timeout,
+a failed reset, ``max_uses`` reached, less than half its lifetime left.
+
+Time is enforced twice. The runner kills a call at its deadline; the host waits for the answer
+``host_grace_s`` longer and then destroys the container (docker-py's exec has no timeout and
+killing an exec's client leaves its process running, so the container is the unit that dies).
+OOM kills of exec'd processes do not set Docker's ``OOMKilled``; the runner reads the memory
+cgroup's ``oom_kill`` counter inside, and the host reads the container's cgroup when the
+runner itself was lost.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import socket
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any, Self, TypeVar
+
+import anyio
+import docker
+import docker.errors
+from docker.types import Ulimit
+
+from sandboxes.docker import engine, protocol
+from sandboxes.docker.api import ExecLimits, ExecResult, Language, Sandbox, SandboxError, SandboxPool
+from sandboxes.docker.config import SandboxConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RunnerGone(SandboxError):
+    """The runner's stream ended: its process was killed or the container is gone."""
+
+
+class RunnerChannel:
+    """Async request/response over the hijacked exec socket (Docker's multiplexed frames)."""
+
+    def __init__(self, sock_io: Any) -> None:
+        self._io = sock_io  # keep the SocketIO (and its HTTP response) alive
+        self._sock: socket.socket = getattr(sock_io, "_sock", sock_io)
+        self._sock.setblocking(False)
+        self._raw = bytearray()
+        self._proto = bytearray()
+        self.stderr = bytearray()
+
+    async def roundtrip(self, data: bytes) -> bytes:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[self._sock.send(view):]
+            except BlockingIOError:
+                await anyio.wait_writable(self._sock)
+            except OSError as e:
+                raise RunnerGone(f"runner stream closed: {e}") from e
+        while True:
+            n = protocol.frame_length(self._proto)
+            if n is not None and len(self._proto) >= n:
+                frame = bytes(self._proto[:n])
+                del self._proto[:n]
+                return frame
+            await self._receive()
+
+    async def _receive(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(1 << 18)
+                break
+            except BlockingIOError:
+                await anyio.wait_readable(self._sock)
+            except OSError as e:
+                raise RunnerGone(f"runner stream closed: {e}") from e
+        if not data:
+            raise RunnerGone("runner stream ended")
+        self._raw += data
+        while len(self._raw) >= 8:
+            size = int.from_bytes(self._raw[4:8], "big")
+            if len(self._raw) < 8 + size:
+                break
+            target = self._proto if self._raw[0] == 1 else self.stderr
+            if target is self._proto or len(self.stderr) < 65536:
+                target += self._raw[8:8 + size]
+            del self._raw[:8 + size]
+
+    def close(self) -> None:
+        for closer in (getattr(self._io, "close", None), self._sock.close):
+            try:
+                if closer is not None:
+                    closer()
+            except OSError:
+                pass
+
+
+class _Container:
+    def __init__(self, container: Any, channel: RunnerChannel, expires: float) -> None:
+        self.container = container
+        self.id: str = container.id
+        self.channel = channel
+        self.expires = expires
+        self.uses = 0
+        self.broken = False
+
+
+def _cgroup_oom_kills(container_id: str) -> int | None:
+    """The container's memory-cgroup OOM-kill count as the host sees it (None: unknown)."""
+    for path in (f"/sys/fs/cgroup/memory/docker/{container_id}/memory.oom_control",
+                 f"/sys/fs/cgroup/system.slice/docker-{container_id}.scope/memory.events",
+                 f"/sys/fs/cgroup/docker/{container_id}/memory.events"):
+        try:
+            for line in Path(path).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+class DockerSandbox(Sandbox):
+    """One episode's sandbox. If its container is lost (host-side timeout, runner killed) the
+    next call transparently gets a fresh one; the result that lost it says ``session_reset``."""
+
+    def __init__(self, pool: DockerSandboxPool) -> None:
+        self._pool = pool
+        self._container: _Container | None = None
+        self._lock = anyio.Lock()
+        self.calls = 0
+
+    async def exec(self, code: str, *, language: Language = "python", timeout: float | None = None,
+                   limits: ExecLimits | None = None) -> ExecResult:
+        timeout_s, max_output = self._pool.config.call_limits(timeout, limits)
+        async with self._lock:
+            if self._container is None:
+                self._container = await self._pool._acquire()
+            box = self._container
+            self.calls += 1
+            oom_before = _cgroup_oom_kills(box.id)
+            start = time.perf_counter()
+            request = protocol.exec_request(code, language, timeout_s, max_output)
+            try:
+                with anyio.move_on_after(timeout_s + self._pool.config.host_grace_s) as scope:
+                    frame = await box.channel.roundtrip(request)
+            except RunnerGone:
+                frame = None
+            except BaseException:
+                box.broken = True  # cancelled mid-call: the stream is out of step
+                raise
+            duration = time.perf_counter() - start
+            if frame is not None and not scope.cancelled_caught:
+                return protocol.to_result(frame, duration)
+            # lost: the host deadline passed or the runner died; the container goes
+            box.broken = True
+            self._container = None
+            self._pool._release_soon(box)
+            if scope.cancelled_caught:
+                status = "timeout"
+            else:
+                oom_after = _cgroup_oom_kills(box.id)
+                grew = oom_before is not None and oom_after is not None and oom_after > oom_before
+                status = "oom" if grew else "killed"
+            return ExecResult("", box.channel.stderr[-2000:].decode("utf-8", "replace"), None,
+                              status, duration, session_reset=True)
+
+    async def _finish(self) -> None:
+        if self._container is not None:
+            self._pool._release_soon(self._container)
+            self._container = None
+
+
+class DockerSandboxPool(SandboxPool):
+    """Warm, hardened containers for episodes. Use as ``async with DockerSandboxPool(cfg)``."""
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config or SandboxConfig()
+        self.run_id = self.config.run_id or uuid.uuid4().hex[:12]
+        self.owner = engine.Owner.this_process(self.run_id)
+        self.client: docker.DockerClient | None = None
+        self._limiter = anyio.CapacityLimiter(self.config.docker_call_concurrency)
+        self._ready: deque[_Container] = deque()
+        self._live: set[_Container] = set()
+        self._pending = 0  # containers being created
+        self._changed = anyio.Event()
+        self._names = itertools.count()
+        self._stack = AsyncExitStack()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._closed = False
+        self.stats = {"created": 0, "reused": 0, "destroyed": 0, "reaped": 0}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        cfg = self.config
+        self.client = await self._thread(engine.connect, cfg.docker_host,
+                                         max(32, cfg.docker_call_concurrency * 2))
+        await self._thread(engine.require_image, self.client, cfg.image)
+        self.stats["reaped"] += await self._thread(engine.reap, self.client)
+        self._tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self._tg.start_soon(self._reap_periodically)
+        self._fill()
+        return self
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+        try:
+            await self._stack.aclose()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._remove_all()
+
+    async def _remove_all(self) -> None:
+        if self.client is None:
+            return
+        async with anyio.create_task_group() as tg:
+            for box in list(self._live):
+                tg.start_soon(self._destroy, box)
+        self._ready.clear()
+        self.stats["reaped"] += await self._thread(engine.reap, self.client, self.run_id)
+        self.client.close()
+
+    async def _reap_periodically(self) -> None:
+        while True:
+            await anyio.sleep(self.config.reap_interval_s)
+            self.stats["reaped"] += await self._thread(engine.reap, self.client)
+
+    # -- sessions ----------------------------------------------------------------------------
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[DockerSandbox]:
+        if self._tg is None or self._closed:
+            raise SandboxError("the pool is not open: use `async with DockerSandboxPool(cfg)`")
+        sandbox = DockerSandbox(self)
+        try:
+            yield sandbox
+        finally:
+            await sandbox._finish()
+
+    async def _acquire(self) -> _Container:
+        while True:
+            if self._closed:
+                raise SandboxError("the sandbox pool is closed")
+            if self._ready:
+                box = self._ready.popleft()
+                self._fill()
+                return box
+            if len(self._live) + self._pending < self.config.max_containers:
+                self._pending += 1
+                try:
+                    return await self._create()
+                finally:
+                    self._pending -= 1
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _fill(self) -> None:
+        """Start creating containers until ``pool_size`` are ready or on their way."""
+        cfg = self.config
+        while (self._tg is not None and not self._closed
+               and len(self._ready) + self._pending < cfg.pool_size
+               and len(self._live) + self._pending < cfg.max_containers):
+            self._pending += 1
+            self._tg.start_soon(self._create_ready)
+
+    async def _create_ready(self) -> None:
+        try:
+            box = await self._create()
+        finally:
+            self._pending -= 1
+        self._ready.append(box)
+        self._notify()
+
+    def _release_soon(self, box: _Container) -> None:
+        """After an episode (or a lost call): reset and keep, or destroy, in the background."""
+        if self._tg is not None and not self._closed:
+            self._tg.start_soon(self._release, box)
+
+    async def _release(self, box: _Container) -> None:
+        cfg = self.config
+        box.uses += 1
+        keep = (cfg.reuse and cfg.read_only_root and not box.broken and box.uses < cfg.max_uses
+                and box.expires - time.time() > cfg.lifetime_s / 2
+                and len(self._ready) + self._pending < cfg.pool_size)
+        if keep:
+            with anyio.move_on_after(10):
+                frame = await box.channel.roundtrip(protocol.request(protocol.OP_RESET))
+                if protocol.parse_response(frame)[0] == 0:
+                    self.stats["reused"] += 1
+                    self._ready.append(box)
+                    self._notify()
+                    return
+        await self._destroy(box)
+
+    # -- containers --------------------------------------------------------------------------
+    async def _thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs),
+                                              limiter=self._limiter)
+
+    def _run_kwargs(self) -> dict[str, Any]:
+        cfg = self.config
+        uid, _, gid = cfg.user.partition(":")
+        gid = gid or uid
+        return dict(
+            command=["sleep", str(cfg.lifetime_s)], detach=True, auto_remove=True, init=True,
+            name=f"polyrl-sbx-{self.run_id}-{next(self._names)}", hostname="sandbox",
+            labels=self.owner.labels(cfg.lifetime_s), user=cfg.keepalive_user,
+            network_mode="bridge" if cfg.network else "none", read_only=cfg.read_only_root,
+            tmpfs={cfg.work_dir: f"rw,nosuid,nodev,size={cfg.work_dir_mb}m,uid={uid},gid={gid},"
+                                 "mode=0700",
+                   "/tmp": f"rw,nosuid,nodev,size={cfg.tmp_mb}m,mode=1777"},
+            shm_size=f"{cfg.tmp_mb}m", working_dir=cfg.work_dir,
+            cap_drop=["ALL"], security_opt=["no-new-privileges"], pids_limit=cfg.pids_limit,
+            mem_limit=f"{cfg.memory_mb}m", memswap_limit=f"{cfg.memory_mb}m",
+            nano_cpus=int(cfg.cpus * 1e9),
+            ulimits=[Ulimit(name="nofile", soft=cfg.nofile, hard=cfg.nofile),
+                     Ulimit(name="fsize", soft=cfg.fsize_mb << 20, hard=cfg.fsize_mb << 20),
+                     Ulimit(name="core", soft=0, hard=0)],
+        )
+
+    def _start_container(self) -> Any:
+        assert self.client is not None
+        return self.client.containers.run(self.config.image, **self._run_kwargs())
+
+    def _attach_runner(self, container_id: str) -> Any:
+        assert self.client is not None
+        cfg = self.config
+        argv = ["python3", "-I", "-c", protocol.RUNNER_SOURCE, "--kill-scope", "uid",
+                "--wipe", cfg.work_dir, "--wipe", "/tmp", "--wipe", "/dev/shm"]
+        env = {"HOME": cfg.work_dir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+               "PATH": "/usr/local/bin:/usr/bin:/bin"}
+        exec_id = self.client.api.exec_create(container_id, argv, stdin=True, stdout=True,
+                                              stderr=True, tty=False, user=cfg.user,
+                                              workdir=cfg.work_dir, environment=env)["Id"]
+        return self.client.api.exec_start(exec_id, socket=True, tty=False)
+
+    async def _create(self) -> _Container:
+        try:
+            container = await self._thread(self._start_container)
+        except docker.errors.APIError as e:
+            raise SandboxError(f"could not start a sandbox container: {e.explanation or e}") from e
+        self.stats["created"] += 1
+        channel: RunnerChannel | None = None
+        try:
+            channel = RunnerChannel(await self._thread(self._attach_runner, container.id))
+            with anyio.fail_after(30):
+                frame = await channel.roundtrip(protocol.request(protocol.OP_PING))
+            if protocol.parse_response(frame)[0] != 0:
+                raise SandboxError("the sandbox runner did not answer its ping")
+        except BaseException as e:
+            with anyio.CancelScope(shield=True):
+                if channel is not None:
+                    channel.close()
+                await self._remove(container)
+            if isinstance(e, docker.errors.APIError | RunnerGone | TimeoutError):
+                raise SandboxError(f"the sandbox runner did not start in {self.config.image}: "
+                                   f"{e}") from e
+            raise
+        box = _Container(container, channel, time.time() + self.config.lifetime_s)
+        self._live.add(box)
+        return box
+
+    async def _remove(self, container: Any) -> None:
+        try:
+            await self._thread(container.remove, force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as e:
+            if e.status_code != 409:  # removal already in progress (auto-remove)
+                raise
+        self.stats["destroyed"] += 1
+
+    async def _destroy(self, box: _Container) -> None:
+        if box not in self._live:
+            return
+        self._live.discard(box)
+        box.channel.close()
+        await self._remove(box.container)
+        self._notify()
+        self._fill()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Make a Docker engine answer and build the sandbox base image; safe to run again.
+#   bash scripts/docker_setup.sh
+# As root on Debian/Ubuntu: installs docker.io and debootstrap with apt-get when absent, starts
+# dockerd in the background when no engine answers, waits for it, then builds the image
+# (python -m sandboxes.docker build-image; a no-op when the image exists). Without root, or
+# without apt-get, it only reports what is missing and leaves the sandbox tests to skip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { echo "docker_setup: $*" >&2; }
+PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+
+if ! command -v dockerd >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing docker.io and debootstrap with apt-get"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    apt-get install -y -qq --no-install-recommends docker.io debootstrap >/dev/null
+  else
+    log "dockerd or debootstrap is missing and this is not root with apt-get; skipping"
+    exit 0
+  fi
+fi
+
+if ! docker version >/dev/null 2>&1; then
+  if [ "$(id -u)" != 0 ]; then
+    log "no Docker engine answers and this is not root; skipping"
+    exit 0
+  fi
+  log "starting dockerd (log: /var/log/dockerd.log)"
+  nohup dockerd >/var/log/dockerd.log 2>&1 &
+  for _ in $(seq 1 60); do
+    docker version >/dev/null 2>&1 && break
+    sleep 0.5
+  done
+  if ! docker version >/dev/null 2>&1; then
+    log "dockerd did not answer within 30 s; see /var/log/dockerd.log"
+    tail -n 20 /var/log/dockerd.log >&2 || true
+    exit 1
+  fi
+fi
+
+"$PY" -m sandboxes.docker build-image
