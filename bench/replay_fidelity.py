@@ -1,0 +1,108 @@
+"""Fidelity of the calibrated replay: fit the engine model on some trace steps, replay a step it
+was not fitted on through the real pipeline, and compare with what was recorded.
+
+Fit: :func:`orchestrator.engines.replay_model.fit` on ``--fit`` steps (closed-loop replays of
+the standalone server model). Evaluation: the ``--eval`` step replayed by
+:func:`orchestrator.engines.replay_run.replay` — the real :class:`~orchestrator.pipeline.Pipeline`
+at ``k = 0`` with the replay engine, environment and recorder, in virtual time — and three
+figures against the recorded step:
+
+* rollout makespan: the longest trajectory's end-to-end time (target: within 5%);
+* median per-trajectory end-to-end time (target: within 10%);
+* KS statistic between replayed and recorded per-turn engine latencies (target: <= 0.10).
+
+End to end is generation plus tool time per trajectory, as in the trace (all of a step's
+trajectories start together at 0). With the shipped sample (64 trajectories a step), every
+trajectory is played ``--replicas`` times (default: enough to rebuild a 2,048-trajectory
+step's load) and compared with the recorded sample. The last line is
+``accuracy=<1 - |makespan relative error|>`` (PolyTrace reports 94.7% for its suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from orchestrator.engines.replay_model import episodes_from, ks_statistic, replay_fidelity
+from orchestrator.engines.replay_run import (
+    EngineFit,
+    plans_from_records,
+    replay,
+    resample_groups,
+    run_virtual,
+)
+from orchestrator.trace.fitting import fit_trace
+from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
+
+FULL_STEP = 2048
+
+
+def steps_arg(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Replay fidelity on a held-out trace step.")
+    parser.add_argument("--trace", type=Path, default=SHIPPED_SAMPLE,
+                        help="a PolyTrace directory (default: the shipped search_r1 sample)")
+    parser.add_argument("--fit", type=steps_arg, default=[0, 1, 2])
+    parser.add_argument("--eval", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="plays of each trajectory (default: up to a 2,048-trajectory step)")
+    parser.add_argument("--iterations", type=int, default=160, help="Nelder-Mead iterations")
+    args = parser.parse_args(argv)
+    if args.eval in args.fit:
+        parser.error(f"--eval {args.eval} is among the --fit steps: evaluate on a held-out step")
+
+    trace = TraceDir.open(args.trace)
+    records = list(trace.workload(args.eval))
+    replicas = args.replicas or max(1, FULL_STEP // len(records))
+    started = time.perf_counter()
+    fit: EngineFit = fit_trace(args.trace, args.fit, args.iterations, replicas)
+    fit_seconds = time.perf_counter() - started
+    p = fit.server
+    print(f"trace={trace.path} fit={args.fit} eval={args.eval} trajectories={len(records)} "
+          f"replicas={replicas} fit_s={fit_seconds:.1f}")
+    print(f"engine: step={p.step_base * 1e3:.2f} ms + {p.step_per_seq * 1e3:.3f} ms/seq + "
+          f"{p.step_per_1k_tokens * 1e3:.3f} ms/1k tokens; prefill {p.prefill_per_1k * 1e3:.1f} "
+          f"ms/1k tokens; max_running={p.max_running}")
+
+    standalone = replay_fidelity(p, episodes_from(records), replicas)
+
+    plans = plans_from_records(records)
+    groups = len({pl.group for pl in plans}) * replicas
+    plans = resample_groups(plans, groups)
+    started = time.perf_counter()
+    result = run_virtual(replay, plans, fit, 0, 1)
+    replay_seconds = time.perf_counter() - started
+    trajectories = [t for r in result.reports for g in r.groups for t in g.trajectories]
+    e2e = [t.finished_at - t.started_at for t in trajectories]
+    latencies = [turn.latency for t in trajectories for turn in t.turns]
+    observed_e2e = [r.end_to_end_s for r in records]
+    observed_lat = [t.engine_latency_s for r in records for t in r.turns]
+    makespan_error = max(e2e) / max(observed_e2e) - 1.0
+    median_error = statistics.median(e2e) / statistics.median(observed_e2e) - 1.0
+    ks = ks_statistic(latencies, observed_lat)
+
+    print(f"standalone model: makespan_err={standalone.makespan_error:+.2%} "
+          f"median_e2e_err={standalone.median_e2e_error:+.2%} ks={standalone.latency_ks:.3f}")
+    print(f"pipeline replay ({len(trajectories)} trajectories, {replay_seconds:.1f} s real, "
+          f"{result.wall:.0f} s virtual incl. train step):")
+    rows = [
+        ("rollout makespan s", max(observed_e2e), max(e2e), makespan_error, 0.05),
+        ("median e2e s", statistics.median(observed_e2e), statistics.median(e2e), median_error, 0.10),
+    ]
+    print(f"  {'metric':<20} {'trace':>9} {'replay':>9} {'error':>8} {'target':>7}")
+    for name, obs, sim, err, target in rows:
+        ok = "ok" if abs(err) <= target else "MISS"
+        print(f"  {name:<20} {obs:>9.1f} {sim:>9.1f} {err:>+8.2%} {target:>6.0%} {ok}")
+    print(f"  {'turn latency KS':<20} {'':>9} {'':>9} {ks:>8.3f} {0.10:>7.2f} "
+          f"{'ok' if ks <= 0.10 else 'MISS'}")
+    print(f"accuracy={1.0 - abs(makespan_error):.4f}")
+
+
+if __name__ == "__main__":
+    main()

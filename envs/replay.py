@@ -1,0 +1,148 @@
+"""An environment that replays recorded episodes: the turn structure and token counts of a
+trace, with tool calls that take the recorded time (or a time drawn from a latency model).
+
+Each :class:`EpisodePlan` says, per turn, how many prompt tokens the engine sees (and how
+many of them a prefix cache holds), how many it generates, and which tool calls follow with
+their latency, status and observation size. The environment cannot carry token counts in
+real text, so it speaks a small message protocol that a replay tokenizer understands:
+
+* the opening message's content is ``replay:<key>:<prompt tokens>`` (``key`` names the plan;
+  the engine looks the turn's counts up by it);
+* each tool observation's content is ``obs:<tokens>``.
+
+:class:`ReplaySpec` hands out one task per recorded prompt group; the episodes of a group
+take its recorded samples in turn. Tool time is waited with ``anyio.sleep``, so under a
+virtual clock a replay takes no real time; ``ToolCallRecord.started`` is read from
+``anyio.current_time()``, which the recorder of a replay uses as its clock. Nothing here
+knows about engines or versions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+import anyio
+
+from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task, ToolCallRecord
+
+OPENING = re.compile(r"^replay:(\d+):(\d+)$")
+OBSERVATION = re.compile(r"^obs:(\d+)$")
+
+
+def opening_message(key: int, prompt_tokens: int) -> Message:
+    return {"role": "user", "content": f"replay:{key}:{prompt_tokens}"}
+
+
+def observation_message(tokens: int) -> Message:
+    return {"role": "tool", "content": f"obs:{tokens}"}
+
+
+def parse_opening(content: str) -> tuple[int, int] | None:
+    match = OPENING.match(content)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def parse_observation(content: str) -> int | None:
+    match = OBSERVATION.match(content)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    latency: float
+    status: str  # the trace's status (success | unknown | api_error)
+    query_count: int = 1
+    append_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str  # tool_calls | stop | length
+    latency: float = 0.0  # recorded engine latency (for comparison; the engine models its own)
+    tools: tuple[ToolPlan, ...] = ()
+
+
+@dataclass(frozen=True)
+class EpisodePlan:
+    key: int
+    prompt_tokens: int
+    turns: tuple[TurnPlan, ...]
+    group: int = 0
+    sample: int = 0
+
+
+# (query_count) -> (latency seconds, status): a latency model, e.g. the search fault model.
+LatencyModel = Callable[[int], tuple[float, str]]
+_HAS_METADATA = "metadata" in {f.name for f in fields(ToolCallRecord)}
+
+
+class ReplayEnv(Env):
+    def __init__(self, spec: ReplaySpec) -> None:
+        self.spec = spec
+        self.plan: EpisodePlan | None = None
+        self.turn = 0
+
+    async def reset(self, task: Task) -> tuple[Message, ...]:
+        self.plan = self.spec.next_plan(task)
+        self.turn = 0
+        return (opening_message(self.plan.key, self.plan.prompt_tokens),)
+
+    async def step(self, reply: str) -> StepResult:
+        if self.plan is None:
+            raise RuntimeError("step() before reset()")
+        turn = self.plan.turns[min(self.turn, len(self.plan.turns) - 1)]
+        self.turn += 1
+        if not turn.tools or self.turn >= len(self.plan.turns):
+            return StepResult(observation=(), reward=0.0, done=True)
+        records = []
+        observation = []
+        for tool in turn.tools:  # sequential, as the trace's per-turn tool time is summed
+            latency, status = tool.latency, tool.status
+            if self.spec.latency_model is not None:
+                latency, status = self.spec.latency_model(tool.query_count)
+            started = anyio.current_time()
+            await anyio.sleep(latency * self.spec.tool_time_scale)
+            ok = status == "success"
+            extra = {"metadata": {"query_count": tool.query_count}} if _HAS_METADATA else {}
+            records.append(ToolCallRecord("search", "ok" if ok else "error", started,
+                                          anyio.current_time() - started,
+                                          None if ok else status, **extra))
+            observation.append(observation_message(tool.append_tokens))
+        return StepResult(observation=tuple(observation), reward=0.0, done=False,
+                          tool_calls=tuple(records))
+
+    async def reward(self) -> Reward:
+        return Reward(total=0.0)
+
+
+class ReplaySpec(EnvSpec):
+    """One task per recorded prompt group; episodes of a group take its samples in turn."""
+
+    name = "replay"
+
+    def __init__(self, plans: Sequence[EpisodePlan], latency_model: LatencyModel | None = None,
+                 tool_time_scale: float = 1.0) -> None:
+        groups: dict[int, list[EpisodePlan]] = {}
+        for plan in plans:
+            groups.setdefault(plan.group, []).append(plan)
+        self.groups = [groups[g] for g in sorted(groups)]
+        self.plans = {plan.key: plan for plan in plans}
+        self.latency_model = latency_model
+        self.tool_time_scale = tool_time_scale
+        self._tasks = tuple(Task(id=i, messages=(), answer="") for i in range(len(self.groups)))
+        self._turns = [itertools.cycle(g) for g in self.groups]
+
+    def next_plan(self, task: Task) -> EpisodePlan:
+        return next(self._turns[task.id])
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        return self._tasks
+
+    def make_env(self) -> Env:
+        return ReplayEnv(self)
