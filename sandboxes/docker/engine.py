@@ -39,13 +39,29 @@ def engine_url(docker_host: str | None = None) -> str:
 def connect(docker_host: str | None = None, max_pool_size: int = 32) -> docker.DockerClient:
     """A client of an engine that answers, or :class:`EngineUnavailable` in one line."""
     url = engine_url(docker_host)
+    if url.startswith("unix://") and not _socket_answers(url[len("unix://"):]):
+        raise EngineUnavailable(f"no Docker engine at {url}; {SETUP_HINT}")
+    client = None
     try:
         client = docker.DockerClient(base_url=url, version="auto", max_pool_size=max_pool_size,
                                      timeout=120)
         client.ping()
     except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
+        if client is not None:
+            client.close()
         raise EngineUnavailable(f"no Docker engine at {url}; {SETUP_HINT}") from e
     return client
+
+
+def _socket_answers(path: str) -> bool:
+    # checked here because docker-py leaks the socket of a failed first connection
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
 
 
 def require_image(client: docker.DockerClient, image: str) -> None:

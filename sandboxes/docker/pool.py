@@ -37,7 +37,14 @@ import docker.errors
 from docker.types import Ulimit
 
 from sandboxes.docker import engine, protocol
-from sandboxes.docker.api import ExecLimits, ExecResult, Language, Sandbox, SandboxError, SandboxPool
+from sandboxes.docker.api import (
+    ExecLimits,
+    ExecResult,
+    Language,
+    Sandbox,
+    SandboxError,
+    SandboxPool,
+)
 from sandboxes.docker.config import SandboxConfig
 
 log = logging.getLogger(__name__)
@@ -152,6 +159,7 @@ class DockerSandbox(Sandbox):
             oom_before = _cgroup_oom_kills(box.id)
             start = time.perf_counter()
             request = protocol.exec_request(code, language, timeout_s, max_output)
+            frame: bytes | None = None
             try:
                 with anyio.move_on_after(timeout_s + self._pool.config.host_grace_s) as scope:
                     frame = await box.channel.roundtrip(request)
@@ -206,8 +214,13 @@ class DockerSandboxPool(SandboxPool):
         cfg = self.config
         self.client = await self._thread(engine.connect, cfg.docker_host,
                                          max(32, cfg.docker_call_concurrency * 2))
-        await self._thread(engine.require_image, self.client, cfg.image)
-        self.stats["reaped"] += await self._thread(engine.reap, self.client)
+        try:
+            await self._thread(engine.require_image, self.client, cfg.image)
+            self.stats["reaped"] += await self._thread(engine.reap, self.client)
+        except BaseException:
+            self.client.close()
+            self._closed = True
+            raise
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._tg.start_soon(self._reap_periodically)
         self._fill()

@@ -160,6 +160,7 @@ def kernel_loop(ctl_r, res_w):
     import traceback
 
     namespace = {"__name__": "__main__", "__builtins__": builtins}
+    kernel_pid = os.getpid()
     while True:
         head = read_exact(ctl_r, 4)
         if head is None:
@@ -188,6 +189,8 @@ def kernel_loop(ctl_r, res_w):
                 stream.flush()
             except Exception:
                 pass
+        if os.getpid() != kernel_pid:
+            os._exit(exit_code & 0xFF)  # a child the cell forked: it must not answer
         write_all(res_w, struct.pack(">q", exit_code))
 
 
@@ -258,6 +261,12 @@ class Supervisor:
         if self.kernel is None:
             self.kernel = Kernel()
         kernel = self.kernel
+        os.set_blocking(kernel.res_r, False)
+        try:
+            while os.read(kernel.res_r, 4096):  # stale answers (from a cell's forked child)
+                pass
+        except BlockingIOError:
+            pass
         oom_before = oom_kills()
         try:
             write_all(kernel.ctl_w, LEN.pack(len(body)) + body)
@@ -281,7 +290,6 @@ class Supervisor:
                 return True
             return False
 
-        os.set_blocking(kernel.res_r, False)
         outcome, out, err = self.collect(kernel.out_r, kernel.err_r, kernel.res_r, finished,
                                          deadline, max_out)
         if outcome == "done" and done[0][0] == "exit":
@@ -466,6 +474,12 @@ def main(argv):
             scope = next(args)
         elif arg == "--wipe":
             wipe.append(next(args))
+        elif arg == "--rlimit":  # NAME=VALUE, e.g. AS=1073741824 (the local sandbox)
+            import resource
+
+            name, _, value = next(args).partition("=")
+            limit = getattr(resource, "RLIMIT_" + name)
+            resource.setrlimit(limit, (int(value), int(value)))
     Supervisor(scope, wipe).serve()
 
 

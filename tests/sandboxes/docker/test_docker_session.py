@@ -1,0 +1,161 @@
+"""The pool and its sessions against a real engine: state, statuses, limits, labels, reuse."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+from conftest import GRACE_S, SLACK_S, TIMEOUT_S, small_config
+
+from sandboxes.docker import (
+    DockerSandboxPool,
+    EngineUnavailable,
+    ExecLimits,
+    ImageMissing,
+    SandboxConfig,
+    make_sandbox_pool,
+)
+from sandboxes.docker.engine import LABEL, LABEL_EXPIRES, LABEL_PID, LABEL_RUN
+
+pytestmark = [pytest.mark.anyio, pytest.mark.docker]
+
+# processes of the code's uid other than the runner's supervisor and kernel
+STRAYS = ("import os\n"
+          "[p for p in os.listdir('/proc') if p.isdigit() and os.stat('/proc/' + p).st_uid =="
+          " os.getuid() and int(p) not in (os.getpid(), os.getppid())]")
+
+
+async def test_state_persists_within_an_episode(pool: DockerSandboxPool) -> None:
+    async with pool.session() as sb:
+        assert (await sb.exec("x = 20\ndef f(y):\n    return x + y")).ok
+        r = await sb.exec("print('sum', f(1))\nf(2)")
+        assert (r.stdout, r.status, r.exit_code) == ("sum 21\n22\n", "ok", 0)
+        r = await sb.exec("1/0")
+        assert r.status == "ok" and r.exit_code == 1 and "ZeroDivisionError" in r.stderr
+        assert "kernel_loop" not in r.stderr  # only the user's frames
+        r = await sb.exec("echo $HOME; id -u; exit 3", language="shell")
+        assert (r.stdout, r.exit_code) == ("/work\n1000\n", 3)
+        assert (await sb.exec("x")).stdout == "20\n"  # shell calls leave the session alone
+        r = await sb.exec("raise SystemExit(4)")
+        assert r.exit_code == 4 and not r.session_reset
+        assert (await sb.exec("x")).stdout == "20\n"
+
+
+async def test_episodes_do_not_share_state(pool: DockerSandboxPool) -> None:
+    async with pool.session() as a, pool.session() as b:
+        await a.exec("secret = 1")
+        r = await b.exec("secret")
+        assert "NameError" in r.stderr
+
+
+async def test_hardening_is_applied(pool: DockerSandboxPool, docker_client) -> None:
+    async with pool.session() as sb:
+        await sb.exec("pass")
+        box = sb._container
+        attrs = docker_client.api.inspect_container(box.id)
+    host = attrs["HostConfig"]
+    assert host["ReadonlyRootfs"] and host["Init"] and host["AutoRemove"]
+    assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"]
+    assert host["NetworkMode"] == "none" and host["PidsLimit"] == 64
+    assert host["Memory"] == host["MemorySwap"] == 192 << 20
+    assert host["NanoCpus"] == 10**9 and not host["Privileged"]
+    assert {u["Name"] for u in host["Ulimits"]} >= {"nofile", "fsize"}
+    assert "/work" in host["Tmpfs"] and "size=16m" in host["Tmpfs"]["/work"]
+    labels = attrs["Config"]["Labels"]
+    assert labels[LABEL] == "1" and labels[LABEL_RUN] == pool.run_id
+    assert int(labels[LABEL_PID]) > 0 and float(labels[LABEL_EXPIRES]) > time.time()
+    assert attrs["Config"]["User"] == "65534:65534"
+
+
+async def test_timeout_argument_is_capped_by_config(pool: DockerSandboxPool) -> None:
+    """A model passing its own timeout (e.g. through tool arguments) cannot extend the limit."""
+    async with pool.session() as sb:
+        start = time.monotonic()
+        r = await sb.exec("while True: pass", timeout=10_000,
+                          limits=ExecLimits(timeout_s=10_000, max_output_bytes=10**12))
+        assert r.status == "timeout" and time.monotonic() - start < TIMEOUT_S + SLACK_S
+    cfg = small_config()
+    assert cfg.call_limits(10_000, None) == (TIMEOUT_S, cfg.max_output_bytes)
+    assert cfg.call_limits(0.5, ExecLimits(max_output_bytes=10)) == (0.5, 10)
+
+
+async def test_host_deadline_destroys_a_wedged_container(pool: DockerSandboxPool) -> None:
+    """The runner itself stopped (SIGSTOP): only the host-side deadline can end the call."""
+    async with pool.session() as sb:
+        await sb.exec("y = 1")
+        start = time.monotonic()
+        r = await sb.exec("import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\n"
+                          "while True: pass")
+        took = time.monotonic() - start
+        assert r.status == "timeout" and r.session_reset
+        assert TIMEOUT_S + GRACE_S - 0.5 < took < TIMEOUT_S + GRACE_S + SLACK_S
+        r = await sb.exec("y")  # a fresh container, a fresh namespace
+        assert "NameError" in r.stderr
+        assert (await sb.exec("print('alive')")).stdout == "alive\n"
+
+
+async def test_killed_runner_gives_killed_and_a_fresh_session(pool: DockerSandboxPool) -> None:
+    async with pool.session() as sb:
+        r = await sb.exec("kill -9 -1", language="shell")
+        assert r.status == "killed" and r.session_reset
+        assert (await sb.exec("print(2 + 2)")).stdout == "4\n"
+
+
+async def test_clean_container_is_reset_and_reused(docker_client) -> None:
+    async with DockerSandboxPool(small_config(max_containers=1)) as pool:
+        async with pool.session() as sb:
+            await sb.exec("open('/work/left', 'w').write('x'); open('/tmp/t', 'w').write('y')")
+            await sb.exec("sleep 300 &", language="shell")
+            first = sb._container.id
+        async with pool.session() as sb:
+            r = await sb.exec("import os\nprint(os.listdir('/work'), os.listdir('/tmp'))\n"
+                              + STRAYS)
+            assert sb._container.id == first  # the same container, reset
+            assert r.stdout == "[] []\n[]\n"
+        assert pool.stats["reused"] >= 1
+
+
+async def test_run_is_a_session_of_one_call(pool: DockerSandboxPool) -> None:
+    r = await pool.run("print('once')")
+    assert r.ok and r.stdout == "once\n"
+
+
+async def test_make_sandbox_pool_from_a_mapping(docker_client) -> None:
+    async with make_sandbox_pool({"_target_": "x", "pool_size": 0, "timeout_s": 2.0}) as p:
+        assert isinstance(p, DockerSandboxPool)
+        assert (await p.run("6 * 7")).stdout == "42\n"
+    with pytest.raises(ValueError, match="unknown sandbox key"):
+        make_sandbox_pool({"memroy_mb": 1})
+
+
+async def test_no_engine_is_one_clear_line() -> None:
+    cfg = SandboxConfig(docker_host="unix:///nonexistent/docker.sock")
+    with pytest.raises(EngineUnavailable) as e:
+        async with DockerSandboxPool(cfg):
+            pass
+    message = str(e.value)
+    assert "\n" not in message and "scripts/docker_setup.sh" in message
+    assert "unix:///nonexistent/docker.sock" in message
+
+
+async def test_missing_image_names_the_build_command(docker_client) -> None:
+    with pytest.raises(ImageMissing, match="build-image"):
+        async with DockerSandboxPool(SandboxConfig(image="polyrl-no-such-image:0")):
+            pass
+
+
+def test_config_rejects_root_and_nonsense() -> None:
+    with pytest.raises(ValueError, match="root"):
+        SandboxConfig(user="0:0")
+    with pytest.raises(ValueError, match="pids_limit"):
+        SandboxConfig(pids_limit=0)
+
+
+async def test_parallel_calls_in_one_session_are_serialised(pool: DockerSandboxPool) -> None:
+    async with pool.session() as sb:
+        await sb.exec("n = 0")
+        async with anyio.create_task_group() as tg:
+            for _ in range(10):
+                tg.start_soon(sb.exec, "n += 1")
+        assert (await sb.exec("n")).stdout == "10\n"
