@@ -39,6 +39,7 @@ class ToolCallRecord:
     started: float  # time.perf_counter() when the call began
     latency: float  # seconds
     error_kind: str | None = None  # malformed_json | unknown_tool | bad_arguments | too_many | …
+    metadata: dict[str, object] = field(default_factory=dict)  # what the tool reported (attempts, …)
 
 
 @dataclass(frozen=True)
@@ -95,3 +96,13 @@ class EnvSpec(ABC):
     @abstractmethod
     def make_env(self) -> Env:
         """A fresh environment for one episode."""
+
+    def demonstration(self, task: Task) -> tuple[Message, ...]:
+        """A reference episode for the supervised warm start: the opening messages as
+        ``reset`` gives them, then the continuation, whose assistant turns are learned (other
+        messages, such as tool results, are context). A single-turn environment answers with
+        the reference answer; a tool environment shows the calls and their results too."""
+        return (*task.messages, {"role": "assistant", "content": task.answer})
+
+    def close(self) -> None:  # noqa: B027 - most specs hold nothing
+        """Release what the spec holds for the whole run (a service it started, say)."""

@@ -75,10 +75,14 @@ class ToolEnv(Env):
             parts.append("Tools:\n" + "\n".join(json.dumps(s) for s in self.tools.schemas))
         return [{"role": "system", "content": "\n\n".join(parts)}] if parts else []
 
+    def opening(self, task: Task) -> tuple[Message, ...]:
+        """The messages an episode of ``task`` starts with (what ``reset`` returns)."""
+        return (*self._system(), *task.messages)
+
     async def reset(self, task: Task) -> tuple[Message, ...]:
-        opening = [*self._system(), *task.messages]
+        opening = self.opening(task)
         self.episode = Episode(task=task, messages=list(opening))
-        return tuple(opening)
+        return opening
 
     async def step(self, reply: str) -> StepResult:
         if self.episode is None:

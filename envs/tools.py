@@ -8,7 +8,9 @@ section: one line per parameter). Arguments are checked against the schema befor
 so a wrong type becomes an ``error`` result the model can read.
 
 Calls are bounded in time: past ``timeout`` seconds the result is ``timeout``. An exception
-raised by the tool body is recorded as an ``error`` result with its type and message.
+raised by the tool body is recorded as an ``error`` result with its type and message (a
+:class:`ToolError` adds metadata). A body returns the content as a string,
+or a :class:`ToolOutput` to add metadata for the trace.
 
 Per-episode state (a sandbox session, an HTTP client) lives in an :class:`EpisodeContext`:
 a function tool that declares a parameter annotated ``EpisodeContext`` gets the episode's
@@ -78,6 +80,23 @@ class ToolResult:
         return self.status is ToolStatus.OK
 
 
+class ToolError(Exception):
+    """Raised by a tool body to report a failure with metadata for the trace."""
+
+    def __init__(self, message: str, metadata: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.metadata = metadata or {}
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """What a tool body may return instead of a plain string: the content the model reads and
+    metadata for the trace (attempts made, queries sent, …)."""
+
+    content: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
 class Tool(ABC):
     name: str
     description: str
@@ -85,7 +104,8 @@ class Tool(ABC):
     timeout: float = 30.0
 
     @abstractmethod
-    async def run(self, arguments: Mapping[str, Any], context: EpisodeContext | None = None) -> str:
+    async def run(self, arguments: Mapping[str, Any],
+                  context: EpisodeContext | None = None) -> str | ToolOutput:
         """Do the work; raise to report an error (it becomes an ``error`` result)."""
 
     @property
@@ -114,9 +134,13 @@ class Tool(ABC):
             return ToolResult(ToolStatus.TIMEOUT, f"{self.name} timed out after {self.timeout:g} s",
                               time.perf_counter() - start, {"error_kind": "timeout"}, start)
         except Exception as e:  # noqa: BLE001 - a failing tool is recorded, never raised into the episode
+            metadata = {"error_kind": "tool_failed", **(e.metadata if isinstance(e, ToolError) else {})}
             return ToolResult(ToolStatus.ERROR, f"{self.name} failed: {type(e).__name__}: {e}",
-                              time.perf_counter() - start, {"error_kind": "tool_failed"}, start)
-        return ToolResult(ToolStatus.OK, str(content), time.perf_counter() - start, started=start)
+                              time.perf_counter() - start, metadata, start)
+        latency = time.perf_counter() - start
+        if isinstance(content, ToolOutput):
+            return ToolResult(ToolStatus.OK, content.content, latency, dict(content.metadata), start)
+        return ToolResult(ToolStatus.OK, str(content), latency, started=start)
 
 
 class FunctionTool(Tool):
@@ -131,7 +155,8 @@ class FunctionTool(Tool):
         hints = typing.get_type_hints(fn)
         self._context_param = next((n for n, h in hints.items() if h is EpisodeContext), None)
 
-    async def run(self, arguments: Mapping[str, Any], context: EpisodeContext | None = None) -> str:
+    async def run(self, arguments: Mapping[str, Any],
+                  context: EpisodeContext | None = None) -> str | ToolOutput:
         kwargs = dict(arguments)
         if self._context_param is not None:
             if context is None:

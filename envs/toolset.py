@@ -74,7 +74,8 @@ class ToolSet:
             name, result, kind = slot
             content = result.content if result.ok else f"[{result.status}] {result.content}"
             observation.append({"role": "tool", "content": content})
-            records.append(ToolCallRecord(name, str(result.status), result.started, result.latency, kind))
+            records.append(ToolCallRecord(name, str(result.status), result.started, result.latency, kind,
+                                          dict(result.metadata)))
         return TurnOutcome(tuple(observation), tuple(records), self._metrics(records))
 
     @staticmethod

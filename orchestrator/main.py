@@ -126,7 +126,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
 
         with recorder.span("warm_start", "trainer", 0) as attrs:
             losses = warm_start(trainer, policy.tokenizer, spec.tasks("train"), warm,
-                                seed=seed, accuracy=accuracy)
+                                seed=seed, accuracy=accuracy, demonstrate=spec.demonstration)
             attrs.update(steps=len(losses), accuracy=checks[-1] if checks else None)
         if losses:
             log.info("warm start: %d steps, final loss %.3f", len(losses), losses[-1])
@@ -142,6 +142,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
         save_checkpoint(trainer, run_dir / "checkpoints" / "final")
         failed = False
     finally:
+        spec.close()
         recorder.write_jsonl(run_dir / "spans.jsonl")
         write_timeline(recorder.spans, run_dir / "timeline.json", process=run_dir.name)
         result.summary = _summary(result)

@@ -1,7 +1,10 @@
 """Supervised warm start: a few cross-entropy steps on reference answers before RL.
 
 A randomly initialised policy never samples a correct answer, so RL has no signal. A short
-warm start teaches the chat format and a rough skill; RL takes it from there.
+warm start teaches the chat format and a rough skill; RL takes it from there. What it learns
+from is each task's reference episode (``EnvSpec.demonstration``): the opening messages as
+the prompt, then every assistant turn as a target and every other message (a tool result)
+as context, tokenised the way the episode runner appends them.
 
 Where it stops: after ``steps`` steps, or earlier, with ``target_accuracy`` set, as soon as a
 greedy check (every ``check_every`` steps) reaches that accuracy. Supervised learning of a
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from envs.base import Task
+from envs.base import Message, Task
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.trainer import Trainer
@@ -43,6 +46,33 @@ class WarmStartConfig:
             raise ConfigError(f"warmstart.target_accuracy={self.target_accuracy} must be in [0, 1]")
 
 
+def reference_answer(task: Task) -> tuple[Message, ...]:
+    return (*task.messages, {"role": "assistant", "content": task.answer})
+
+
+def demonstration_tokens(tokenizer: Tokenizer, messages: Sequence[Message]) -> tuple[list[int], list[bool]]:
+    """Token ids of a reference episode and the mask of its assistant turns (the targets)."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        raise ValueError("a demonstration needs at least one assistant message")
+    ids = tokenizer.chat_prompt(messages[:first])
+    mask = [False] * len(ids)
+    context: list[Message] = []
+    for message in messages[first:]:
+        if message["role"] != "assistant":
+            context.append(message)
+            continue
+        if context:  # tool results between two assistant turns, as the runner appends them
+            observation = tokenizer.chat_prompt(context, continuation=True)
+            ids += observation
+            mask += [False] * len(observation)
+            context = []
+        reply = tokenizer.completion(message["content"])
+        ids += reply
+        mask += [True] * len(reply)
+    return ids, mask
+
+
 def warm_start(
     trainer: Trainer,
     tokenizer: Tokenizer,
@@ -51,20 +81,24 @@ def warm_start(
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
     accuracy: Callable[[], float] | None = None,
+    demonstrate: Callable[[Task], Sequence[Message]] = reference_answer,
 ) -> list[float]:
-    """Run the warm start; ``accuracy()`` is the greedy check used with ``target_accuracy``."""
+    """Run the warm start; ``accuracy()`` is the greedy check used with ``target_accuracy``,
+    ``demonstrate(task)`` the reference episode learned from."""
     if config.steps <= 0:
         return []
     rng = random.Random(seed)
+    cache: dict[int, tuple[list[int], list[bool]]] = {}
     optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=config.lr, weight_decay=0.0)
     losses = []
     for step in range(config.steps):
         sequences, masks = [], []
         for task in rng.sample(list(tasks), min(config.batch_size, len(tasks))):
-            prompt = tokenizer.chat_prompt(task.messages)
-            answer = tokenizer.completion(task.answer)
-            sequences.append(prompt + answer)
-            masks.append([False] * len(prompt) + [True] * len(answer))
+            if task.id not in cache:
+                cache[task.id] = demonstration_tokens(tokenizer, demonstrate(task))
+            ids, mask = cache[task.id]
+            sequences.append(ids)
+            masks.append(mask)
         loss = trainer.supervised_step(sequences, masks, optimizer)
         losses.append(loss)
         if on_step is not None:

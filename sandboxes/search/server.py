@@ -9,6 +9,7 @@ plugs in here; :class:`NoFaults` answers at once. Bad requests get HTTP 400 and 
 from __future__ import annotations
 
 import json
+import random
 from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import Any, Self
@@ -31,6 +32,20 @@ class FaultModel(ABC):
 class NoFaults(FaultModel):
     def sample(self, query_count: int) -> tuple[float, str]:
         return 0.0, "success"
+
+
+class WithFailures(FaultModel):
+    """Another model's latencies, plus an ``api_error`` on a ``rate`` share of requests."""
+
+    def __init__(self, base: FaultModel, rate: float, seed: int | None = 0) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"failure rate {rate} must be in [0, 1]")
+        self.base, self.rate = base, rate
+        self.rng = random.Random(seed)
+
+    def sample(self, query_count: int) -> tuple[float, str]:
+        latency, status = self.base.sample(query_count)
+        return latency, "api_error" if self.rng.random() < self.rate else status
 
 
 def _bad(message: str) -> web.Response:

@@ -1,0 +1,291 @@
+"""Search QA: questions about made-up people that only a search can answer.
+
+The knowledge base is synthetic: each person has an invented name, an invented home town and
+a job, written as one document (``Koravi lives in Tesumo and works as a baker.``). A
+question asks for the town or the job. The names and towns are random syllables, so no
+model knows them; train and eval use different people, so the eval split can be answered
+only by searching, never from memory.
+
+An episode is multi-turn: the model calls ``search`` (Hermes format,
+``<tool_call>{"name":"search","arguments":{"query":"Koravi"}}</tool_call>``), reads the
+results, then answers in plain text. The search tool talks HTTP to the mock search server
+(:mod:`sandboxes.search`) with a per-episode client: an in-process server on an ephemeral
+port, started on first use in a background thread with the PolyTrace latency model, or an
+external one at ``search_url``. A failed search (after the client's retries) is an error
+observation; the episode goes on.
+
+Rewards: exact match after SQuAD-style normalisation (``reward=em``) or token F1
+(``reward=f1``); the other one, and ``searched`` (whether a search call came before the
+answer), are logged with weight 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Literal
+
+import anyio
+
+from envs.base import Env, EnvSpec, Message, Task
+from envs.registry import register_env
+from envs.tool_env import Episode, ToolEnv, WeightedReward
+from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
+from envs.toolset import ToolSet
+from sandboxes.search.bm25 import BM25Index, Document
+from sandboxes.search.client import SearchClient, SearchError
+from sandboxes.search.latency import TraceFaultModel
+from sandboxes.search.server import FaultModel, NoFaults, SearchServer, WithFailures
+
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+JOBS = ("baker", "farmer", "miller", "weaver", "potter", "smith", "tailor", "fisher", "mason",
+        "healer")
+QUESTIONS = {"town": "Where does {name} live?", "job": "What is the job of {name}?"}
+
+
+def _word(rng: random.Random, syllables: int) -> str:
+    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables)).title()
+
+
+def _unique_words(rng: random.Random, n: int, syllables: int, taken: set[str]) -> list[str]:
+    words: list[str] = []
+    while len(words) < n:
+        w = _word(rng, syllables)
+        if w not in taken:
+            taken.add(w)
+            words.append(w)
+    return words
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+def normalize(text: str) -> str:
+    """SQuAD-style: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, answer: str) -> float:
+    return float(normalize(prediction) == normalize(answer))
+
+
+def f1(prediction: str, answer: str) -> float:
+    pred, gold = normalize(prediction).split(), normalize(answer).split()
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def format_hits(documents: Sequence[dict]) -> str:
+    """What the model reads: each document's text (its title line dropped), one per line."""
+    texts = [str(d.get("contents", "")).split("\n", 1)[-1] for d in documents]
+    return "\n".join(texts) if texts else "no results"
+
+
+def tool_call_text(name: str, arguments: dict) -> str:
+    """A Hermes-format call, compact JSON (fewer tokens for a character-level model)."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments}, separators=(',', ':'))}</tool_call>"
+
+
+# -- the search service -----------------------------------------------------------------------
+
+class _ServerThread:
+    """The search server on its own event loop in a daemon thread, so it outlives any one
+    ``anyio.run`` of the caller (warm-start checks, training and evaluation each run one)."""
+
+    def __init__(self, server: SearchServer) -> None:
+        self._server = server
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="search-server", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"the in-process search server failed to start: {self._error}")
+
+    @property
+    def url(self) -> str:
+        return self._server.url
+
+    def _main(self) -> None:
+        async def serve() -> None:
+            try:
+                async with self._server:
+                    self._ready.set()
+                    while not self._stop.is_set():
+                        await anyio.sleep(0.05)
+            except BaseException as e:
+                self._error = e
+                self._ready.set()
+                raise
+
+        try:
+            anyio.run(serve)
+        except BaseException:  # noqa: BLE001 - reported through _error to the starting thread
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# -- the environment --------------------------------------------------------------------------
+
+@register_env("search_qa")
+class SearchQASpec(EnvSpec):
+    def __init__(
+        self,
+        train_size: int = 2000,
+        eval_size: int = 200,
+        questions: Sequence[str] = ("town", "job"),
+        topk: int = 1,
+        reward: Literal["em", "f1"] = "em",
+        latency: Literal["none", "empirical", "parametric"] = "empirical",
+        time_scale: float = 0.1,
+        failure_rate: float = 0.0,
+        search_url: str | None = None,
+        request_timeout: float = 5.0,
+        retries: int = 3,
+        backoff: float = 0.05,
+        tool_timeout: float = 30.0,
+        max_calls_per_turn: int = 2,
+        describe_tools: bool = False,
+        system_prompt: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        unknown = [q for q in questions if q not in QUESTIONS]
+        if unknown or not questions:
+            raise ValueError(f"env.questions has unknown kind(s) {unknown}; choose from {list(QUESTIONS)}")
+        if train_size < 1 or eval_size < 0:
+            raise ValueError("env.train_size must be >= 1 and env.eval_size >= 0")
+        if not 1 <= topk <= 10:
+            raise ValueError(f"env.topk={topk} must be from 1 to 10")
+        if not 0.0 <= failure_rate <= 1.0:
+            raise ValueError(f"env.failure_rate={failure_rate} must be in [0, 1]")
+        if time_scale < 0:
+            raise ValueError(f"env.time_scale={time_scale} must be >= 0")
+        self.topk, self.reward_kind, self.latency = topk, reward, latency
+        self.time_scale, self.failure_rate, self.search_url = time_scale, failure_rate, search_url
+        self.request_timeout, self.retries, self.backoff = request_timeout, retries, backoff
+        self.tool_timeout, self.max_calls_per_turn = tool_timeout, max_calls_per_turn
+        self.describe_tools, self.system_prompt = describe_tools, system_prompt
+        self.seed = seed
+
+        rng = random.Random(seed)
+        people = train_size + eval_size
+        taken: set[str] = set()
+        names = _unique_words(rng, people, 3, taken)
+        towns = _unique_words(rng, max(50, people // 4), 3, taken)
+        facts = [(name, rng.choice(towns), rng.choice(JOBS)) for name in names]
+        self.documents = [
+            Document(str(i), f'"{name}"\n{name} lives in {town} and works as a {job}.')
+            for i, (name, town, job) in enumerate(facts)
+        ]
+        self.index = BM25Index(self.documents)
+        tasks = []
+        for i, (name, town, job) in enumerate(facts):
+            kind = rng.choice(list(questions))
+            question = QUESTIONS[kind].format(name=name)
+            tasks.append(Task(id=i, messages=({"role": "user", "content": question},),
+                              answer=town if kind == "town" else job,
+                              metadata={"name": name, "kind": kind}))
+        self._splits = {"train": tasks[:train_size], "eval": tasks[train_size:]}
+        self._server: _ServerThread | None = None
+        self._lock = threading.Lock()
+
+    # -- the service --------------------------------------------------------------------------
+
+    def _faults(self) -> FaultModel:
+        base: FaultModel = NoFaults() if self.latency == "none" else TraceFaultModel(self.latency, seed=self.seed)
+        return WithFailures(base, self.failure_rate, seed=self.seed) if self.failure_rate else base
+
+    @property
+    def url(self) -> str:
+        """The search server's address; the in-process one starts on first use."""
+        if self.search_url:
+            return self.search_url
+        with self._lock:
+            if self._server is None:
+                server = SearchServer(self.index, self._faults(), time_scale=self.time_scale)
+                self._server = _ServerThread(server)
+            return self._server.url
+
+    def close(self) -> None:
+        with self._lock:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+
+    # -- episodes -----------------------------------------------------------------------------
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        if split not in self._splits:
+            raise KeyError(f"unknown split {split!r}; choose from {sorted(self._splits)}")
+        return self._splits[split]
+
+    def make_env(self) -> Env:
+        topk = self.topk
+        spec = self
+
+        @tool(timeout=self.tool_timeout)
+        async def search(query: str, context: EpisodeContext) -> ToolOutput:
+            """Search the knowledge base about people.
+
+            Args:
+                query: words to look for, e.g. a name
+            """
+            url = await anyio.to_thread.run_sync(lambda: spec.url)  # starts the server once
+            client = await context.resource("search_client", lambda: SearchClient(
+                url, timeout=spec.request_timeout, retries=spec.retries, backoff=spec.backoff))
+            try:
+                results, attempts = await client.retrieve([query], topk=topk, return_scores=False)
+            except SearchError as e:
+                raise ToolError(str(e), {"query_count": 1, "attempts": len(e.attempts),
+                                         "attempt_statuses": [a.status for a in e.attempts]}) from e
+            content = format_hits(results[0])
+            return ToolOutput(content, {"query_count": 1, "attempts": len(attempts),
+                                        "attempt_statuses": [a.status for a in attempts],
+                                        "response_chars": len(content)})
+
+        rewards = [
+            WeightedReward("exact_match", _em, 1.0 if self.reward_kind == "em" else 0.0),
+            WeightedReward("f1", _f1, 1.0 if self.reward_kind == "f1" else 0.0),
+            WeightedReward("searched", _searched, 0.0),
+        ]
+        return ToolEnv(ToolSet([search], max_calls_per_turn=self.max_calls_per_turn),
+                       rewards, system_prompt=self.system_prompt, describe_tools=self.describe_tools)
+
+    def demonstration(self, task: Task) -> tuple[Message, ...]:
+        name = str(task.metadata["name"])
+        hits = [d.as_json() for d, _ in self.index.search(name, self.topk)]
+        env = self.make_env()
+        assert isinstance(env, ToolEnv)
+        return (
+            *env.opening(task),
+            {"role": "assistant", "content": tool_call_text("search", {"query": name})},
+            {"role": "tool", "content": format_hits(hits)},
+            {"role": "assistant", "content": task.answer},
+        )
+
+
+async def _em(episode: Episode) -> float:
+    return exact_match(episode.final_reply, episode.task.answer)
+
+
+async def _f1(episode: Episode) -> float:
+    return f1(episode.final_reply, episode.task.answer)
+
+
+async def _searched(episode: Episode) -> float:
+    """1 when the final answer came after at least one search call."""
+    return float(any(call.name == "search" for call in episode.tool_calls))

@@ -1,0 +1,179 @@
+"""The search QA environment (envs/search_qa.py) against the real in-process search server:
+tasks only a search answers, reference episodes, rewards, and tool failures that never lose
+an episode."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import anyio
+import pytest
+from scripted import TOK, ScriptedEngine
+
+from envs.registry import make_spec
+from envs.search_qa import SearchQASpec, exact_match, f1, normalize, tool_call_text
+from orchestrator.recorder import Recorder
+from orchestrator.rollout import RolloutConfig, run_episode, run_group
+from orchestrator.warmstart import demonstration_tokens
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def spec() -> Iterator[SearchQASpec]:
+    spec = SearchQASpec(train_size=40, eval_size=10, latency="empirical", time_scale=0.01)
+    yield spec
+    spec.close()
+
+
+def test_names_never_repeat_across_splits_and_the_top_hit_holds_the_answer(spec: SearchQASpec) -> None:
+    train, evals = spec.tasks("train"), spec.tasks("eval")
+    assert len(train) == 40 and len(evals) == 10
+    names = [t.metadata["name"] for t in (*train, *evals)]
+    assert len(set(names)) == len(names)
+    for task in (*train, *evals):
+        (top, _), = spec.index.search(str(task.metadata["name"]), 1)
+        assert task.answer in top.contents and str(task.metadata["name"]) in top.contents
+    assert {t.metadata["kind"] for t in train} == {"town", "job"}
+    with pytest.raises(KeyError, match="unknown split"):
+        spec.tasks("test")
+
+
+def test_the_registry_builds_it_by_name_and_rejects_bad_values() -> None:
+    assert isinstance(make_spec("search_qa", train_size=5, eval_size=0), SearchQASpec)
+    with pytest.raises(ValueError, match="env.questions"):
+        SearchQASpec(questions=["colour"])
+    with pytest.raises(ValueError, match="env.failure_rate"):
+        SearchQASpec(failure_rate=2.0)
+
+
+def test_answers_are_normalised_before_they_are_compared() -> None:
+    assert normalize("  The  Solufe! ") == "solufe"
+    assert exact_match("a baker.", "baker") == 1.0 and exact_match("bakers", "baker") == 0.0
+    assert f1("lives in Solufe", "Solufe") == pytest.approx(0.5)
+    assert f1("", "Solufe") == 0.0
+
+
+async def test_a_reference_episode_searches_reads_and_is_rewarded(spec: SearchQASpec) -> None:
+    task = spec.tasks("train")[3]
+    demo = spec.demonstration(task)
+    async with spec.make_env() as env:
+        assert await env.reset(task) == demo[:1]
+        step = await env.step(demo[1]["content"])
+        assert not step.done and step.observation == (demo[2],)  # what the warm start shows
+        (call,) = step.tool_calls
+        assert call.name == "search" and call.status == "ok" and call.latency > 0
+        assert call.metadata["attempts"] == 1 and call.metadata["query_count"] == 1
+        step = await env.step(task.answer)
+        assert step.done
+        reward = await env.reward()
+    assert reward.total == 1.0
+    assert reward.components == {"exact_match": 1.0, "f1": 1.0, "searched": 1.0}
+
+
+async def test_an_answer_without_a_search_is_logged_as_such(spec: SearchQASpec) -> None:
+    task = spec.tasks("train")[0]
+    async with spec.make_env() as env:
+        await env.reset(task)
+        assert (await env.step("Nobody")).done
+        reward = await env.reward()
+    assert reward.components["searched"] == 0.0 and reward.total == 0.0
+
+
+async def test_f1_can_be_the_reward() -> None:
+    spec = SearchQASpec(train_size=4, eval_size=0, reward="f1", latency="none")
+    task = spec.tasks("train")[0]
+    async with spec.make_env() as env:
+        await env.reset(task)
+        await env.step(f"it is {task.answer}")
+        reward = await env.reward()
+    assert reward.total == pytest.approx(reward.components["f1"]) and 0 < reward.total < 1
+    assert reward.components["exact_match"] == 0.0
+    spec.close()
+
+
+async def test_a_search_that_keeps_failing_is_an_error_observation_not_a_lost_episode() -> None:
+    spec = SearchQASpec(train_size=4, eval_size=0, latency="none", failure_rate=1.0,
+                        retries=2, backoff=0.001)
+    task = spec.tasks("train")[0]
+    try:
+        async with spec.make_env() as env:
+            await env.reset(task)
+            step = await env.step(tool_call_text("search", {"query": str(task.metadata["name"])}))
+            (call,) = step.tool_calls
+            assert call.status == "error" and call.error_kind == "tool_failed"
+            assert call.metadata["attempts"] == 3  # the first try and two retries
+            assert call.metadata["attempt_statuses"] == ["http_503"] * 3
+            assert step.observation[0]["content"].startswith("[error] search failed")
+            assert not step.done
+            assert (await env.step(task.answer)).done  # the model may still answer
+            assert (await env.reward()).total == 1.0
+    finally:
+        spec.close()
+
+
+async def test_malformed_calls_are_observations_the_model_can_read(spec: SearchQASpec) -> None:
+    task = spec.tasks("train")[0]
+    async with spec.make_env() as env:
+        await env.reset(task)
+        bad_json = await env.step('<tool_call>{"name":"search","arguments":{"query":}</tool_call>')
+        unknown = await env.step(tool_call_text("browse", {"url": "x"}))
+        bad_type = await env.step(tool_call_text("search", {"query": 7}))
+    kinds = [s.tool_calls[0].error_kind for s in (bad_json, unknown, bad_type)]
+    assert kinds == ["malformed_json", "unknown_tool", "bad_arguments"]
+    assert all(not s.done and s.observation[0]["content"].startswith("[error]")
+               for s in (bad_json, unknown, bad_type))
+
+
+def reference_policy(spec: SearchQASpec) -> ScriptedEngine:
+    """Plays the reference episode: search the asked name, then copy the answer from the hit."""
+
+    def reply(prompt: list[int]) -> str:
+        text = TOK.decode(prompt)
+        hit = re.search(r"(\w+) lives in (\w+) and works as a (\w+)\.$", text)
+        if hit is None:
+            name = re.search(r"(?:Where does|job of) (\w+)", text)
+            assert name is not None
+            return tool_call_text("search", {"query": name.group(1)})
+        return hit.group(2) if "Where does" in text else hit.group(3)
+
+    return ScriptedEngine(reply)
+
+
+async def test_the_runner_lays_out_exactly_the_tokens_the_warm_start_learns(spec: SearchQASpec) -> None:
+    task = spec.tasks("train")[5]
+    config = RolloutConfig(max_tokens=80, max_turns=3, group_size=1)
+    recorder = Recorder()
+    trajectory = await run_episode(reference_policy(spec), TOK, spec, task, config, recorder, "w")
+    ids, mask = demonstration_tokens(TOK, spec.demonstration(task))
+    assert list(trajectory.token_ids) == ids and list(trajectory.loss_mask) == mask
+    assert trajectory.reward == 1.0 and trajectory.end_reason == "done"
+    assert trajectory.metrics["reward/searched"] == 1.0
+    (span,) = [s for s in recorder.spans if s.stage == "tool_call"]
+    assert span.attributes["tool"] == "search" and span.attributes["status"] == "ok"
+    assert span.end > span.start
+
+
+async def test_many_episodes_against_a_flaky_service_all_finish() -> None:
+    spec = SearchQASpec(train_size=32, eval_size=0, latency="empirical", time_scale=0.002,
+                        failure_rate=0.4, retries=1, backoff=0.001)
+    config = RolloutConfig(max_tokens=80, max_turns=3, group_size=4)
+    recorder = Recorder()
+    groups = []
+    try:
+        async with anyio.create_task_group() as tg:
+            async def one(task_index: int) -> None:
+                task = spec.tasks("train")[task_index]
+                groups.append(await run_group(reference_policy(spec), TOK, spec, task, config,
+                                              recorder, f"w{task_index}"))
+            for i in range(32):
+                tg.start_soon(one, i)
+    finally:
+        spec.close()
+    trajectories = [t for g in groups for t in g.trajectories]
+    assert len(trajectories) == 128  # no episode lost
+    statuses = [s.attributes["status"] for s in recorder.spans if s.stage == "tool_call"]
+    assert "error" in statuses and "ok" in statuses
+    # a failed search shows an error, so the scripted policy searches again (up to max_turns)
+    assert sum(t.reward for t in trajectories) > 0
