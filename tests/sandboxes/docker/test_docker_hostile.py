@@ -1,0 +1,253 @@
+"""Hostile model-written code against the real engine. Each case must end on time with the
+right status, leave the host and the other sandboxes alone, leave nothing running into the
+next call or episode, and leave the pool healthy."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import anyio
+import pytest
+from conftest import SLACK_S, TIMEOUT_S, small_config
+
+from sandboxes.docker import DockerSandboxPool, ExecResult
+
+pytestmark = [pytest.mark.anyio, pytest.mark.docker]
+
+DEADLINE_S = TIMEOUT_S + SLACK_S  # "on time": the limit plus generous slack for a busy CI box
+STRAYS = ("import os\n"
+          "len([p for p in os.listdir('/proc') if p.isdigit() and os.stat('/proc/' + p).st_uid =="
+          " os.getuid() and int(p) not in (os.getpid(), os.getppid())])")
+
+
+async def timed(sb, code: str, **kwargs) -> tuple[ExecResult, float]:
+    start = time.monotonic()
+    result = await sb.exec(code, **kwargs)
+    took = time.monotonic() - start
+    assert took < DEADLINE_S, f"{code!r} took {took:.1f} s"
+    return result, took
+
+
+async def assert_clean(sb) -> None:
+    """Nothing of the code's uid is left running beside the runner."""
+    r = await sb.exec(STRAYS)
+    assert r.stdout == "0\n", (r.stdout, r.stderr, r.status)
+
+
+async def assert_healthy(pool: DockerSandboxPool) -> None:
+    async with pool.session() as sb:
+        r = await sb.exec("print(sum(range(10)))")
+        assert (r.status, r.stdout) == ("ok", "45\n")
+        await assert_clean(sb)
+
+
+@pytest.fixture
+async def pool(docker_client):
+    async with DockerSandboxPool(small_config(pool_size=2)) as p:
+        yield p
+        await assert_healthy(p)
+
+
+@pytest.mark.parametrize("code,language", [
+    ("while True: pass", "python"),
+    ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: pass", "python"),
+    ("trap '' TERM INT; while :; do :; done", "shell"),
+    ("sleep 1000", "shell"),
+])
+async def test_infinite_loops_time_out(pool, code: str, language: str) -> None:
+    async with pool.session() as sb:
+        r, took = await timed(sb, code, language=language)
+        assert r.status == "timeout" and r.exit_code is None
+        assert took >= TIMEOUT_S - 0.1
+        await assert_clean(sb)
+
+
+async def test_fork_bomb(pool) -> None:
+    async with pool.session() as sb:
+        r, _ = await timed(sb, "import os\nwhile True:\n    try:\n        os.fork()\n"
+                               "    except OSError:\n        pass")
+        assert r.status == "timeout"
+        await assert_clean(sb)
+        r, _ = await timed(sb, ":(){ :|:& };:", language="shell")
+        assert r.status in ("ok", "timeout")
+        await assert_clean(sb)
+
+
+async def test_thread_bomb(pool) -> None:
+    async with pool.session() as sb:
+        code = ("import threading, time\nn = 0\ntry:\n    while True:\n"
+                "        threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()\n"
+                "        n += 1\nexcept RuntimeError:\n    print('capped', n)")
+        r, _ = await timed(sb, code)
+        assert r.status == "ok" and r.stdout.startswith("capped")
+        assert int(r.stdout.split()[1]) < 64  # the pids limit held
+        assert (await sb.exec("print('still here')")).stdout == "still here\n"
+
+
+async def test_memory_bomb(pool) -> None:
+    async with pool.session() as sb:
+        await sb.exec("keep = 1")
+        r, _ = await timed(sb, "blocks = []\nwhile True:\n    blocks.append(bytearray(10**7))")
+        assert r.status == "oom" and r.exit_code == 137 and r.session_reset
+        assert (await sb.exec("print('after')")).stdout == "after\n"
+        r, _ = await timed(sb, "python3 -c 'x = bytearray(10**9)'", language="shell")
+        assert r.status in ("oom", "ok") and r.exit_code != 0  # MemoryError or an OOM kill
+        await assert_clean(sb)
+
+
+@pytest.mark.parametrize("code,language", [
+    ("import os\nfor _ in range(1000):\n    os.write(1, b'x' * 10**6)", "python"),  # 1 GB
+    ("yes", "shell"),
+    ("head -c 1000000000 /dev/zero", "shell"),
+    ("import sys\nwhile True: sys.stderr.write('e' * 4096)", "python"),
+])
+async def test_flooding_output_is_truncated(pool, code: str, language: str) -> None:
+    async with pool.session() as sb:
+        r, _ = await timed(sb, code, language=language)
+        assert r.status == "output_truncated"
+        assert len(r.stdout.encode()) + len(r.stderr.encode()) <= 1 << 16
+        await assert_clean(sb)
+
+
+async def test_invalid_utf8_and_nul_bytes(pool) -> None:
+    async with pool.session() as sb:
+        r, _ = await timed(sb, "import os\nos.write(1, b'a\\x00b\\xff\\xfe\\xc3(c')\n"
+                               "n = os.write(2, b'\\x80err\\x00')")
+        assert r.status == "ok" and r.exit_code == 0
+        assert r.stdout == "a\x00b\ufffd\ufffd\ufffd(c" and r.stderr == "\ufffderr\x00"
+        r, _ = await timed(sb, "printf 'x\\377\\000y'", language="shell")
+        assert r.stdout == "x\ufffd\x00y"
+
+
+async def test_background_child_holding_stdout_and_setsid_daemon(pool) -> None:
+    async with pool.session() as sb:
+        r, took = await timed(sb, "echo now; (sleep 30; echo late) &", language="shell")
+        assert (r.status, r.stdout) == ("ok", "now\n") and took < TIMEOUT_S
+        r, took = await timed(sb, "setsid sh -c 'sleep 100' > /dev/null 2>&1 < /dev/null &"
+                                  "\necho daemon", language="shell")
+        assert r.stdout == "daemon\n" and took < TIMEOUT_S
+        r, took = await timed(sb, "import subprocess\n"
+                                  "subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+                                  "print('spawned')")
+        assert r.stdout == "spawned\n" and took < TIMEOUT_S
+        await assert_clean(sb)
+        r, _ = await timed(sb, "import time\ntime.sleep(0.5)\nprint('quiet')")
+        assert r.stdout == "quiet\n"  # nothing "late" leaks into a later call
+
+
+async def test_disk_fill(pool) -> None:
+    before = shutil.disk_usage("/").used
+    async with pool.session() as sb:
+        r, _ = await timed(sb, "dd if=/dev/zero of=/work/big bs=1M count=1000 2>&1; echo rc=$?",
+                           language="shell")
+        assert "rc=0" not in r.stdout  # the fsize ulimit or the tmpfs cap stopped it
+        r, _ = await timed(sb, "f = open('/work/many', 'wb')\nwhile True: f.write(b'x' * 2**20)")
+        assert r.status == "ok" and r.exit_code == 1
+        assert "File too large" in r.stderr or "No space left" in r.stderr
+        r, _ = await timed(sb, "i = 0\nwhile True:\n    open(f'/tmp/f{i}', 'wb').write(b'x' * 2**20)"
+                               "\n    i += 1")
+        assert "No space left" in r.stderr
+        r, _ = await timed(sb, "echo x > /etc/x; echo x > /x; echo rc=$?", language="shell")
+        assert "Read-only file system" in r.stderr
+    assert shutil.disk_usage("/").used - before < 200 << 20  # the host disk is untouched
+
+
+async def test_no_network(pool) -> None:
+    code = """
+import socket
+out = []
+for host, port in [('1.1.1.1', 80), ('169.254.169.254', 80), ('8.8.8.8', 53)]:
+    s = socket.socket()
+    s.settimeout(1)
+    try:
+        s.connect((host, port))
+        out.append(host + ' open')
+    except OSError as e:
+        out.append(host + ' blocked')
+    finally:
+        s.close()
+try:
+    socket.getaddrinfo('example.com', 80)
+    out.append('dns resolved')
+except OSError:
+    out.append('dns blocked')
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+try:
+    u.sendto(b'x', ('8.8.8.8', 53))
+    out.append('udp sent')
+except OSError:
+    out.append('udp blocked')
+print(sorted(i for i in socket.if_nameindex()), out)
+"""
+    async with pool.session() as sb:
+        r, _ = await timed(sb, code)
+        assert r.status == "ok", r.stderr
+        assert "open" not in r.stdout and "resolved" not in r.stdout and "sent" not in r.stdout
+        assert "'eth0'" not in r.stdout  # only the loopback interface exists
+
+
+async def test_privilege_probes(pool) -> None:
+    probes = {
+        "mount -t tmpfs none /work 2>&1; echo rc=$?": "rc=0",
+        "unshare -U -r true 2>&1; echo rc=$?": "rc=0",
+        "unshare -m true 2>&1; echo rc=$?": "rc=0",
+        "echo 1 > /sys/kernel/mm/transparent_hugepage/enabled 2>&1; echo rc=$?": "rc=0",
+        "echo c > /proc/sysrq-trigger 2>&1; echo rc=$?": "rc=0",
+        "ls /var/run/docker.sock /run/docker.sock 2>&1; echo rc=$?": "rc=0",
+        "kill -9 1 2>&1; echo rc=$?": "rc=0",
+        "cat /proc/1/environ 2>&1; echo rc=$?": "rc=0",
+        "grep CapEff /proc/self/status": "CapEff:\t00000000000001",
+        "grep NoNewPrivs /proc/self/status": "NoNewPrivs:\t0",
+    }
+    async with pool.session() as sb:
+        for cmd, forbidden in probes.items():
+            r, _ = await timed(sb, cmd, language="shell")
+            assert forbidden not in r.stdout, (cmd, r.stdout)
+        r, _ = await timed(sb, "id -u; grep CapEff /proc/self/status", language="shell")
+        assert r.stdout.split()[0] == "1000" and "0000000000000000" in r.stdout
+        r, _ = await timed(sb, "import os\nprint(os.path.exists('/var/run/docker.sock'),"
+                               " os.getuid(), os.geteuid())")
+        assert r.stdout == "False 1000 1000\n"
+
+
+async def test_overwriting_bin_is_refused_and_unseen_by_the_next_episode(pool) -> None:
+    async with pool.session() as sb:
+        r, _ = await timed(sb, "cp /bin/true /bin/ls 2>&1; echo 'echo pwned' > /bin/ls 2>&1;"
+                               " ln -sf /bin/true /usr/bin/python3 2>&1; echo done",
+                           language="shell")
+        assert "done" in r.stdout and ("Read-only" in r.stdout or "denied" in r.stdout)
+    async with pool.session() as sb:
+        r, _ = await timed(sb, "ls / | head -3; python3 -c 'print(7)'", language="shell")
+        assert "pwned" not in r.stdout and r.stdout.endswith("7\n")
+
+
+async def test_tampering_with_the_runner_only_hurts_the_caller(pool) -> None:
+    async with pool.session() as victim, pool.session() as attacker:
+        await victim.exec("mine = 'safe'")
+        r, _ = await timed(attacker, "kill -9 -1", language="shell")
+        assert r.status == "killed"
+        r, _ = await timed(attacker, "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
+        assert r.status == "killed"
+        assert (await victim.exec("mine")).stdout == "'safe'\n"
+
+
+async def test_sixty_four_episodes_in_parallel(docker_client) -> None:
+    results: dict[int, tuple[str, str]] = {}
+
+    async def episode(i: int) -> None:
+        async with pool.session() as sb:
+            await sb.exec(f"me = {i}")
+            a = await sb.exec("import time\ntime.sleep(0.05)\nprint(me * 2)")
+            b = await sb.exec(f"echo {i} > /work/id; cat /work/id", language="shell")
+            results[i] = (a.stdout, b.stdout)
+
+    start = time.monotonic()
+    async with DockerSandboxPool(small_config(pool_size=4, max_containers=16)) as pool:
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(episode, i)
+        assert results == {i: (f"{2 * i}\n", f"{i}\n") for i in range(64)}
+        assert len(pool._live) <= 16
+        await assert_healthy(pool)
+    assert time.monotonic() - start < 240
