@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/docker_setup.sh  # Docker engine + sandbox image for tests/sandboxes/docker
 exec .venv/bin/python -m pytest "$@"
