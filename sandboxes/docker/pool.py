@@ -271,6 +271,9 @@ class DockerSandboxPool(SandboxPool):
             if self._ready:
                 box = self._ready.popleft()
                 self._fill()
+                if box.expires - time.time() < 2 * self.config.max_timeout_s + 60:
+                    self._release_soon(box)  # too close to its self-destruct: replace it
+                    continue
                 return box
             if len(self._live) + self._pending < self.config.max_containers:
                 self._pending += 1

@@ -1,0 +1,161 @@
+"""Sandbox call latency: a fresh container per call, ``docker exec`` per call, and the pool's
+stateful session, side by side on one engine in one run.
+
+Modes (all with the same hardened container settings, image and limits):
+- ``cold``: ``docker run`` of ``python3 -c <snippet>`` per call (create, start, wait, logs,
+  remove) through the SDK — what a sandbox without a pool pays;
+- ``exec``: ``docker exec`` of ``python3 -c <snippet>`` per call in a running container — a
+  warm container without a session (a new process per call);
+- ``session``: ``DockerSandbox.exec`` — one round trip to the runner already inside a warm
+  container, the snippet run in its live interpreter.
+
+Snippets: ``trivial`` (``print(1)``) and ``cpu50`` (a loop burning 50 ms of CPU time). Each at concurrency 1
+and 16 (16 workers, each with its own container for ``exec`` and ``session``). Reported per
+cell: p50/p99 latency of one call as its caller sees it and throughput. On a 2-core machine,
+concurrency 16 measures queueing on 2 cores as much as the sandbox. Targets: session p50
+<= 15 ms; last line ``speedup_vs_cold=<cold p50 / session p50>`` (trivial, concurrency 1) >= 15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+
+from sandboxes.docker import DockerSandboxPool, SandboxConfig
+
+SNIPPETS = {
+    "trivial": "print(1)",
+    "cpu50": "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.05:\n"
+             "    pass\nprint(1)",
+}
+CONCURRENCY = (1, 16)
+
+
+@dataclass(frozen=True)
+class Cell:
+    mode: str
+    snippet: str
+    concurrency: int
+    latencies: tuple[float, ...]
+    wall: float
+
+    @property
+    def p50_ms(self) -> float:
+        return float(np.percentile(self.latencies, 50)) * 1e3
+
+    @property
+    def p99_ms(self) -> float:
+        return float(np.percentile(self.latencies, 99)) * 1e3
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies) / self.wall
+
+
+async def measure(workers: list[Callable[[], Awaitable[None]]], calls: int) -> tuple[list[float],
+                                                                                     float]:
+    """Run ``calls`` calls spread over the workers (one call at a time each)."""
+    latencies: list[float] = []
+    per_worker = [calls // len(workers) + (i < calls % len(workers)) for i in range(len(workers))]
+
+    async def loop(call: Callable[[], Awaitable[None]], n: int) -> None:
+        for _ in range(n):
+            start = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for call, n in zip(workers, per_worker, strict=True):
+            tg.start_soon(loop, call, n)
+    return latencies, time.perf_counter() - start
+
+
+async def run(quick: bool) -> list[Cell]:
+    cfg = SandboxConfig(pool_size=max(CONCURRENCY), max_containers=max(CONCURRENCY) + 1,
+                        docker_call_concurrency=16)
+    scale = 1 if quick else 4
+    calls = {"cold": 6 * scale, "exec": 16 * scale, "session": 100 * scale}
+    limiter = anyio.CapacityLimiter(max(CONCURRENCY))
+    cells: list[Cell] = []
+    async with DockerSandboxPool(cfg) as pool, AsyncExitStack() as stack:
+        sessions = [await stack.enter_async_context(pool.session())
+                    for _ in range(max(CONCURRENCY))]
+        async with anyio.create_task_group() as tg:  # each gets its container
+            for sb in sessions:
+                tg.start_soon(sb.exec, "pass")
+        client = pool.client
+        assert client is not None
+        cold_kwargs = pool._run_kwargs()
+        for key in ("command", "detach", "auto_remove", "name", "user"):
+            cold_kwargs.pop(key)
+
+        for snippet, code in SNIPPETS.items():
+            argv = ["python3", "-c", code]
+
+            def cold(argv: list[str] = argv) -> Callable[[], Awaitable[None]]:
+                async def call() -> None:
+                    out = await anyio.to_thread.run_sync(
+                        lambda: client.containers.run(cfg.image, argv, remove=True,
+                                                      user=cfg.user, **cold_kwargs),
+                        limiter=limiter)
+                    assert out.strip() == b"1", out
+                return call
+
+            def exec_(sb, argv: list[str] = argv) -> Callable[[], Awaitable[None]]:
+                container = sb._container.container
+
+                async def call() -> None:
+                    result = await anyio.to_thread.run_sync(
+                        lambda: container.exec_run(argv, user=cfg.user, workdir=cfg.work_dir),
+                        limiter=limiter)
+                    assert result.output.strip() == b"1", result
+                return call
+
+            def session(sb, code: str = code) -> Callable[[], Awaitable[None]]:
+                async def call() -> None:
+                    result = await sb.exec(code)
+                    assert result.stdout == "1\n", result
+                return call
+
+            for concurrency in CONCURRENCY:
+                chosen = sessions[:concurrency]
+                modes = {"cold": [cold() for _ in range(concurrency)],
+                         "exec": [exec_(sb) for sb in chosen],
+                         "session": [session(sb) for sb in chosen]}
+                for mode, workers in modes.items():
+                    n = calls[mode] * (4 if concurrency > 1 else 1)
+                    if snippet == "cpu50" and mode == "session":
+                        n //= 4  # 50 ms of CPU each: the 2 cores bound this cell anyway
+                    await measure(workers, min(n, len(workers)))  # warm-up
+                    latencies, wall = await measure(workers, n)
+                    cells.append(Cell(mode, snippet, concurrency, tuple(latencies), wall))
+                    c = cells[-1]
+                    print(f"{mode:<8} {snippet:<8} {concurrency:>4} {len(latencies):>6} "
+                          f"{c.p50_ms:>9.1f} {c.p99_ms:>9.1f} {c.throughput:>9.1f}", flush=True)
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.sandbox")
+    parser.add_argument("--quick", action="store_true", help="fewer calls; under a minute")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    print(f"{'mode':<8} {'snippet':<8} {'conc':>4} {'calls':>6} {'p50_ms':>9} {'p99_ms':>9} "
+          f"{'calls/s':>9}", flush=True)
+    cells = anyio.run(run, args.quick)
+    p50 = {(c.mode, c.snippet, c.concurrency): c.p50_ms for c in cells}
+    cold, session = p50[("cold", "trivial", 1)], p50[("session", "trivial", 1)]
+    print(f"session p50 {session:.2f} ms (target <= 15), exec p50 {p50[('exec', 'trivial', 1)]:.1f}"
+          f" ms, cold p50 {cold:.1f} ms; {time.perf_counter() - started:.0f} s in all")
+    print(f"speedup_vs_cold={cold / session:.1f}")
+
+
+if __name__ == "__main__":
+    main()
