@@ -14,7 +14,8 @@ trainers or policy versions (the orchestrator drives it).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol, Self
@@ -104,5 +105,8 @@ class EnvSpec(ABC):
         the reference answer; a tool environment shows the calls and their results too."""
         return (*task.messages, {"role": "assistant", "content": task.answer})
 
-    def close(self) -> None:  # noqa: B027 - most specs hold nothing
-        """Release what the spec holds for the whole run (a service it started, say)."""
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """What the environment needs for the whole run (a sandbox pool, a service), held
+        while the run's episodes go on; the runner enters it once around all of them."""
+        yield

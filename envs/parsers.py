@@ -71,6 +71,12 @@ class HermesParser(ToolCallParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 
+    @classmethod
+    def format(cls, name: str, arguments: dict[str, Any]) -> str:
+        """A call in this format, compact JSON (what reference episodes show the model)."""
+        body = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
+        return f"{cls.OPEN}{body}{cls.CLOSE}"
+
     def parse(self, reply: str) -> ParsedReply:
         calls: list[ToolCall] = []
         errors: list[CallError] = []

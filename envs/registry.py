@@ -22,7 +22,7 @@ from envs.base import EnvSpec
 
 ENTRY_POINT_GROUP = "polyrl.envs"
 _REGISTRY: dict[str, type[EnvSpec]] = {}
-_BUILTINS = ("envs.arithmetic", "envs.search_qa")
+_BUILTINS = ("envs.arithmetic", "envs.search_qa", "envs.code")
 _loaded = False
 log = logging.getLogger(__name__)
 

@@ -21,18 +21,19 @@ answer), are logged with weight 0.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import string
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Literal
 
 import anyio
 
 from envs.base import Env, EnvSpec, Message, Task
+from envs.parsers import HermesParser
 from envs.registry import register_env
 from envs.tool_env import Episode, ToolEnv, WeightedReward
 from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
@@ -91,10 +92,7 @@ def format_hits(documents: Sequence[dict]) -> str:
     return "\n".join(texts) if texts else "no results"
 
 
-def tool_call_text(name: str, arguments: dict) -> str:
-    """A Hermes-format call, compact JSON (fewer tokens for a character-level model)."""
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments}, separators=(',', ':'))}</tool_call>"
-
+tool_call_text = HermesParser.format
 
 # -- the search service -----------------------------------------------------------------------
 
@@ -220,7 +218,15 @@ class SearchQASpec(EnvSpec):
                 self._server = _ServerThread(server)
             return self._server.url
 
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(self.close)
+
     def close(self) -> None:
+        """Stop the in-process server (a later search starts a new one)."""
         with self._lock:
             if self._server is not None:
                 self._server.close()

@@ -134,9 +134,11 @@ class Tool(ABC):
             return ToolResult(ToolStatus.TIMEOUT, f"{self.name} timed out after {self.timeout:g} s",
                               time.perf_counter() - start, {"error_kind": "timeout"}, start)
         except Exception as e:  # noqa: BLE001 - a failing tool is recorded, never raised into the episode
-            metadata = {"error_kind": "tool_failed", **(e.metadata if isinstance(e, ToolError) else {})}
-            return ToolResult(ToolStatus.ERROR, f"{self.name} failed: {type(e).__name__}: {e}",
-                              time.perf_counter() - start, metadata, start)
+            if isinstance(e, ToolError):  # the tool's own account of what went wrong
+                message, metadata = f"{self.name}: {e}", {"error_kind": "tool_failed", **e.metadata}
+            else:
+                message, metadata = f"{self.name} failed: {type(e).__name__}: {e}", {"error_kind": "tool_failed"}
+            return ToolResult(ToolStatus.ERROR, message, time.perf_counter() - start, metadata, start)
         latency = time.perf_counter() - start
         if isinstance(content, ToolOutput):
             return ToolResult(ToolStatus.OK, content.content, latency, dict(content.metadata), start)

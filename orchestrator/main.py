@@ -119,22 +119,29 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
         check_tasks = list(spec.tasks("train"))[: warm.check_tasks]
         checks: list[float] = []
 
-        def accuracy() -> float:
-            checks.append(anyio.run(_greedy_check, cfg, policy, trainer, spec, check_tasks, rollout_cfg))
+        def accuracy() -> float:  # called from the warm start's thread
+            checks.append(anyio.from_thread.run(_greedy_check, cfg, policy, trainer, spec,
+                                                check_tasks, rollout_cfg))
             log.info("warm start: greedy accuracy %.3f on %d train tasks", checks[-1], len(check_tasks))
             return checks[-1]
 
-        with recorder.span("warm_start", "trainer", 0) as attrs:
-            losses = warm_start(trainer, policy.tokenizer, spec.tasks("train"), warm,
-                                seed=seed, accuracy=accuracy, demonstrate=spec.demonstration)
-            attrs.update(steps=len(losses), accuracy=checks[-1] if checks else None)
-        if losses:
-            log.info("warm start: %d steps, final loss %.3f", len(losses), losses[-1])
-        result.warm_start_steps = len(losses)
+        async def session() -> None:
+            # one event loop for the whole run, so what the environment runs for it (a
+            # sandbox pool, a service) lives from the first warm-start check to the last eval
+            async with spec.running():
+                with recorder.span("warm_start", "trainer", 0) as attrs:
+                    losses = await anyio.to_thread.run_sync(lambda: warm_start(
+                        trainer, policy.tokenizer, spec.tasks("train"), warm, seed=seed,
+                        accuracy=accuracy, demonstrate=spec.demonstration))
+                    attrs.update(steps=len(losses), accuracy=checks[-1] if checks else None)
+                if losses:
+                    log.info("warm start: %d steps, final loss %.3f", len(losses), losses[-1])
+                result.warm_start_steps = len(losses)
+                await _train(cfg, policy, trainer, spec, pipeline_cfg, rollout_cfg, eval_cfg,
+                             progress, recorder, [logger, metrics_file], result)
 
         try:
-            anyio.run(_train, cfg, policy, trainer, spec, pipeline_cfg, rollout_cfg, eval_cfg,
-                      progress, recorder, [logger, metrics_file], result)
+            anyio.run(session)
         except BaseException:
             if result.reports:  # keep what was trained, even when the run did not finish
                 save_checkpoint(trainer, run_dir / "checkpoints" / "interrupted")
@@ -142,7 +149,6 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
         save_checkpoint(trainer, run_dir / "checkpoints" / "final")
         failed = False
     finally:
-        spec.close()
         recorder.write_jsonl(run_dir / "spans.jsonl")
         write_timeline(recorder.spans, run_dir / "timeline.json", process=run_dir.name)
         result.summary = _summary(result)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from orchestrator.pipeline import StepReport
+from orchestrator.types import Trajectory
 
 
 def step_metrics(report: StepReport) -> dict[str, float]:
@@ -25,8 +28,23 @@ def step_metrics(report: StepReport) -> dict[str, float]:
         "policy/version": float(report.version),
     }
     metrics.update({f"train/{k}": v for k, v in report.metrics.items()})
+    metrics.update(episode_metrics([t for g in report.groups for t in g.trajectories]))
     metrics.update({f"time/{stage}": s for stage, s in report.stage_seconds.items()})
     metrics["time/step"] = report.elapsed
+    return metrics
+
+
+def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Per-episode metrics averaged over the batch (an episode without a key counts 0: no tool
+    call, say), under the names the environment and runner gave them (``reward/<part>``,
+    ``tools/…``, ``episode/turns``), and the share of each end reason (``episode/end/<reason>``)."""
+    if not trajectories:
+        return {}
+    n = len(trajectories)
+    keys = sorted({k for t in trajectories for k in t.metrics})
+    metrics = {k: sum(t.metrics.get(k, 0.0) for t in trajectories) / n for k in keys}
+    for reason, count in Counter(t.end_reason for t in trajectories).items():
+        metrics[f"episode/end/{reason}"] = count / n
     return metrics
 
 

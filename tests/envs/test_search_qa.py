@@ -4,20 +4,24 @@ an episode."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import pytest
+from hydra import compose, initialize_config_dir
 from scripted import TOK, ScriptedEngine
 
 from envs.registry import make_spec
 from envs.search_qa import SearchQASpec, exact_match, f1, normalize, tool_call_text
+from orchestrator.main import run
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_episode, run_group
 from orchestrator.warmstart import demonstration_tokens
 
-pytestmark = pytest.mark.anyio
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -55,6 +59,7 @@ def test_answers_are_normalised_before_they_are_compared() -> None:
     assert f1("", "Solufe") == 0.0
 
 
+@pytest.mark.anyio
 async def test_a_reference_episode_searches_reads_and_is_rewarded(spec: SearchQASpec) -> None:
     task = spec.tasks("train")[3]
     demo = spec.demonstration(task)
@@ -72,6 +77,7 @@ async def test_a_reference_episode_searches_reads_and_is_rewarded(spec: SearchQA
     assert reward.components == {"exact_match": 1.0, "f1": 1.0, "searched": 1.0}
 
 
+@pytest.mark.anyio
 async def test_an_answer_without_a_search_is_logged_as_such(spec: SearchQASpec) -> None:
     task = spec.tasks("train")[0]
     async with spec.make_env() as env:
@@ -81,6 +87,7 @@ async def test_an_answer_without_a_search_is_logged_as_such(spec: SearchQASpec) 
     assert reward.components["searched"] == 0.0 and reward.total == 0.0
 
 
+@pytest.mark.anyio
 async def test_f1_can_be_the_reward() -> None:
     spec = SearchQASpec(train_size=4, eval_size=0, reward="f1", latency="none")
     task = spec.tasks("train")[0]
@@ -93,6 +100,7 @@ async def test_f1_can_be_the_reward() -> None:
     spec.close()
 
 
+@pytest.mark.anyio
 async def test_a_search_that_keeps_failing_is_an_error_observation_not_a_lost_episode() -> None:
     spec = SearchQASpec(train_size=4, eval_size=0, latency="none", failure_rate=1.0,
                         retries=2, backoff=0.001)
@@ -105,7 +113,7 @@ async def test_a_search_that_keeps_failing_is_an_error_observation_not_a_lost_ep
             assert call.status == "error" and call.error_kind == "tool_failed"
             assert call.metadata["attempts"] == 3  # the first try and two retries
             assert call.metadata["attempt_statuses"] == ["http_503"] * 3
-            assert step.observation[0]["content"].startswith("[error] search failed")
+            assert step.observation[0]["content"].startswith("[error] search: search failed after 3 attempt(s)")
             assert not step.done
             assert (await env.step(task.answer)).done  # the model may still answer
             assert (await env.reward()).total == 1.0
@@ -113,6 +121,7 @@ async def test_a_search_that_keeps_failing_is_an_error_observation_not_a_lost_ep
         spec.close()
 
 
+@pytest.mark.anyio
 async def test_malformed_calls_are_observations_the_model_can_read(spec: SearchQASpec) -> None:
     task = spec.tasks("train")[0]
     async with spec.make_env() as env:
@@ -141,6 +150,7 @@ def reference_policy(spec: SearchQASpec) -> ScriptedEngine:
     return ScriptedEngine(reply)
 
 
+@pytest.mark.anyio
 async def test_the_runner_lays_out_exactly_the_tokens_the_warm_start_learns(spec: SearchQASpec) -> None:
     task = spec.tasks("train")[5]
     config = RolloutConfig(max_tokens=80, max_turns=3, group_size=1)
@@ -155,6 +165,7 @@ async def test_the_runner_lays_out_exactly_the_tokens_the_warm_start_learns(spec
     assert span.end > span.start
 
 
+@pytest.mark.anyio
 async def test_many_episodes_against_a_flaky_service_all_finish() -> None:
     spec = SearchQASpec(train_size=32, eval_size=0, latency="empirical", time_scale=0.002,
                         failure_rate=0.4, retries=1, backoff=0.001)
@@ -177,3 +188,27 @@ async def test_many_episodes_against_a_flaky_service_all_finish() -> None:
     assert "error" in statuses and "ok" in statuses
     # a failed search shows an error, so the scripted policy searches again (up to max_turns)
     assert sum(t.reward for t in trajectories) > 0
+
+
+def test_experiment_search_qa_trains_and_records_every_tool_call(tmp_path: Path) -> None:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            "experiment=search_qa", "logger=none", "progress=false", "model.device=cpu",
+            "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
+            "pipeline.num_steps=2", "pipeline.batch_size=8", "pipeline.num_workers=2",
+            "warmstart.steps=2", "warmstart.target_accuracy=null", "eval.num_tasks=4",
+            "env.train_size=32", "env.eval_size=4", "env.time_scale=0.01",
+            "rollout.max_tokens=12"])
+    result = run(cfg, tmp_path)
+    assert len(result.reports) == 2
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics[:-1]:
+        assert 0.0 <= m["reward/searched"] <= 1.0  # the share of answers preceded by a search
+        assert "reward/exact_match" in m and "episode/turns" in m
+    spans = [json.loads(line) for line in (tmp_path / "spans.jsonl").read_text().splitlines()]
+    calls = [s for s in spans if s["stage"] == "tool_call"]
+    for span in calls:
+        assert span["end"] >= span["start"] and span["attributes"]["status"] in {"ok", "error", "timeout"}
+    # every tool call the trainer saw is in the spans: count them from the per-episode metrics
+    trained_calls = sum(m.get("tools/calls", 0.0) * 8 for m in metrics[:-1])
+    assert len(calls) >= round(trained_calls)

@@ -1,0 +1,243 @@
+"""Code: the model writes a small Python function; hidden unit tests run in a sandbox.
+
+Tasks are synthetic and described in words, so a tiny model can learn a few of them:
+``Write f(x) that returns (x plus 3) times 2.`` → ``def f(x):\\n    return (x+3)*2``. Each
+task has hidden tests (inputs drawn from a seed, expected values computed here); the reward
+is the fraction that pass, run in the episode's own sandbox with the configured limits. The
+model's code runs first, then a separate call runs the tests and reports the count after a
+random marker the code cannot know, so printing a fake score earns nothing.
+
+Two variants:
+
+* ``code`` — one turn: the reply is the function.
+* ``code_tool`` — multi-turn with a ``python`` tool: the model may run code in its episode's
+  stateful session (variables persist between calls) and read the output, then answers
+  with the function in a turn without tool calls.
+
+The sandbox pool (``sandbox=docker`` by default, ``sandbox=local`` for development only) is
+opened by :meth:`CodeSpec.running` for the whole run; a model never chooses its own timeout
+or limits.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import secrets
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
+from envs.parsers import HermesParser
+from envs.registry import register_env
+from envs.tool_env import Episode, ToolEnv, WeightedReward
+from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
+from envs.toolset import ToolSet
+from sandboxes.docker import ExecResult, SandboxConfig, SandboxPool, make_sandbox_pool
+
+OPS: dict[str, tuple[str, Callable[[int, int], int]]] = {
+    "plus": ("+", lambda a, b: a + b),
+    "minus": ("-", lambda a, b: a - b),
+    "times": ("*", lambda a, b: a * b),
+    "mod": ("%", lambda a, b: a % b),
+}
+_FENCE = re.compile(r"```(?:python)?\n(.*?)```", re.S)
+
+
+def extract_code(reply: str) -> str:
+    """The code of a reply: the first fenced block when there is one, else the whole reply."""
+    fenced = _FENCE.search(reply)
+    return fenced.group(1) if fenced else reply
+
+
+def test_program(tests: Sequence[tuple[int, int]], marker: str) -> str:
+    """Counts the tests ``f`` passes and prints ``<marker> <passed>``; any error fails a test."""
+    return (
+        f"_tests = {list(tests)!r}\n"
+        "_passed = 0\n"
+        "for _x, _y in _tests:\n"
+        "    try:\n"
+        "        _passed += f(_x) == _y\n"
+        "    except BaseException:\n"
+        "        pass\n"
+        f"print({marker!r}, int(_passed))\n"
+    )
+
+
+def passed_count(result: ExecResult, marker: str) -> int:
+    for line in reversed(result.stdout.splitlines()):
+        if line.startswith(marker + " "):
+            return int(line.split()[1])
+    return 0
+
+
+async def grade(pool: SandboxPool, code: str, tests: Sequence[tuple[int, int]],
+                timeout: float) -> tuple[float, dict[str, Any]]:
+    """(fraction of ``tests`` passed, what happened) for ``code`` in a fresh sandbox."""
+    marker = secrets.token_hex(8)
+    async with pool.session() as sandbox:
+        ran = await sandbox.exec(code, timeout=timeout)
+        checked = await sandbox.exec(test_program(tests, marker), timeout=timeout)
+    passed = passed_count(checked, marker) if checked.status == "ok" else 0
+    info = {"code_status": ran.status, "code_exit": ran.exit_code, "tests_status": checked.status,
+            "exec_s": ran.duration_s + checked.duration_s}
+    return passed / max(len(tests), 1), info
+
+
+class CodeEnv(Env):
+    """One turn: the reply is the function, graded at the end."""
+
+    def __init__(self, spec: CodeSpec) -> None:
+        self.spec = spec
+        self._task: Task | None = None
+        self._reply: str | None = None
+
+    async def reset(self, task: Task) -> tuple[Message, ...]:
+        self._task, self._reply = task, None
+        return task.messages
+
+    async def step(self, reply: str) -> StepResult:
+        self._reply = reply
+        return StepResult(observation=(), reward=0.0, done=True)
+
+    async def reward(self) -> Reward:
+        if self._task is None or self._reply is None:
+            raise RuntimeError("reward() before the episode finished")
+        score, info = await self.spec.grade(self._task, self._reply)
+        ran_ok = info["code_status"] == "ok" and info["code_exit"] == 0
+        return Reward(score, {"tests_passed": score, "ran_ok": float(ran_ok), "exec_s": info["exec_s"]})
+
+
+@register_env("code")
+class CodeSpec(EnvSpec):
+    multi_turn = False
+
+    def __init__(
+        self,
+        sandbox: Mapping[str, Any] | None = None,
+        train_size: int = 480,
+        eval_size: int = 96,
+        ops: Sequence[str] = ("plus", "minus", "times"),
+        max_constant: int = 9,
+        num_tests: int = 5,
+        test_timeout: float = 5.0,
+        seed: int = 0,
+    ) -> None:
+        unknown = [op for op in ops if op not in OPS]
+        if unknown or not ops:
+            raise ValueError(f"env.ops has unknown operation(s) {unknown}; choose from {list(OPS)}")
+        if not 2 <= max_constant <= 99:
+            raise ValueError(f"env.max_constant={max_constant} must be from 2 to 99")
+        universe = (len(ops) * (max_constant - 1)) ** 2
+        if train_size < 1 or eval_size < 0 or train_size + eval_size > universe:
+            raise ValueError(f"env.train_size + env.eval_size must be from 1 to {universe} "
+                             f"(the distinct tasks with these ops and constants)")
+        if num_tests < 1:
+            raise ValueError("env.num_tests must be >= 1")
+        self.sandbox_config = SandboxConfig.from_mapping(sandbox or {})  # checked now, opened later
+        self.test_timeout = test_timeout
+        self.pool: SandboxPool | None = None
+        rng = random.Random(seed)
+        constants = range(2, max_constant + 1)
+        problems = [(a, k, b, m) for a in ops for k in constants for b in ops for m in constants]
+        rng.shuffle(problems)
+        tasks = [self._task(i, p, rng, num_tests) for i, p in enumerate(problems[: train_size + eval_size])]
+        self._splits = {"train": tasks[:train_size], "eval": tasks[train_size:]}
+
+    @staticmethod
+    def _task(index: int, problem: tuple[str, int, str, int], rng: random.Random, n: int) -> Task:
+        op1, k1, op2, k2 = problem
+        (s1, f1), (s2, f2) = OPS[op1], OPS[op2]
+        inputs = rng.sample(range(-20, 21), n)
+        tests = [(x, f2(f1(x, k1), k2)) for x in inputs]
+        question = f"Write f(x) that returns (x {op1} {k1}) {op2} {k2}."
+        answer = f"def f(x):\n    return (x{s1}{k1}){s2}{k2}"
+        return Task(id=index, messages=({"role": "user", "content": question},), answer=answer,
+                    metadata={"tests": tests})
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        if split not in self._splits:
+            raise KeyError(f"unknown split {split!r}; choose from {sorted(self._splits)}")
+        return self._splits[split]
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        async with make_sandbox_pool(self.sandbox_config) as pool:
+            self.pool = pool
+            try:
+                yield
+            finally:
+                self.pool = None
+
+    def _pool(self) -> SandboxPool:
+        if self.pool is None:
+            raise RuntimeError("the code environment's sandbox pool is not running: run its "
+                               "episodes inside `async with spec.running():`")
+        return self.pool
+
+    async def grade(self, task: Task, reply: str) -> tuple[float, dict[str, Any]]:
+        tests = [tuple(t) for t in task.metadata["tests"]]  # type: ignore[attr-defined]
+        return await grade(self._pool(), extract_code(reply), tests, self.test_timeout)
+
+    def make_env(self) -> Env:
+        self._pool()
+        return CodeEnv(self)
+
+
+@register_env("code_tool")
+class CodeToolSpec(CodeSpec):
+    """The multi-turn variant: a ``python`` tool on the episode's own stateful session."""
+
+    def __init__(self, *args: Any, max_calls_per_turn: int = 2, describe_tools: bool = False,
+                 system_prompt: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_calls_per_turn = max_calls_per_turn
+        self.describe_tools, self.system_prompt = describe_tools, system_prompt
+
+    def make_env(self) -> Env:
+        self._pool()  # an operator error, raised here rather than shown to the model
+        return self._tool_env()
+
+    def _tool_env(self) -> ToolEnv:
+        timeout = self.test_timeout
+        spec = self
+
+        @tool(timeout=timeout * 3)
+        async def python(code: str, context: EpisodeContext) -> ToolOutput:
+            """Run Python in this episode's session (variables persist) and show its output.
+
+            Args:
+                code: the program to run
+            """
+            sandbox = await context.resource("sandbox", spec._pool().session)
+            result = await sandbox.exec(code, timeout=timeout)  # the model never sets this
+            metadata = {"exec_status": result.status, "exit_code": result.exit_code,
+                        "exec_s": result.duration_s, "session_reset": result.session_reset}
+            output = (result.stdout + result.stderr).strip() or "(no output)"
+            if not result.ok:
+                raise ToolError(f"{result.status}, exit code {result.exit_code}: {output}", metadata)
+            return ToolOutput(output, metadata)
+
+        async def tests_passed(episode: Episode) -> float:
+            score, _ = await spec.grade(episode.task, episode.final_reply)
+            return score
+
+        async def used_python(episode: Episode) -> float:
+            return float(any(call.name == "python" for call in episode.tool_calls))
+
+        rewards = [WeightedReward("tests_passed", tests_passed, 1.0),
+                   WeightedReward("used_python", used_python, 0.0)]
+        return ToolEnv(ToolSet([python], max_calls_per_turn=self.max_calls_per_turn), rewards,
+                       system_prompt=self.system_prompt, describe_tools=self.describe_tools)
+
+    def demonstration(self, task: Task) -> tuple[Message, ...]:
+        """Try the function on the first hidden input, read the result, then answer."""
+        x, y = task.metadata["tests"][0]  # type: ignore[index]
+        probe = f"{task.answer}\nprint(f({x}))"
+        return (
+            *self._tool_env().opening(task),
+            {"role": "assistant", "content": HermesParser.format("python", {"code": probe})},
+            {"role": "tool", "content": str(y)},
+            {"role": "assistant", "content": task.answer},
+        )

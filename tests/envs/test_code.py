@@ -1,0 +1,153 @@
+"""The code environments (envs/code.py): tasks with hidden tests, grading in a sandbox (the
+local development one for the logic, the real Docker engine for the rest), the multi-turn
+``python`` tool on a stateful session, and a short ``experiment=code`` run."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from scripted import TOK, ScriptedEngine
+
+from envs.code import CodeSpec, CodeToolSpec, extract_code
+from envs.parsers import HermesParser
+from orchestrator.main import run
+from orchestrator.recorder import Recorder
+from orchestrator.rollout import RolloutConfig, run_episode
+from orchestrator.warmstart import demonstration_tokens
+from sandboxes.docker import EngineUnavailable, SandboxConfig
+from sandboxes.docker.engine import connect
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL = {"backend": "local", "timeout_s": 2.0, "max_timeout_s": 2.0}
+
+
+def docker_available() -> bool:
+    try:
+        client = connect()
+    except EngineUnavailable:
+        return False
+    try:
+        return any(SandboxConfig().image in i.tags for i in client.images.list())
+    finally:
+        client.close()
+
+
+needs_docker = pytest.mark.skipif(not docker_available(),
+                                  reason="no Docker engine or image; run `bash scripts/docker_setup.sh`")
+
+
+def test_tasks_are_reproducible_disjoint_and_their_reference_answers_pass() -> None:
+    a, b = CodeSpec(sandbox=LOCAL, train_size=50, eval_size=10), CodeSpec(sandbox=LOCAL, train_size=50, eval_size=10)
+    assert a.tasks("train") == b.tasks("train")
+    prompts = [t.messages[0]["content"] for t in (*a.tasks("train"), *a.tasks("eval"))]
+    assert len(set(prompts)) == 60
+    for task in a.tasks("train"):
+        namespace: dict = {}
+        exec(task.answer, namespace)  # our own reference code, not a model's
+        assert all(namespace["f"](x) == y for x, y in task.metadata["tests"])
+
+
+def test_bad_config_values_are_named() -> None:
+    with pytest.raises(ValueError, match="env.ops"):
+        CodeSpec(sandbox=LOCAL, ops=["divide"])
+    with pytest.raises(ValueError, match="unknown sandbox key"):
+        CodeSpec(sandbox={"backend": "local", "timeout": 3})
+    with pytest.raises(ValueError, match="env.train_size"):
+        CodeSpec(sandbox=LOCAL, ops=["plus"], max_constant=2, train_size=5)
+
+
+def test_code_is_taken_from_a_fence_when_there_is_one() -> None:
+    assert extract_code("Here:\n```python\ndef f(x):\n    return x\n```\nDone") == "def f(x):\n    return x\n"
+    assert extract_code("def f(x): return 1") == "def f(x): return 1"
+
+
+@pytest.fixture
+async def local_spec() -> AsyncIterator[CodeSpec]:
+    spec = CodeSpec(sandbox=LOCAL, train_size=10, eval_size=0, test_timeout=1.0)
+    async with spec.running():
+        yield spec
+
+
+@pytest.mark.anyio
+async def test_grading_counts_passed_tests_and_cannot_be_faked(local_spec: CodeSpec) -> None:
+    task = local_spec.tasks("train")[0]
+    assert (await local_spec.grade(task, task.answer))[0] == 1.0
+    # a function right on some inputs only earns that share
+    x0, y0 = task.metadata["tests"][0]
+    partial = f"def f(x):\n    return {y0} if x == {x0} else None"
+    assert (await local_spec.grade(task, partial))[0] == pytest.approx(1 / len(task.metadata["tests"]))
+    assert (await local_spec.grade(task, "def f(x) return"))[0] == 0.0
+    score, info = await local_spec.grade(task, "import sys\nprint('x', 5)\nsys.stdout.write('0 5\\n')")
+    assert score == 0.0 and info["code_status"] == "ok"
+    started = time.monotonic()
+    score, info = await local_spec.grade(task, "while True:\n    pass")
+    assert score == 0.0 and info["code_status"] == "timeout"
+    assert time.monotonic() - started < 10
+
+
+def test_episodes_need_the_running_pool() -> None:
+    spec = CodeSpec(sandbox=LOCAL, train_size=4, eval_size=0)
+    with pytest.raises(RuntimeError, match=r"async with spec.running\(\)"):
+        spec.make_env()
+
+
+def tool_policy() -> ScriptedEngine:
+    """Defines a helper in the session, uses it in a second call, then answers."""
+
+    def reply(prompt: list[int]) -> str:
+        text = TOK.decode(prompt)
+        m = re.search(r"returns \(x (\w+) (\d+)\) (\w+) (\d+)\.", text)
+        assert m is not None
+        symbol = {"plus": "+", "minus": "-", "times": "*", "mod": "%"}
+        body = f"(x{symbol[m.group(1)]}{m.group(2)}){symbol[m.group(3)]}{m.group(4)}"
+        calls = text.count("<tool_call>")
+        if calls == 0:
+            return HermesParser.format("python", {"code": f"g = lambda x: {body}"})
+        if calls == 1:
+            return HermesParser.format("python", {"code": "print(g(0), g(1))"})
+        return f"def f(x):\n    return {body}"
+
+    return ScriptedEngine(reply)
+
+
+@needs_docker
+@pytest.mark.anyio
+async def test_the_python_tool_keeps_state_across_calls_in_a_docker_session() -> None:
+    spec = CodeToolSpec(sandbox={"pool_size": 1}, train_size=4, eval_size=0)
+    task = spec.tasks("train")[0]
+    recorder = Recorder()
+    async with spec.running():
+        trajectory = await run_episode(tool_policy(), TOK, spec, task,
+                                       RolloutConfig(max_tokens=120, max_turns=4), recorder, "w")
+        # a reference episode is laid out exactly as the runner lays out the real one
+        ids, mask = demonstration_tokens(TOK, spec.demonstration(task))
+        assert mask.count(True) > 0 and len(ids) == len(mask)
+    assert trajectory.end_reason == "done"
+    assert trajectory.reward == 1.0
+    assert trajectory.metrics["reward/used_python"] == 1.0
+    calls = [s for s in recorder.spans if s.stage == "tool_call"]
+    assert [c.attributes["status"] for c in calls] == ["ok", "ok"]  # g survived between calls
+    text = TOK.decode(list(trajectory.token_ids))
+    assert re.search(r"-?\d+ -?\d+", text.split("print(g(0), g(1))")[-1])
+
+
+@needs_docker
+def test_experiment_code_runs_against_docker(tmp_path: Path) -> None:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            "experiment=code", "logger=none", "progress=false", "model.device=cpu",
+            "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
+            "pipeline.num_steps=2", "pipeline.batch_size=8", "pipeline.num_workers=2",
+            "warmstart.steps=2", "warmstart.target_accuracy=null", "eval.num_tasks=4",
+            "env.train_size=32", "env.eval_size=4", "sandbox.pool_size=2"])
+    result = run(cfg, tmp_path)
+    assert len(result.reports) == 2
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics[:-1]:
+        assert 0.0 <= m["reward/tests_passed"] <= 1.0 and m["reward/exec_s"] > 0
