@@ -43,10 +43,8 @@ def main() -> None:
                 print(f"{args.image} exists (cached)")
         else:
             if args.all:
-                containers = engine.labelled(client)
-                for container in containers:
-                    container.remove(force=True)
-                print(f"removed {len(containers)} labelled container(s)")
+                removed = sum(engine.remove(client, c.id) for c in engine.labelled(client))
+                print(f"removed {removed} labelled container(s)")
             else:
                 print(f"removed {engine.reap(client)} leaked container(s)")
     except SandboxError as e:

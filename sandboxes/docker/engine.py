@@ -116,22 +116,34 @@ def is_leaked(labels: dict[str, str], run_id: str | None = None, now: float | No
     return process_start(pid) != labels.get(LABEL_START)
 
 
-def labelled(client: docker.DockerClient) -> list:
-    return client.containers.list(all=True, filters={"label": f"{LABEL}=1"})
+@dataclass(frozen=True)
+class Labelled:
+    id: str
+    name: str
+    labels: dict[str, str]
+
+
+def labelled(client: docker.DockerClient) -> list[Labelled]:
+    """Every container carrying the project's label (one list call: no per-container lookup
+    that would race with auto-removal)."""
+    rows = client.api.containers(all=True, filters={"label": f"{LABEL}=1"})
+    return [Labelled(row["Id"], (row.get("Names") or ["?"])[0].lstrip("/"), row.get("Labels") or {})
+            for row in rows]
+
+
+def remove(client: docker.DockerClient, container_id: str) -> bool:
+    """Force-remove a container; False when it was already gone or going."""
+    try:
+        client.api.remove_container(container_id, force=True)
+        return True
+    except docker.errors.NotFound:
+        return False
+    except docker.errors.APIError as e:
+        if e.status_code == 409:  # removal already in progress (auto-remove)
+            return False
+        raise
 
 
 def reap(client: docker.DockerClient, run_id: str | None = None) -> int:
     """Remove leaked containers (blocking; see the module docstring). Returns how many."""
-    removed = 0
-    for container in labelled(client):
-        if not is_leaked(container.labels, run_id):
-            continue
-        try:
-            container.remove(force=True)
-            removed += 1
-        except docker.errors.NotFound:
-            pass
-        except docker.errors.APIError as e:
-            if e.status_code != 409:  # 409: removal already in progress (auto-remove)
-                raise
-    return removed
+    return sum(remove(client, c.id) for c in labelled(client) if is_leaked(c.labels, run_id))

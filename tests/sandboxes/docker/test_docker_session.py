@@ -22,8 +22,15 @@ pytestmark = [pytest.mark.anyio, pytest.mark.docker]
 
 # processes of the code's uid other than the runner's supervisor and kernel
 STRAYS = ("import os\n"
-          "[p for p in os.listdir('/proc') if p.isdigit() and os.stat('/proc/' + p).st_uid =="
-          " os.getuid() and int(p) not in (os.getpid(), os.getppid())]")
+          "def alive(p):\n"
+          "    try:\n"
+          "        stat = open(f'/proc/{p}/stat').read()\n"
+          "        uid = os.stat(f'/proc/{p}').st_uid\n"
+          "    except OSError:\n"
+          "        return False\n"
+          "    return stat[stat.rfind(')') + 2] != 'Z' and uid == os.getuid()\n"
+          "([p for p in os.listdir('/proc') if p.isdigit() and alive(p) and"
+          " int(p) not in (os.getpid(), os.getppid())])")
 
 
 async def test_state_persists_within_an_episode(pool: DockerSandboxPool) -> None:
