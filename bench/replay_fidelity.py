@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--eval", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=None,
                         help="plays of each trajectory (default: up to a 2,048-trajectory step)")
-    parser.add_argument("--iterations", type=int, default=160, help="Nelder-Mead iterations")
+    parser.add_argument("--iterations", type=int, default=90, help="Nelder-Mead iterations")
     args = parser.parse_args(argv)
     if args.eval in args.fit:
         parser.error(f"--eval {args.eval} is among the --fit steps: evaluate on a held-out step")

@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     f = sub.add_parser("fit", help="fit the replay engine model to trace steps")
     f.add_argument("dir", type=Path)
     f.add_argument("--steps", type=_steps, default=None, help="e.g. 0,1,2 (default: all)")
-    f.add_argument("--iterations", type=int, default=160)
+    f.add_argument("--iterations", type=int, default=90)
     f.add_argument("--replicas", type=int, default=1,
                    help="play each trajectory this many times (to fit a sample of a step)")
     f.add_argument("-o", "--output", type=Path, default=Path("engine_fit.json"))

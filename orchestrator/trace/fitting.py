@@ -18,7 +18,7 @@ from orchestrator.trace.reader import TraceDir
 
 
 def fit_trace(trace_dir: Path | str, steps: Sequence[int] | None = None,
-              iterations: int = 160, replicas: int = 1) -> EngineFit:
+              iterations: int = 90, replicas: int = 1) -> EngineFit:
     """Fit on ``steps`` of ``trace_dir`` (all by default). ``replicas`` > 1 plays every
     trajectory that many times, to rebuild a full step's load from a sample of it."""
     trace = TraceDir.open(trace_dir)
