@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
+from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task
 from envs.registry import register_env
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -21,25 +21,9 @@ async def exact_match(task: Task, reply: str) -> float:
     return 1.0 if reply.strip() == task.answer else 0.0
 
 
-class ArithmeticEnv(Env):
-    def __init__(self) -> None:
-        self._task: Task | None = None
-        self._reply: str | None = None
-
-    async def reset(self, task: Task) -> tuple[Message, ...]:
-        self._task, self._reply = task, None
-        return task.messages
-
-    async def step(self, reply: str) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("step() before reset()")
-        self._reply = reply
-        return StepResult(observation=(), reward=0.0, done=True)
-
-    async def reward(self) -> Reward:
-        if self._task is None or self._reply is None:
-            raise RuntimeError("reward() before the episode finished")
-        correct = await exact_match(self._task, self._reply)
+class ArithmeticEnv(SingleTurnEnv):
+    async def score(self, task: Task, reply: str) -> Reward:
+        correct = await exact_match(task, reply)
         return Reward(total=correct, components={"exact_match": correct})
 
 

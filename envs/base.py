@@ -87,6 +87,32 @@ class Env(ABC):
         await self.aclose()
 
 
+class SingleTurnEnv(Env):
+    """An episode of one turn: the reply is the answer, scored by :meth:`score`."""
+
+    def __init__(self) -> None:
+        self._task: Task | None = None
+        self._reply: str | None = None
+
+    async def reset(self, task: Task) -> tuple[Message, ...]:
+        self._task, self._reply = task, None
+        return task.messages
+
+    async def step(self, reply: str) -> StepResult:
+        if self._task is None:
+            raise RuntimeError("step() before reset()")
+        self._reply = reply
+        return StepResult(observation=(), reward=0.0, done=True)
+
+    async def reward(self) -> Reward:
+        if self._task is None or self._reply is None:
+            raise RuntimeError("reward() before the episode finished")
+        return await self.score(self._task, self._reply)
+
+    @abstractmethod
+    async def score(self, task: Task, reply: str) -> Reward: ...
+
+
 class EnvSpec(ABC):
     name: str
 

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
+from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
 from envs.parsers import HermesParser
 from envs.registry import register_env
 from envs.tool_env import Episode, ToolEnv, WeightedReward
@@ -85,26 +85,15 @@ async def grade(pool: SandboxPool, code: str, tests: Sequence[tuple[int, int]],
     return passed / max(len(tests), 1), info
 
 
-class CodeEnv(Env):
+class CodeEnv(SingleTurnEnv):
     """One turn: the reply is the function, graded at the end."""
 
     def __init__(self, spec: CodeSpec) -> None:
+        super().__init__()
         self.spec = spec
-        self._task: Task | None = None
-        self._reply: str | None = None
 
-    async def reset(self, task: Task) -> tuple[Message, ...]:
-        self._task, self._reply = task, None
-        return task.messages
-
-    async def step(self, reply: str) -> StepResult:
-        self._reply = reply
-        return StepResult(observation=(), reward=0.0, done=True)
-
-    async def reward(self) -> Reward:
-        if self._task is None or self._reply is None:
-            raise RuntimeError("reward() before the episode finished")
-        score, info = await self.spec.grade(self._task, self._reply)
+    async def score(self, task: Task, reply: str) -> Reward:
+        score, info = await self.spec.grade(task, reply)
         ran_ok = info["code_status"] == "ok" and info["code_exit"] == 0
         return Reward(score, {"tests_passed": score, "ran_ok": float(ran_ok), "exec_s": info["exec_s"]})
 

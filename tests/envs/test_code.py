@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from scripted import TOK, ScriptedEngine
+from helpers import TOK, ScriptedEngine, quick_config
 
 from envs.code import CodeSpec, CodeToolSpec, extract_code
 from envs.parsers import HermesParser
@@ -23,7 +22,6 @@ from orchestrator.warmstart import demonstration_tokens
 from sandboxes.docker import EngineUnavailable, SandboxConfig
 from sandboxes.docker.engine import connect
 
-REPO = Path(__file__).resolve().parents[2]
 LOCAL = {"backend": "local", "timeout_s": 2.0, "max_timeout_s": 2.0}
 
 
@@ -139,13 +137,7 @@ async def test_the_python_tool_keeps_state_across_calls_in_a_docker_session() ->
 
 @needs_docker
 def test_experiment_code_runs_against_docker(tmp_path: Path) -> None:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[
-            "experiment=code", "logger=none", "progress=false", "model.device=cpu",
-            "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-            "pipeline.num_steps=2", "pipeline.batch_size=8", "pipeline.num_workers=2",
-            "warmstart.steps=2", "warmstart.target_accuracy=null", "eval.num_tasks=4",
-            "env.train_size=32", "env.eval_size=4", "sandbox.pool_size=2"])
+    cfg = quick_config("code", "sandbox.pool_size=2")
     result = run(cfg, tmp_path)
     assert len(result.reports) == 2
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from hydra import compose, initialize_config_dir
-from scripted import TOK, ScriptedEngine
+from helpers import TOK, ScriptedEngine, quick_config
 
 from envs.registry import make_spec
 from envs.search_qa import SearchQASpec, exact_match, f1, normalize, tool_call_text
@@ -20,8 +19,6 @@ from orchestrator.main import run
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_episode, run_group
 from orchestrator.warmstart import demonstration_tokens
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -191,14 +188,7 @@ async def test_many_episodes_against_a_flaky_service_all_finish() -> None:
 
 
 def test_experiment_search_qa_trains_and_records_every_tool_call(tmp_path: Path) -> None:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[
-            "experiment=search_qa", "logger=none", "progress=false", "model.device=cpu",
-            "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-            "pipeline.num_steps=2", "pipeline.batch_size=8", "pipeline.num_workers=2",
-            "warmstart.steps=2", "warmstart.target_accuracy=null", "eval.num_tasks=4",
-            "env.train_size=32", "env.eval_size=4", "env.time_scale=0.01",
-            "rollout.max_tokens=12"])
+    cfg = quick_config("search_qa", "env.time_scale=0.01", "rollout.max_tokens=12")
     result = run(cfg, tmp_path)
     assert len(result.reports) == 2
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import anyio
 import pytest
-from scripted import TOK, ScriptedEngine
+from helpers import TOK, ScriptedEngine
 
 from envs.arithmetic import ArithmeticSpec
 from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task

@@ -1,15 +1,21 @@
-"""A scripted inference engine for tests: it replies with a function of the prompt."""
+"""Helpers shared by tests: a scripted inference engine (it replies with a function of the
+prompt) and a composed config for a seconds-long run of any experiment."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.types import FinishReason, Generation, SamplingParams
 
 TOK = CharTokenizer()
+REPO = Path(__file__).resolve().parents[1]
 
 
 class ScriptedEngine(InferenceEngine):
@@ -36,3 +42,14 @@ class ScriptedEngine(InferenceEngine):
 
     async def resume(self) -> None:
         pass
+
+
+def quick_config(experiment: str, *overrides: str) -> DictConfig:
+    """``experiment`` shrunk to a run of seconds: a one-layer model, two steps of 8 samples."""
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=[
+            f"experiment={experiment}", "logger=none", "progress=false", "model.device=cpu",
+            "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
+            "pipeline.num_steps=2", "pipeline.batch_size=8", "pipeline.num_workers=2",
+            "warmstart.steps=2", "warmstart.target_accuracy=null", "eval.num_tasks=4",
+            "env.train_size=32", "env.eval_size=4", *overrides])
