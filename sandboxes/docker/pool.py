@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import anyio
+import anyio.lowlevel
 import docker
 import docker.errors
 from docker.types import Ulimit
@@ -251,7 +252,10 @@ class DockerSandboxPool(SandboxPool):
     async def _reap_periodically(self) -> None:
         while True:
             await anyio.sleep(self.config.reap_interval_s)
-            self.stats["reaped"] += await self._thread(engine.reap, self.client)
+            try:
+                self.stats["reaped"] += await self._thread(engine.reap, self.client)
+            except docker.errors.DockerException as e:  # the engine hiccuped: try next time
+                log.warning("sandbox reaper: %s", e)
 
     # -- sessions ----------------------------------------------------------------------------
     @asynccontextmanager
@@ -288,19 +292,25 @@ class DockerSandboxPool(SandboxPool):
         self._changed = anyio.Event()
 
     def _fill(self) -> None:
-        """Start creating containers until ``pool_size`` are ready or on their way."""
+        """Start creating containers until ``pool_size`` exist (ready, in use or on their way;
+        those in use come back after a reset, so an episode costs no new container)."""
         cfg = self.config
         while (self._tg is not None and not self._closed
-               and len(self._ready) + self._pending < cfg.pool_size
-               and len(self._live) + self._pending < cfg.max_containers):
+               and len(self._live) + self._pending < min(cfg.pool_size, cfg.max_containers)):
             self._pending += 1
             self._tg.start_soon(self._create_ready)
 
     async def _create_ready(self) -> None:
         try:
             box = await self._create()
+        except SandboxError as e:
+            # a warm spare failed; an episode asking for a container creates its own and
+            # gets the error itself if the engine is really broken
+            log.warning("sandbox pool: %s", e)
+            return
         finally:
             self._pending -= 1
+            self._notify()
         self._ready.append(box)
         self._notify()
 
@@ -316,13 +326,17 @@ class DockerSandboxPool(SandboxPool):
                 and box.expires - time.time() > cfg.lifetime_s / 2
                 and len(self._ready) + self._pending < cfg.pool_size)
         if keep:
+            frame = None
             with anyio.move_on_after(10):
-                frame = await box.channel.roundtrip(protocol.request(protocol.OP_RESET))
-                if protocol.parse_response(frame)[0] == 0:
-                    self.stats["reused"] += 1
-                    self._ready.append(box)
-                    self._notify()
-                    return
+                try:
+                    frame = await box.channel.roundtrip(protocol.request(protocol.OP_RESET))
+                except RunnerGone:
+                    pass
+            if frame is not None and protocol.parse_response(frame)[0] == 0:
+                self.stats["reused"] += 1
+                self._ready.append(box)
+                self._notify()
+                return
         await self._destroy(box)
 
     # -- containers --------------------------------------------------------------------------
@@ -369,12 +383,14 @@ class DockerSandboxPool(SandboxPool):
 
     async def _create(self) -> _Container:
         try:
-            container = await self._thread(self._start_container)
+            with anyio.CancelScope(shield=True):  # a cancel must not lose a started container
+                container = await self._thread(self._start_container)
         except docker.errors.APIError as e:
             raise SandboxError(f"could not start a sandbox container: {e.explanation or e}") from e
         self.stats["created"] += 1
         channel: RunnerChannel | None = None
         try:
+            await anyio.lowlevel.checkpoint()  # a pending cancel lands here, with cleanup
             channel = RunnerChannel(await self._thread(self._attach_runner, container.id))
             with anyio.fail_after(30):
                 frame = await channel.roundtrip(protocol.request(protocol.OP_PING))
@@ -395,12 +411,9 @@ class DockerSandboxPool(SandboxPool):
 
     async def _remove(self, container: Any) -> None:
         try:
-            await self._thread(container.remove, force=True)
-        except docker.errors.NotFound:
-            pass
-        except docker.errors.APIError as e:
-            if e.status_code != 409:  # removal already in progress (auto-remove)
-                raise
+            await self._thread(engine.remove, self.client, container.id)
+        except docker.errors.DockerException as e:  # the reaper and the lifetime catch it later
+            log.warning("sandbox pool: could not remove %s: %s", container.name, e)
         self.stats["destroyed"] += 1
 
     async def _destroy(self, box: _Container) -> None:

@@ -22,7 +22,7 @@ def request(op: int, body: bytes = b"", timeout_s: float = 0.0, max_output: int 
 
 def exec_request(code: str, language: Language, timeout_s: float, max_output: int) -> bytes:
     op = OP_PYTHON if language == "python" else OP_SHELL
-    return request(op, code.encode("utf-8", "surrogateescape"), timeout_s, max_output)
+    return request(op, code.encode("utf-8", "replace"), timeout_s, max_output)
 
 
 def frame_length(buffer: bytes | bytearray) -> int | None:
