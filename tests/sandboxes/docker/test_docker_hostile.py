@@ -71,7 +71,14 @@ async def test_infinite_loops_time_out(pool, code: str, language: str) -> None:
 
 
 async def test_fork_bomb(pool) -> None:
-    async with pool.session() as sb:
+    async with pool.session() as sb, pool.session() as neighbour:
+        await neighbour.exec("v = 'untouched'")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sb.exec, "import os\nwhile True:\n    try:\n        os.fork()\n"
+                                   "    except OSError:\n        pass")
+            await anyio.sleep(1)
+            r, took = await timed(neighbour, "print(v)")  # served while the bomb goes off
+            assert (r.status, r.stdout) == ("ok", "untouched\n") and took < TIMEOUT_S
         r, _ = await timed(sb, "import os\nwhile True:\n    try:\n        os.fork()\n"
                                "    except OSError:\n        pass")
         assert r.status == "timeout"
@@ -93,10 +100,12 @@ async def test_thread_bomb(pool) -> None:
 
 
 async def test_memory_bomb(pool) -> None:
-    async with pool.session() as sb:
+    async with pool.session() as sb, pool.session() as neighbour:
         await sb.exec("keep = 1")
+        await neighbour.exec("mine = list(range(1000))")
         r, _ = await timed(sb, "blocks = []\nwhile True:\n    blocks.append(bytearray(10**7))")
         assert r.status == "oom" and r.exit_code == 137 and r.session_reset
+        assert (await neighbour.exec("sum(mine)")).stdout == "499500\n"
         assert (await sb.exec("print('after')")).stdout == "after\n"
         r, _ = await timed(sb, "python3 -c 'x = bytearray(10**9)'", language="shell")
         assert r.status in ("oom", "ok") and r.exit_code != 0  # MemoryError or an OOM kill
