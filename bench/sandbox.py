@@ -130,10 +130,11 @@ async def run(quick: bool) -> list[Cell]:
                          "exec": [exec_(sb) for sb in chosen],
                          "session": [session(sb) for sb in chosen]}
                 for mode, workers in modes.items():
-                    n = calls[mode] * (4 if concurrency > 1 else 1)
+                    n = calls[mode] * (1 if concurrency == 1 else 4 if mode == "session" else 2)
                     if snippet == "cpu50" and mode == "session":
                         n //= 4  # 50 ms of CPU each: the 2 cores bound this cell anyway
-                    await measure(workers, min(n, len(workers)))  # warm-up
+                    if mode != "cold":  # nothing to warm in a fresh container
+                        await measure(workers, min(n, len(workers)))
                     latencies, wall = await measure(workers, n)
                     cells.append(Cell(mode, snippet, concurrency, tuple(latencies), wall))
                     c = cells[-1]
