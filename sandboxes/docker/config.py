@@ -20,6 +20,7 @@ class SandboxConfig:
     image: str = "polyrl-sandbox:bookworm"  # built by `python -m sandboxes.docker build-image`
     pool_size: int = 4                # warm containers kept ready
     max_containers: int = 64          # live containers at most (waiting beyond)
+    max_idle: int = 16                # used containers kept ready for reuse (>= pool_size)
     reuse: bool = True                # reset and reuse a container after a clean episode
     max_uses: int = 50                # episodes per container before it is replaced
     # per call
@@ -50,6 +51,7 @@ class SandboxConfig:
     def __post_init__(self) -> None:
         checks = {
             "pool_size": self.pool_size >= 0, "max_containers": self.max_containers >= 1,
+            "max_idle": self.max_idle >= 0,
             "max_uses": self.max_uses >= 1, "timeout_s": self.timeout_s > 0,
             "max_timeout_s": self.max_timeout_s > 0, "max_output_bytes": self.max_output_bytes > 0,
             "host_grace_s": self.host_grace_s >= 0, "memory_mb": self.memory_mb >= 16,

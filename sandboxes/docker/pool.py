@@ -324,7 +324,7 @@ class DockerSandboxPool(SandboxPool):
         box.uses += 1
         keep = (cfg.reuse and cfg.read_only_root and not box.broken and box.uses < cfg.max_uses
                 and box.expires - time.time() > cfg.lifetime_s / 2
-                and len(self._ready) + self._pending < cfg.pool_size)
+                and len(self._ready) < max(cfg.pool_size, cfg.max_idle))
         if keep:
             frame = None
             with anyio.move_on_after(10):

@@ -265,5 +265,6 @@ async def test_sixty_four_episodes_in_parallel(docker_client) -> None:
                 tg.start_soon(episode, i)
         assert results == {i: (f"{2 * i}\n", f"{i}\n") for i in range(64)}
         assert len(pool._live) <= 16
+        assert pool.stats["created"] <= 16 + 4  # episodes reuse reset containers
         await assert_healthy(pool)
     assert time.monotonic() - start < 240
