@@ -261,7 +261,13 @@ def run_replay(cfg: DictConfig, run_dir: Path) -> Any:
     r = OmegaConf.to_container(cfg.replay, resolve=True)
     assert isinstance(r, dict)
     trace_dir = OmegaConf.select(cfg, "trace") or str(SHIPPED_SAMPLE)
-    trace = TraceDir.open(trace_dir)
+    try:
+        trace = TraceDir.open(trace_dir)
+    except FileNotFoundError as e:
+        raise ConfigError(f"trace={trace_dir}: no such directory; point trace= at a PolyTrace "
+                          f"directory (multiturn_workload_step_N.jsonl files)") from e
+    if not trace.steps():
+        raise ConfigError(f"trace={trace_dir} holds no multiturn_workload_step_N.jsonl files")
     k = int(cfg.pipeline.max_staleness)
     steps = r.get("steps")
     plans, per_step = load_plans(trace, steps, r.get("groups_per_step"), int(cfg.seed))

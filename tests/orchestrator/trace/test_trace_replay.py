@@ -153,3 +153,16 @@ def test_experiment_replay_runs_through_main(tmp_path: Path, k: int,
     assert len(records) == 128 and all(r.polyrl and r.polyrl.staleness <= k for r in records)
     timeline = json.loads((tmp_path / "timeline.json").read_text())
     assert any(e["name"] == "train_step" for e in timeline["traceEvents"])
+
+
+def test_a_missing_trace_is_a_config_error(tmp_path: Path) -> None:
+    from orchestrator.errors import ConfigError
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=replay", f"trace={tmp_path / 'none'}"])
+    with pytest.raises(ConfigError, match="no such directory"):
+        run(cfg, tmp_path / "run")
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=replay", f"trace={tmp_path}"])
+    with pytest.raises(ConfigError, match="holds no multiturn_workload"):
+        run(cfg, tmp_path / "run")
