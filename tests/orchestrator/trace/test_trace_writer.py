@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from orchestrator.main import run
 from orchestrator.recorder import Recorder
 from orchestrator.trace import NAMESPACE, TraceDir, iter_records
+from orchestrator.trace.summarize import summarize
 from orchestrator.trace.timeline import trace_events
 from orchestrator.trace.writer import TraceWriter, loss_mask_rle, workload_record
 from orchestrator.types import FinishReason, Group, ToolTiming, Trajectory, TurnTiming
@@ -149,3 +150,6 @@ def test_a_training_run_writes_its_trace_and_timeline(tmp_path: Path, k: int) ->
         assert overlap(generate, train) == 0.0
     else:
         assert overlap(generate, train) > 0.0
+    (summary,) = summarize(tmp_path, plots=False)  # the report reads a run directory too
+    assert summary.stages["train_step"] > 0 and summary.idle and 0 <= summary.idle[0] < 1
+    assert len(summary.inputs) == 3 * cfg.pipeline.batch_size
