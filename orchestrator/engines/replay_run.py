@@ -244,14 +244,34 @@ def load_plans(trace: TraceDir, steps: Sequence[int] | None, groups_per_step: in
                           f"{missing} (it has {trace.steps()})")
     plans: list[EpisodePlan] = []
     for s in steps:
-        step_plans = plans_from_records(list(trace.workload(s)), group_offset=0)
+        step_plans = complete_groups(plans_from_records(list(trace.workload(s)), group_offset=0))
+        if not step_plans:
+            continue
         if groups_per_step:
             step_plans = resample_groups(step_plans, groups_per_step, seed + s)
         base = len({p.group for p in plans})
         plans += [EpisodePlan(len(plans) + i, p.prompt_tokens, p.turns, base + p.group, p.sample)
                   for i, p in enumerate(step_plans)]
-    per_step = groups_per_step or (len({p.group for p in plans}) // len(steps))
+    size = max(sum(1 for p in plans if p.group == g) for g in {p.group for p in plans})
+    plans = complete_groups(plans, size)  # steps agree on the group size
+    plans = [EpisodePlan(i, p.prompt_tokens, p.turns, p.group, p.sample) for i, p in enumerate(plans)]
+    per_step = groups_per_step or max(1, len({p.group for p in plans}) // len(steps))
     return plans, per_step
+
+
+def complete_groups(plans: Sequence[EpisodePlan], size: int | None = None) -> list[EpisodePlan]:
+    """The plans of groups with ``size`` samples (default: the most common size): a partial
+    step (search_r1's step 5) has groups cut short, which GRPO batches cannot mix."""
+    sizes: dict[int, int] = {}
+    for p in plans:
+        sizes[p.group] = sizes.get(p.group, 0) + 1
+    if not sizes:
+        return []
+    size = size or max(set(sizes.values()), key=list(sizes.values()).count)
+    kept = [p for p in plans if sizes[p.group] == size]
+    if len(kept) < len(plans):
+        log.info("replay: %d trajectories of incomplete groups left out", len(plans) - len(kept))
+    return kept
 
 
 def run_replay(cfg: DictConfig, run_dir: Path) -> Any:
