@@ -20,6 +20,7 @@ either) and kept as read: a ``5`` stays ``5``, so equality after a round trip is
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ def _hints(cls: type) -> dict[str, Any]:
 def _convert(name: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
-    if origin in (typing.Union, __import__("types").UnionType):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         return _convert(name, value, next(a for a in args if a is not type(None)))

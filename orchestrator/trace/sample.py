@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from orchestrator.trace.reader import TASK_DISTRIBUTION, TraceDir, step_file
+from orchestrator.trace.reader import TraceDir, step_file
 
 
 def write_sample(source: Path, target: Path, groups_per_step: int = 8, steps: int = 4,
@@ -32,8 +32,7 @@ def write_sample(source: Path, target: Path, groups_per_step: int = 8, steps: in
             chosen_rows = [r.to_dict() for _, r in zip(range(rows), read(step), strict=False)]
             _write(target / step_file(kind, step), chosen_rows)
             written += len(chosen_rows)
-    if trace.task_distribution is not None and not (target / TASK_DISTRIBUTION).exists():
-        pass  # 170 kB of fits: not shipped; read it from the published directory
+    # The task-distribution parameters (170 kB of fits) are not sampled: read the published file.
     return written
 
 
