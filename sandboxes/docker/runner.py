@@ -126,7 +126,7 @@ class Kernel:
                 os._exit(0)
         for fd in (ctl_r, res_w, out_w, err_w):
             os.close(fd)
-        for fd in (self.out_r, self.err_r):
+        for fd in (self.out_r, self.err_r, self.res_r):
             os.set_blocking(fd, False)
 
     def close(self):
@@ -261,7 +261,6 @@ class Supervisor:
         if self.kernel is None:
             self.kernel = Kernel()
         kernel = self.kernel
-        os.set_blocking(kernel.res_r, False)
         try:
             while os.read(kernel.res_r, 4096):  # stale answers (from a cell's forked child)
                 pass

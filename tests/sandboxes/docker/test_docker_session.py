@@ -166,3 +166,15 @@ async def test_parallel_calls_in_one_session_are_serialised(pool: DockerSandboxP
             for _ in range(10):
                 tg.start_soon(sb.exec, "n += 1")
         assert (await sb.exec("n")).stdout == "10\n"
+
+
+async def test_a_kernel_that_exits_between_calls_is_replaced(pool: DockerSandboxPool) -> None:
+    async with pool.session() as sb:
+        r = await sb.exec("import os, threading, time\n"
+                          "threading.Thread(target=lambda: (time.sleep(0.2), os._exit(3))).start()")
+        assert r.ok
+        await anyio.sleep(0.5)
+        start = time.monotonic()
+        r = await sb.exec("while True: pass")  # the fresh kernel's deadline still holds
+        assert r.status == "timeout" and time.monotonic() - start < TIMEOUT_S + SLACK_S
+        assert (await sb.exec("print('\ud800 ok')")).stdout.endswith(" ok\n")  # lone surrogate
