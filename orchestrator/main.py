@@ -16,7 +16,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import anyio
 import torch
@@ -33,6 +33,7 @@ from orchestrator.evaluate import evaluate
 from orchestrator.loggers.base import JsonlMetrics, Logger
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.policy import Policy
+from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import Pipeline, PipelineConfig, StepReport, TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig
@@ -183,9 +184,11 @@ async def _train(
         with StepProgress(pipeline_cfg.num_steps, enabled=progress_bar) as progress:
 
             trace = TraceWriter(result.run_dir, rollout_cfg.max_total_tokens)
+            samples = (result.run_dir / "samples.jsonl").open("a")
 
             def on_step(report: StepReport) -> None:
                 trace.write_step(report.step, report.version, report.groups)
+                write_samples(samples, report, policy.tokenizer)
                 for sink in sinks:
                     sink.log_step(report)
                 progress.update(report)
@@ -195,10 +198,24 @@ async def _train(
                 pipeline_cfg, rollout_cfg, engine, trainer, policy.tokenizer, spec,
                 TaskSampler(spec.tasks("train"), seed=int(cfg.seed)), recorder, on_step,
             )
-            await pipeline.run()
+            try:
+                await pipeline.run()
+            finally:
+                samples.close()
         if eval_tasks:
             result.eval_after = await evaluate(engine, policy.tokenizer, spec, eval_tasks, rollout_cfg, recorder)
             log.info("eval after RL: %.3f", result.eval_after)
+
+
+def write_samples(file: TextIO, report: StepReport, tokenizer: Tokenizer, per_step: int = 4) -> None:
+    """A few trained episodes of the step as text (the first of each group), to read what the
+    policy does: ``{"step", "prompt_id", "reward", "end_reason", "text"}`` per line."""
+    for group in report.groups[:per_step]:
+        t = group.trajectories[0]
+        file.write(json.dumps({"step": report.step, "prompt_id": t.prompt_id, "reward": t.reward,
+                               "end_reason": t.end_reason,
+                               "text": tokenizer.decode(list(t.token_ids))}) + "\n")
+    file.flush()
 
 
 async def _greedy_check(

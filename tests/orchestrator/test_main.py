@@ -41,6 +41,10 @@ def check_run_dir(run_dir: Path, num_steps: int) -> None:
             assert key in m, key
     assert summary["summary/steps"] == num_steps
 
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    assert {s["step"] for s in samples} == set(range(num_steps))
+    assert all(s["text"] and 0.0 <= s["reward"] <= 1.0 for s in samples)
+
     stages = {span["stage"] for span in read_jsonl(run_dir / "spans.jsonl")}
     assert STAGES <= stages, STAGES - stages
 
