@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from orchestrator.errors import ConfigError
+from sandboxes.docker.api import EngineUnavailable, ImageMissing, SandboxError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -69,7 +70,7 @@ def explain(error: BaseException) -> str | None:
             todo.extend(e.exceptions)
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
     for e in chain:
-        if isinstance(e, ConfigError):
+        if isinstance(e, (ConfigError, EngineUnavailable, ImageMissing)):  # set-up, not a bug
             return str(e)
         if isinstance(e, MissingMandatoryValue):
             key = getattr(e, "full_key", None) or "a required key"
@@ -104,7 +105,7 @@ def main() -> None:
     try:
         _entry()
     except (ConfigError, HydraException, OmegaConfBaseException, ValueError, TypeError,
-            BaseExceptionGroup) as error:
+            SandboxError, BaseExceptionGroup) as error:
         message = explain(error)
         if message is None:
             raise

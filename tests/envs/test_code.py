@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from helpers import TOK, ScriptedEngine, quick_config
+from helpers import REPO, TOK, ScriptedEngine, quick_config
 
 from envs.code import CodeSpec, CodeToolSpec, extract_code
 from envs.parsers import HermesParser
@@ -143,3 +145,14 @@ def test_experiment_code_runs_against_docker(tmp_path: Path) -> None:
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for m in metrics[:-1]:
         assert 0.0 <= m["reward/tests_passed"] <= 1.0 and m["reward/exec_s"] > 0
+
+
+@needs_docker
+def test_a_missing_image_is_one_line_naming_the_build_command() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "experiment=code", "sandbox.image=polyrl-missing:0",
+         "logger=none", "warmstart.steps=0", "eval.num_tasks=0", "pipeline.num_steps=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "python -m sandboxes.docker build-image" in errors[0]
