@@ -7,8 +7,8 @@ model knows them; train and eval use different people, so the eval split can be 
 only by searching, never from memory.
 
 An episode is multi-turn: the model calls ``search`` (Hermes format,
-``<tool_call>{"name":"search","arguments":{"query":"Koravi"}}</tool_call>``), reads the
-results, then answers in plain text. The search tool talks HTTP to the mock search server
+``<tool_call>{"name":"search","arguments":{"query":"Where does Koravi live?"}}</tool_call>``),
+reads the results, then answers in plain text. The search tool talks HTTP to the mock search server
 (:mod:`sandboxes.search`) with a per-episode client: an in-process server on an ephemeral
 port, started on first use in a background thread with the PolyTrace latency model, or an
 external one at ``search_url``. A failed search (after the client's retries) is an error
@@ -272,13 +272,17 @@ class SearchQASpec(EnvSpec):
                        rewards, system_prompt=self.system_prompt, describe_tools=self.describe_tools)
 
     def demonstration(self, task: Task) -> tuple[Message, ...]:
-        name = str(task.metadata["name"])
-        hits = [d.as_json() for d, _ in self.index.search(name, self.topk)]
+        """Search with the question itself, read the hit, answer. (Searching the question, not
+        the bare name, lets a small model copy the name letter by letter, each letter cued by
+        the one before; copying just the name from mid-question, it gets the first letter
+        wrong often enough that half its searches find nothing.)"""
+        query = task.messages[-1]["content"]
+        hits = [d.as_json() for d, _ in self.index.search(query, self.topk)]
         env = self.make_env()
         assert isinstance(env, ToolEnv)
         return (
             *env.opening(task),
-            {"role": "assistant", "content": tool_call_text("search", {"query": name})},
+            {"role": "assistant", "content": tool_call_text("search", {"query": query})},
             {"role": "tool", "content": format_hits(hits)},
             {"role": "assistant", "content": task.answer},
         )

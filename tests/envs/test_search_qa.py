@@ -133,15 +133,15 @@ async def test_malformed_calls_are_observations_the_model_can_read(spec: SearchQ
 
 
 def reference_policy(spec: SearchQASpec) -> ScriptedEngine:
-    """Plays the reference episode: search the asked name, then copy the answer from the hit."""
+    """Plays the reference episode: search the question, then copy the answer from the hit."""
 
     def reply(prompt: list[int]) -> str:
         text = TOK.decode(prompt)
         hit = re.search(r"(\w+) lives in (\w+) and works as a (\w+)\.$", text)
-        if hit is None:
-            name = re.search(r"(?:Where does|job of) (\w+)", text)
-            assert name is not None
-            return tool_call_text("search", {"query": name.group(1)})
+        if hit is None:  # search with the question, as the reference episode does
+            question = re.match(r"(Where does \w+ live\?|What is the job of \w+\?)", text)
+            assert question is not None
+            return tool_call_text("search", {"query": question.group(1)})
         return hit.group(2) if "Where does" in text else hit.group(3)
 
     return ScriptedEngine(reply)
@@ -150,7 +150,7 @@ def reference_policy(spec: SearchQASpec) -> ScriptedEngine:
 @pytest.mark.anyio
 async def test_the_runner_lays_out_exactly_the_tokens_the_warm_start_learns(spec: SearchQASpec) -> None:
     task = spec.tasks("train")[5]
-    config = RolloutConfig(max_tokens=80, max_turns=3, group_size=1)
+    config = RolloutConfig(max_tokens=100, max_turns=3, group_size=1)
     recorder = Recorder()
     trajectory = await run_episode(reference_policy(spec), TOK, spec, task, config, recorder, "w")
     ids, mask = demonstration_tokens(TOK, spec.demonstration(task))
@@ -166,7 +166,7 @@ async def test_the_runner_lays_out_exactly_the_tokens_the_warm_start_learns(spec
 async def test_many_episodes_against_a_flaky_service_all_finish() -> None:
     spec = SearchQASpec(train_size=32, eval_size=0, latency="empirical", time_scale=0.002,
                         failure_rate=0.4, retries=1, backoff=0.001)
-    config = RolloutConfig(max_tokens=80, max_turns=3, group_size=4)
+    config = RolloutConfig(max_tokens=100, max_turns=3, group_size=4)
     recorder = Recorder()
     groups = []
     try:
