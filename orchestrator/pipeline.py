@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import replace
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import anyio
