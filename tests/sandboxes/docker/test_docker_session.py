@@ -6,7 +6,7 @@ import time
 
 import anyio
 import pytest
-from conftest import GRACE_S, SLACK_S, TIMEOUT_S, small_config
+from conftest import GRACE_S, SLACK_S, STRAYS, TIMEOUT_S, small_config
 
 from sandboxes.docker import (
     DockerSandboxPool,
@@ -20,17 +20,6 @@ from sandboxes.docker.engine import LABEL, LABEL_EXPIRES, LABEL_PID, LABEL_RUN
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker]
 
-# processes of the code's uid other than the runner's supervisor and kernel
-STRAYS = ("import os\n"
-          "def alive(p):\n"
-          "    try:\n"
-          "        stat = open(f'/proc/{p}/stat').read()\n"
-          "        uid = os.stat(f'/proc/{p}').st_uid\n"
-          "    except OSError:\n"
-          "        return False\n"
-          "    return stat[stat.rfind(')') + 2] != 'Z' and uid == os.getuid()\n"
-          "([p for p in os.listdir('/proc') if p.isdigit() and alive(p) and"
-          " int(p) not in (os.getpid(), os.getppid())])")
 
 
 async def test_state_persists_within_an_episode(pool: DockerSandboxPool) -> None:
