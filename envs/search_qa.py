@@ -1,13 +1,13 @@
 """Search QA: questions about made-up people that only a search can answer.
 
 The knowledge base is synthetic: each person has an invented name, an invented home town and
-a job, written as one document (``Koravi lives in Tesumo and works as a baker.``). A
+a job, written as one document (``koravi lives in tesumo and works as a baker.``). A
 question asks for the town or the job. The names and towns are random syllables, so no
 model knows them; train and eval use different people, so the eval split can be answered
 only by searching, never from memory.
 
 An episode is multi-turn: the model calls ``search`` (Hermes format,
-``<tool_call>{"name":"search","arguments":{"query":"Where does Koravi live?"}}</tool_call>``),
+``<tool_call>{"name":"search","arguments":{"query":"Where does koravi live?"}}</tool_call>``),
 reads the results, then answers in plain text. The search tool talks HTTP to the mock search server
 (:mod:`sandboxes.search`) with a per-episode client: an in-process server on an ephemeral
 port, started on first use in a background thread with the PolyTrace latency model, or an
@@ -51,7 +51,10 @@ QUESTIONS = {"town": "Where does {name} live?", "job": "What is the job of {name
 
 
 def _word(rng: random.Random, syllables: int) -> str:
-    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables)).title()
+    # lower case: a capital letter appears nowhere else, and a character-level model copies
+    # it far worse than letters it sees everywhere (it missed the first letter of a third of
+    # the names it searched for, when they were capitalised)
+    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables))
 
 
 def _unique_words(rng: random.Random, n: int, syllables: int, taken: set[str]) -> list[str]:
