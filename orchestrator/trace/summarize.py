@@ -27,6 +27,7 @@ import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -193,6 +194,16 @@ def report(s: TaskSummary) -> str:
     return "\n".join(lines)
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Lay out, write and close a figure; its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def plot(summaries: list[TaskSummary], out: Path) -> list[Path]:
     import matplotlib
 
@@ -220,10 +231,7 @@ def plot(summaries: list[TaskSummary], out: Path) -> list[Path]:
                 for q, style in ((50, "-"), (99, "--")):
                     ax.axvline(np.percentile(data, q), color="k", linestyle=style, linewidth=0.8)
             ax.set_title(f"{s.name}: {label} tokens (p50 solid, p99 dashed)", fontsize=9)
-    fig.tight_layout()
-    files.append(out / "lengths.png")
-    fig.savefig(files[-1], dpi=80)
-    plt.close(fig)
+    files.append(_save(fig, out / "lengths.png"))
 
     multi = [s for s in summaries if s.turns]
     if multi:
@@ -233,10 +241,7 @@ def plot(summaries: list[TaskSummary], out: Path) -> list[Path]:
                 keys = sorted(counts)
                 ax.bar([str(k) for k in keys], [counts[k] for k in keys])
                 ax.set_title(f"{s.name}: {label} per trajectory", fontsize=9)
-        fig.tight_layout()
-        files.append(out / "structure.png")
-        fig.savefig(files[-1], dpi=80)
-        plt.close(fig)
+        files.append(_save(fig, out / "structure.png"))
 
     tools = [s for s in summaries if s.tool_latency]
     if tools:
@@ -248,10 +253,7 @@ def plot(summaries: list[TaskSummary], out: Path) -> list[Path]:
         ax.set_xlabel("tool latency (s)")
         ax.set_ylabel("CDF")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        files.append(out / "tool_latency.png")
-        fig.savefig(files[-1], dpi=80)
-        plt.close(fig)
+        files.append(_save(fig, out / "tool_latency.png"))
 
     staged = [s for s in summaries if s.stages]
     if staged:
@@ -264,10 +266,7 @@ def plot(summaries: list[TaskSummary], out: Path) -> list[Path]:
             left += shares
         ax.set_xlabel("share of recorded stage time")
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-        fig.tight_layout()
-        files.append(out / "stages.png")
-        fig.savefig(files[-1], dpi=80)
-        plt.close(fig)
+        files.append(_save(fig, out / "stages.png"))
     return files
 
 
