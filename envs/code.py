@@ -3,9 +3,10 @@
 Tasks are synthetic and described in words, so a tiny model can learn a few of them:
 ``Write f(x) that returns (x plus 3) times 2.`` → ``def f(x):\\n    return (x+3)*2``. Each
 task has hidden tests (inputs drawn from a seed, expected values computed here); the reward
-is the fraction that pass, run in the episode's own sandbox with the configured limits. The
-model's code runs first, then a separate call runs the tests and reports the count after a
-random marker the code cannot know, so printing a fake score earns nothing.
+is the fraction that pass, run in a fresh sandbox session with the configured limits: one
+program loads the model's code into a namespace of its own, then runs the tests with the
+builtins it took beforehand and reports the count after a random marker (see
+:func:`test_program` for what that does and does not stop).
 
 Two variants:
 
@@ -51,25 +52,46 @@ def extract_code(reply: str) -> str:
     return fenced.group(1) if fenced else reply
 
 
-def test_program(tests: Sequence[tuple[int, int]], marker: str) -> str:
-    """Counts the tests ``f`` passes and prints ``<marker> <passed>``; any error fails a test."""
+def test_program(code: str, tests: Sequence[tuple[int, int]], marker: str) -> str:
+    """One program that loads ``code`` into a namespace of its own and counts the tests its
+    ``f`` passes, printing ``<marker> <passed> <loaded>``.
+
+    The builtins it relies on are taken before the model's code runs, a result counts only
+    when it is exactly an ``int`` equal to the expected value (an object whose ``__eq__``
+    always says yes earns nothing), and the marker is random per call. This stops a model
+    that prints a fake score or redefines ``print``/``int``; it does not stop code that
+    inspects its caller's frame, which the sandbox contains and the host clamps."""
     return (
+        f"_print, _type, _int, _exec, _compile = print, type, int, exec, compile\n"
         f"_tests = {list(tests)!r}\n"
-        "_passed = 0\n"
+        "_ns, _loaded, _passed = {}, 0, 0\n"
+        "try:\n"
+        f"    _exec(_compile({code!r}, '<answer>', 'exec'), _ns)\n"
+        "    _loaded = 1\n"
+        "except BaseException:\n"
+        "    pass\n"
+        "_f = _ns.get('f')\n"
         "for _x, _y in _tests:\n"
         "    try:\n"
-        "        _passed += f(_x) == _y\n"
+        "        _r = _f(_x)\n"
+        "        _passed += _type(_r) is _int and _r == _y\n"
         "    except BaseException:\n"
         "        pass\n"
-        f"print({marker!r}, int(_passed))\n"
+        f"_print({marker!r}, _int(_passed), _loaded)\n"
     )
 
 
-def passed_count(result: ExecResult, marker: str) -> int:
+def parse_count(result: ExecResult, marker: str, num_tests: int) -> tuple[int, bool]:
+    """(tests passed, whether the code loaded) from the marker line; (0, False) without one."""
     for line in reversed(result.stdout.splitlines()):
-        if line.startswith(marker + " "):
-            return int(line.split()[1])
-    return 0
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == marker:
+            try:
+                passed, loaded = int(parts[1]), parts[2] == "1"
+            except ValueError:
+                break
+            return min(max(passed, 0), num_tests), loaded
+    return 0, False
 
 
 async def grade(pool: SandboxPool, code: str, tests: Sequence[tuple[int, int]],
@@ -77,11 +99,9 @@ async def grade(pool: SandboxPool, code: str, tests: Sequence[tuple[int, int]],
     """(fraction of ``tests`` passed, what happened) for ``code`` in a fresh sandbox."""
     marker = secrets.token_hex(8)
     async with pool.session() as sandbox:
-        ran = await sandbox.exec(code, timeout=timeout)
-        checked = await sandbox.exec(test_program(tests, marker), timeout=timeout)
-    passed = passed_count(checked, marker) if checked.status == "ok" else 0
-    info = {"code_status": ran.status, "code_exit": ran.exit_code, "tests_status": checked.status,
-            "exec_s": ran.duration_s + checked.duration_s}
+        result = await sandbox.exec(test_program(code, tests, marker), timeout=timeout)
+    passed, loaded = parse_count(result, marker, len(tests))
+    info = {"status": result.status, "loaded": loaded, "exec_s": result.duration_s}
     return passed / max(len(tests), 1), info
 
 
@@ -94,7 +114,7 @@ class CodeEnv(SingleTurnEnv):
 
     async def score(self, task: Task, reply: str) -> Reward:
         score, info = await self.spec.grade(task, reply)
-        ran_ok = info["code_status"] == "ok" and info["code_exit"] == 0
+        ran_ok = info["status"] == "ok" and info["loaded"]
         return Reward(score, {"tests_passed": score, "ran_ok": float(ran_ok), "exec_s": info["exec_s"]})
 
 

@@ -132,8 +132,10 @@ class _ServerThread:
 
         try:
             anyio.run(serve)
-        except BaseException:  # noqa: BLE001 - reported through _error to the starting thread
-            pass
+        except BaseException as e:  # noqa: BLE001 - reported through _error to the starting thread
+            self._error = self._error or e
+        finally:
+            self._ready.set()  # never leave the starting thread waiting
 
     def close(self) -> None:
         self._stop.set()

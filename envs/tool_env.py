@@ -4,7 +4,8 @@ Each model turn is parsed for tool calls (format by name from the parser registr
 with calls runs them (see :class:`~envs.toolset.ToolSet`) and the results come back as
 ``tool`` messages for the next turn; a turn without calls is the final answer and ends the
 episode. Per-episode tool state lives in an :class:`~envs.tools.EpisodeContext` that is
-closed by ``aclose()`` — the runner's ``async with env`` — also on cancellation.
+closed before the rewards are computed, and by ``aclose()`` — the runner's ``async with
+env`` — also on cancellation.
 
 Rewards are async functions of the finished :class:`Episode`, combined with weights; a
 weight-0 reward is computed and logged but does not count.
@@ -101,6 +102,9 @@ class ToolEnv(Env):
     async def reward(self) -> Reward:
         if self.episode is None:
             raise RuntimeError("reward() before reset()")
+        # the tools are done: release their resources first, so a reward that needs one of
+        # its own (a fresh sandbox to grade in) never waits on the episode's
+        await self.context.aclose()
         return await combine_rewards(self.rewards, self.episode)
 
     async def aclose(self) -> None:

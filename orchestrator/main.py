@@ -144,7 +144,8 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
         try:
             anyio.run(session)
         except BaseException:
-            if result.reports:  # keep what was trained, even when the run did not finish
+            if result.reports or result.warm_start_steps:  # keep what was trained, even if
+                # the run did not finish (the warm start alone may be a thousand steps)
                 save_checkpoint(trainer, run_dir / "checkpoints" / "interrupted")
             raise
         save_checkpoint(trainer, run_dir / "checkpoints" / "final")

@@ -35,6 +35,7 @@ import anyio
 import anyio.lowlevel
 import docker
 import docker.errors
+import requests
 from docker.types import Ulimit
 
 from sandboxes.docker import engine, protocol
@@ -50,6 +51,8 @@ from sandboxes.docker.config import SandboxConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# what a call to a slow, restarting or vanished engine raises besides an API error
+ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
 
 class RunnerGone(SandboxError):
@@ -167,7 +170,11 @@ class DockerSandbox(Sandbox):
             except RunnerGone:
                 frame = None
             except BaseException:
-                box.broken = True  # cancelled mid-call: the stream is out of step
+                # cancelled mid-call: the stream is out of step, so the container goes and
+                # the session's next call starts in a fresh one
+                box.broken = True
+                self._container = None
+                self._pool._release_soon(box)
                 raise
             duration = time.perf_counter() - start
             if frame is not None and not scope.cancelled_caught:
@@ -254,7 +261,7 @@ class DockerSandboxPool(SandboxPool):
             await anyio.sleep(self.config.reap_interval_s)
             try:
                 self.stats["reaped"] += await self._thread(engine.reap, self.client)
-            except docker.errors.DockerException as e:  # the engine hiccuped: try next time
+            except ENGINE_ERRORS as e:  # the engine hiccuped: try next time
                 log.warning("sandbox reaper: %s", e)
 
     # -- sessions ----------------------------------------------------------------------------
@@ -387,6 +394,8 @@ class DockerSandboxPool(SandboxPool):
                 container = await self._thread(self._start_container)
         except docker.errors.APIError as e:
             raise SandboxError(f"could not start a sandbox container: {e.explanation or e}") from e
+        except ENGINE_ERRORS as e:  # a slow or restarting engine: the same for the caller
+            raise SandboxError(f"could not start a sandbox container: {e}") from e
         self.stats["created"] += 1
         channel: RunnerChannel | None = None
         try:
@@ -412,7 +421,7 @@ class DockerSandboxPool(SandboxPool):
     async def _remove(self, container: Any) -> None:
         try:
             await self._thread(engine.remove, self.client, container.id)
-        except docker.errors.DockerException as e:  # the reaper and the lifetime catch it later
+        except ENGINE_ERRORS as e:  # the reaper and the lifetime catch it later
             log.warning("sandbox pool: could not remove %s: %s", container.name, e)
         self.stats["destroyed"] += 1
 

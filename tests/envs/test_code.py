@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 from helpers import REPO, TOK, ScriptedEngine, quick_config
 
@@ -83,11 +84,23 @@ async def test_grading_counts_passed_tests_and_cannot_be_faked(local_spec: CodeS
     partial = f"def f(x):\n    return {y0} if x == {x0} else None"
     assert (await local_spec.grade(task, partial))[0] == pytest.approx(1 / len(task.metadata["tests"]))
     assert (await local_spec.grade(task, "def f(x) return"))[0] == 0.0
-    score, info = await local_spec.grade(task, "import sys\nprint('x', 5)\nsys.stdout.write('0 5\\n')")
-    assert score == 0.0 and info["code_status"] == "ok"
+    score, info = await local_spec.grade(task, "import sys\nprint('x', 5)\nsys.stdout.write('0 5 1\\n')")
+    assert score == 0.0 and info["status"] == "ok"
+    # what a model could try against the grader: each earns nothing, and none breaks the run
+    attacks = [
+        "class A:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return A()",
+        "int = lambda v: 99\ndef f(x):\n    return 0",
+        "import builtins\nbuiltins.print = lambda *a: None\ndef f(x):\n    return 0",
+        "def print(m, n, k):\n    pass\ndef f(x):\n    return 0",
+        "import os\nos._exit(0)",
+    ]
+    for attack in attacks:
+        score, _ = await local_spec.grade(task, attack)
+        assert score == 0.0, attack
+    assert (await local_spec.grade(task, task.answer + "\nprint = None"))[0] == 1.0
     started = time.monotonic()
     score, info = await local_spec.grade(task, "while True:\n    pass")
-    assert score == 0.0 and info["code_status"] == "timeout"
+    assert score == 0.0 and info["status"] == "timeout"
     assert time.monotonic() - started < 10
 
 
@@ -119,12 +132,14 @@ def tool_policy() -> ScriptedEngine:
 @needs_docker
 @pytest.mark.anyio
 async def test_the_python_tool_keeps_state_across_calls_in_a_docker_session() -> None:
-    spec = CodeToolSpec(sandbox={"pool_size": 1}, train_size=4, eval_size=0)
+    # one container in all: the episode's session must be released before grading takes one
+    spec = CodeToolSpec(sandbox={"pool_size": 1, "max_containers": 1}, train_size=4, eval_size=0)
     task = spec.tasks("train")[0]
     recorder = Recorder()
     async with spec.running():
-        trajectory = await run_episode(tool_policy(), TOK, spec, task,
-                                       RolloutConfig(max_tokens=120, max_turns=4), recorder, "w")
+        with anyio.fail_after(120):
+            trajectory = await run_episode(tool_policy(), TOK, spec, task,
+                                           RolloutConfig(max_tokens=120, max_turns=4), recorder, "w")
         # a reference episode is laid out exactly as the runner lays out the real one
         ids, mask = demonstration_tokens(TOK, spec.demonstration(task))
         assert mask.count(True) > 0 and len(ids) == len(mask)

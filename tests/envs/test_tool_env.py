@@ -79,8 +79,9 @@ async def test_a_multi_turn_episode_with_state_rewards_and_cleanup() -> None:
         assert final.done
         reward = await env.reward()
         assert reward.total == 1.0 and reward.components == {"answer": 1.0, "tool_calls": 2.0}
-        assert opened == ["session"] and closed == []
-    assert closed == ["session"]
+        # released before the rewards ran, so a reward needing a sandbox never waits on it
+        assert opened == ["session"] and closed == ["session"]
+    assert closed == ["session"]  # and closing again at the end is harmless
 
 
 async def test_tool_state_is_released_when_the_episode_is_cancelled() -> None:
