@@ -68,16 +68,12 @@ class LocalSandbox(Sandbox):
     async def _roundtrip(self, process: anyio.abc.Process, data: bytes) -> bytes:
         assert process.stdin is not None and process.stdout is not None
         await process.stdin.send(data)
-        while True:
-            n = protocol.frame_length(self._buffer)
-            if n is not None and len(self._buffer) >= n:
-                frame = bytes(self._buffer[:n])
-                del self._buffer[:n]
-                return frame
+        while (frame := protocol.take_frame(self._buffer)) is None:
             try:
                 self._buffer += await process.stdout.receive(1 << 18)
             except (anyio.EndOfStream, anyio.BrokenResourceError) as e:
                 raise SandboxError("the local runner exited") from e
+        return frame
 
     async def exec(self, code: str, *, language: Language = "python", timeout: float | None = None,
                    limits: ExecLimits | None = None) -> ExecResult:

@@ -79,13 +79,9 @@ class RunnerChannel:
                 await anyio.wait_writable(self._sock)
             except OSError as e:
                 raise RunnerGone(f"runner stream closed: {e}") from e
-        while True:
-            n = protocol.frame_length(self._proto)
-            if n is not None and len(self._proto) >= n:
-                frame = bytes(self._proto[:n])
-                del self._proto[:n]
-                return frame
+        while (frame := protocol.take_frame(self._proto)) is None:
             await self._receive()
+        return frame
 
     async def _receive(self) -> None:
         while True:

@@ -32,6 +32,16 @@ def frame_length(buffer: bytes | bytearray) -> int | None:
     return LEN.size + LEN.unpack_from(buffer)[0]
 
 
+def take_frame(buffer: bytearray) -> bytes | None:
+    """The whole response frame at the start of ``buffer``, removed from it; None until it is in."""
+    n = frame_length(buffer)
+    if n is None or len(buffer) < n:
+        return None
+    frame = bytes(buffer[:n])
+    del buffer[:n]
+    return frame
+
+
 def parse_response(frame: bytes) -> tuple[int, int, float, int, bytes, bytes]:
     """(status index, exit code, runner-side duration, flags, stdout, stderr)."""
     status, exit_code, duration, flags, out_len, err_len = RESP.unpack_from(frame, LEN.size)
