@@ -13,14 +13,16 @@ trainers or policy versions (the orchestrator drives it).
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol, Self
 
 Message = dict[str, str]
+Clock = Callable[[], float]  # seconds; the run's one clock (its recorder's), handed to envs
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class ToolCallRecord:
 
     name: str | None  # None when the call could not even be parsed
     status: str  # ok | error | timeout
-    started: float  # time.perf_counter() when the call began
+    started: float  # a reading of the spec's clock (EnvSpec.clock) when the call began
     latency: float  # seconds
     error_kind: str | None = None  # malformed_json | unknown_tool | bad_arguments | too_many | …
     metadata: dict[str, object] = field(default_factory=dict)  # what the tool reported (attempts, …)
@@ -115,6 +117,12 @@ class SingleTurnEnv(Env):
 
 class EnvSpec(ABC):
     name: str
+    # The run's clock: every time an environment or its tools report (ToolCallRecord.started)
+    # is a reading of it. The runner hands in its recorder's clock with use_clock().
+    clock: Clock = staticmethod(time.perf_counter)  # type: ignore[assignment]
+
+    def use_clock(self, clock: Clock) -> None:
+        self.clock = clock
 
     @abstractmethod
     def tasks(self, split: str) -> Sequence[Task]:
