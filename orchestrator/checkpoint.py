@@ -1,8 +1,9 @@
-"""Checkpoints: the policy in Hugging Face format plus the trainer's state.
+"""Checkpoints: the policy in Hugging Face format plus the rest of the trainer's state.
 
 ``<dir>/model/`` is a ``save_pretrained`` directory (safetensors), loadable by
 ``model=hf model.path=<dir>/model`` when the tokenizer is a Hugging Face one; the character
-tokenizer needs nothing saved. ``<dir>/trainer.pt`` holds the optimiser state and version.
+tokenizer needs nothing saved. ``<dir>/trainer.pt`` holds the rest of
+:meth:`TorchTrainer.state_dict`: optimiser, learning-rate schedule and version.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.trainer import Trainer
+from orchestrator.trainer import TorchTrainer
 
 
-def save_checkpoint(trainer: Trainer, directory: Path) -> Path:
+def save_checkpoint(trainer: TorchTrainer, directory: Path) -> Path:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the run has its own progress display
@@ -23,18 +24,15 @@ def save_checkpoint(trainer: Trainer, directory: Path) -> Path:
     tokenizer = getattr(trainer.policy.tokenizer, "_tok", None)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory / "model")
-    torch.save(
-        {"version": trainer.version, "optimizer": trainer.optimizer.state_dict()},
-        directory / "trainer.pt",
-    )
+    state = {k: v for k, v in trainer.state_dict().items() if k != "model"}
+    torch.save(state, directory / "trainer.pt")
     return directory
 
 
-def load_checkpoint(trainer: Trainer, directory: Path) -> None:
+def load_checkpoint(trainer: TorchTrainer, directory: Path) -> None:
     from safetensors.torch import load_file
 
     weights = load_file(str(directory / "model" / "model.safetensors"))
-    trainer.model.load_state_dict(weights, strict=False)
+    trainer.model.load_state_dict(weights, strict=False)  # tied weights are saved once
     state = torch.load(directory / "trainer.pt", weights_only=True)
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.version = int(state["version"])
+    trainer.load_state_dict({**state, "model": trainer.model.state_dict()})

@@ -2,7 +2,7 @@
 
 ::
 
-    rollout-0..N-1 ──(Group)──▶ trainer ──(version, weights)──▶ weight-sync ──▶ engine
+    rollout-0..N-1 ──(Group)──▶ trainer ──(WeightUpdate)──▶ weight-sync ──▶ engine
          ▲ admission                 freshness check                 │ version + 1
          └──────────────── StalenessController ◀────────────────────┘
 
@@ -10,11 +10,13 @@
   :mod:`orchestrator.staleness`), runs a group of episodes and sends it to the trainer over
   a bounded stream.
 * The trainer forms a batch from the groups that arrived, dropping any whose start version
-  is older than ``version - k``, runs one step in a worker thread and hands a copy of the
-  weights to weight sync.
-* Weight sync pauses the engine at a token boundary, loads the weights, resumes it and only
-  then publishes the new version to admission control. With ``inflight_update="finish"`` it
-  first waits for in-flight episodes to finish under the old weights.
+  is older than ``version - k``, awaits one :meth:`Trainer.step` and hands the new weights
+  (:meth:`Trainer.weights`, a :class:`~orchestrator.weights.WeightUpdate`) to weight sync.
+* Weight sync pauses the engine at a token boundary, loads the weights, resumes it, releases
+  the update (an in-process trainer waits for that before changing its tensors again) and
+  only then publishes the new version to admission control. With
+  ``inflight_update="finish"`` it first takes a private copy of the weights (so the trainer
+  goes on) and waits for in-flight episodes to finish under the old ones.
 
 ``max_staleness = 0`` is the synchronous baseline through this same code: admission lets
 exactly one batch start per version, so generation and training alternate.
@@ -27,10 +29,10 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -43,21 +45,9 @@ from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_group
 from orchestrator.staleness import StalenessController
+from orchestrator.trainer.base import Trainer
 from orchestrator.types import FinishReason, Group
-
-
-class TrainerBackend(Protocol):
-    """What the pipeline needs of a trainer (see :class:`orchestrator.trainer.Trainer`)."""
-
-    version: int
-
-    def step(self, groups: Sequence[Group]) -> dict[str, float]: ...
-
-    # A backend may also define ``async def step_async(groups)``: the pipeline then awaits it
-    # in the event loop instead of running ``step`` in a thread (simulated trainers use it to
-    # take virtual time; see orchestrator.engines.replay).
-
-    def state_dict(self) -> Mapping[str, Any]: ...
+from orchestrator.weights import WeightUpdate
 
 
 @dataclass(frozen=True)
@@ -68,14 +58,11 @@ class PipelineConfig:
     num_steps: int = 100
     inflight_update: Literal["continue", "finish"] = "continue"
 
-    def validate(self, group_size: int) -> None:
+    def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ConfigError(f"pipeline.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.batch_size < 1 or self.batch_size % group_size:
-            raise ConfigError(
-                f"pipeline.batch_size={self.batch_size} must be a positive multiple of "
-                f"rollout.group_size={group_size}"
-            )
+        if self.batch_size < 1:
+            raise ConfigError(f"pipeline.batch_size must be >= 1, got {self.batch_size}")
         if self.num_workers < 1:
             raise ConfigError(f"pipeline.num_workers must be >= 1, got {self.num_workers}")
         if self.num_steps < 1:
@@ -83,6 +70,13 @@ class PipelineConfig:
         if self.inflight_update not in ("continue", "finish"):
             raise ConfigError(
                 f"pipeline.inflight_update={self.inflight_update} must be 'continue' or 'finish'"
+            )
+
+    def check_group_size(self, group_size: int) -> None:
+        if self.batch_size % group_size:
+            raise ConfigError(
+                f"pipeline.batch_size={self.batch_size} must be a positive multiple of "
+                f"rollout.group_size={group_size}"
             )
 
 
@@ -135,14 +129,14 @@ class Pipeline:
         config: PipelineConfig,
         rollout: RolloutConfig,
         engine: InferenceEngine,
-        trainer: TrainerBackend,
+        trainer: Trainer,
         tokenizer: Tokenizer,
         spec: EnvSpec,
         sampler: TaskSampler,
         recorder: Recorder | None = None,
         on_step: OnStep | None = None,
     ) -> None:
-        config.validate(rollout.group_size)
+        config.check_group_size(rollout.group_size)
         self.config = config
         self.rollout = rollout
         self.engine = engine
@@ -164,9 +158,7 @@ class Pipeline:
         # while holding finished work; admission is the real bound.
         capacity = groups_per_batch * (self.config.max_staleness + 2)
         send_groups, receive_groups = anyio.create_memory_object_stream[Group](capacity)
-        send_weights, receive_weights = anyio.create_memory_object_stream[
-            tuple[int, Mapping[str, Any]]
-        ](1)
+        send_weights, receive_weights = anyio.create_memory_object_stream[WeightUpdate](1)
         async with receive_groups, anyio.create_task_group() as tg:
             async with send_groups:
                 for i in range(self.config.num_workers):
@@ -213,7 +205,7 @@ class Pipeline:
     async def _trainer_loop(
         self,
         receive: ObjectReceiveStream[Group],
-        send_weights: ObjectSendStream[tuple[int, Mapping[str, Any]]],
+        send_weights: ObjectSendStream[WeightUpdate],
         groups_per_batch: int,
     ) -> None:
         pending: list[Group] = []
@@ -225,15 +217,9 @@ class Pipeline:
                 with self.recorder.span("wait_batch", "trainer", version):
                     batch = await self._next_batch(receive, pending, groups_per_batch, version)
                 with self.recorder.span("train_step", "trainer", version) as attrs:
-                    step_async = getattr(self.trainer, "step_async", None)
-                    if step_async is not None:  # a simulated trainer that takes (virtual) time
-                        metrics = await step_async(batch)
-                        weights = self.trainer.state_dict()
-                    else:
-                        metrics = await anyio.to_thread.run_sync(self.trainer.step, batch)
-                        weights = await anyio.to_thread.run_sync(self.trainer.state_dict)
+                    metrics = await self.trainer.step(batch)
                     attrs["samples"] = sum(len(g) for g in batch)
-                await send_weights.send((self.trainer.version, weights))
+                await send_weights.send(await self.trainer.weights())
                 now = self.recorder.now()
                 report = self._report(step, version, batch, metrics, last_report, now)
                 last_report = now
@@ -267,26 +253,26 @@ class Pipeline:
                 return batch
             pending.append(await receive.receive())
 
-    async def _weight_sync(
-        self,
-        receive: ObjectReceiveStream[tuple[int, Mapping[str, Any]]],
-        done: anyio.Event,
-    ) -> None:
+    async def _weight_sync(self, receive: ObjectReceiveStream[WeightUpdate], done: anyio.Event) -> None:
         finish_old = self.config.inflight_update == "finish"
         async with receive:
-            async for version, weights in receive:
+            async for update in receive:
+                version = update.version
                 with self.recorder.span("weight_sync", "weight_sync", version) as attrs:
-                    if finish_old:
+                    if finish_old:  # a copy lets the trainer go on while episodes finish
+                        update = update.detached()
                         with self.recorder.span("wait_inflight", "weight_sync", version):
                             await self.gate.acquire_exclusive()
                     try:
                         started = self.recorder.now()
                         await self.engine.pause()
                         try:
-                            await self.engine.update_weights(weights, version)
+                            await self.engine.update_weights(update)
                         finally:
                             await self.engine.resume()
-                        attrs["load_seconds"] = self.recorder.now() - started
+                            update.release()
+                        attrs.update(transport=update.transport, bytes=update.nbytes,
+                                     load_seconds=self.recorder.now() - started)
                     finally:
                         if finish_old:
                             await self.gate.release_exclusive()

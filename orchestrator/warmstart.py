@@ -24,7 +24,7 @@ import torch
 from envs.base import Message, Task
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.trainer import Trainer
+from orchestrator.trainer import TorchTrainer
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class WarmStartConfig:
     check_every: int = 25
     check_tasks: int = 128  # train tasks the greedy check runs on
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         for key in ("batch_size", "check_every", "check_tasks"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"warmstart.{key} must be >= 1, got {getattr(self, key)}")
@@ -74,7 +74,7 @@ def demonstration_tokens(tokenizer: Tokenizer, messages: Sequence[Message]) -> t
 
 
 def warm_start(
-    trainer: Trainer,
+    trainer: TorchTrainer,
     tokenizer: Tokenizer,
     tasks: Sequence[Task],
     config: WarmStartConfig,

@@ -7,10 +7,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import anyio
 import pytest
 
 from orchestrator.models.policy import Policy, tiny_policy
+from orchestrator.trainer import Trainer
 from orchestrator.types import Group
+from orchestrator.weights import WeightUpdate
+from helpers import TINY_MODEL
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,9 +34,7 @@ def anyio_backend() -> str:
 
 
 def make_tiny_policy(seed: int = 0) -> Policy:
-    return tiny_policy(
-        hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=seed, device="cpu"
-    )
+    return tiny_policy(**{k: v for k, v in TINY_MODEL.items() if k != "_target_"}, seed=seed)
 
 
 @pytest.fixture
@@ -47,9 +49,9 @@ def make_policy() -> Callable[[int], Policy]:
     return make_tiny_policy
 
 
-class FakeTrainer:
-    """A trainer backend with no model: a step sleeps a few random milliseconds and bumps the
-    version; it remembers every batch it was given."""
+class FakeTrainer(Trainer):
+    """A trainer with no model: a step sleeps a few random milliseconds in a worker thread (as
+    a real step computes there) and bumps the version; it remembers every batch it was given."""
 
     def __init__(self, min_s: float = 0.001, max_s: float = 0.005, seed: int = 0) -> None:
         self.version = 0
@@ -58,14 +60,20 @@ class FakeTrainer:
         self._rng = random.Random(seed)
         self.batches: list[tuple[int, Sequence[Group]]] = []
 
-    def step(self, groups: Sequence[Group]) -> dict[str, float]:
+    async def step(self, groups: Sequence[Group]) -> dict[str, float]:
         self.batches.append((self.version, list(groups)))
-        time.sleep(self._rng.uniform(self.min_s, self.max_s))
+        await anyio.to_thread.run_sync(time.sleep, self._rng.uniform(self.min_s, self.max_s))
         self.version += 1
         return {"loss": 0.0}
 
+    async def weights(self) -> WeightUpdate:
+        return WeightUpdate.by_reference(self.version, {}, leased=False)
+
     def state_dict(self) -> Mapping[str, Any]:
-        return {}
+        return {"version": self.version}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.version = int(state["version"])
 
 
 @pytest.fixture

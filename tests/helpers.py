@@ -11,10 +11,16 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.engines.torch_engine import TorchEngine
+from orchestrator.models.policy import Policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.types import FinishReason, Generation, SamplingParams
+from orchestrator.weights import WeightUpdate
 
 TOK = CharTokenizer()
+# The tests' tiny model as a conf/model node: engines are built from it, never from a policy.
+TINY_MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 32,
+              "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "device": "cpu"}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -34,14 +40,19 @@ class ScriptedEngine(InferenceEngine):
         return Generation(tuple(ids), tuple([-0.5] * len(ids)), tuple([self.version] * len(ids)),
                           FinishReason.STOP, self.version)
 
-    async def update_weights(self, weights: Mapping[str, Any], version: int) -> None:
-        self.version = version
+    async def update_weights(self, update: WeightUpdate) -> None:
+        self.version = update.version
 
     async def pause(self) -> None:
         pass
 
     async def resume(self) -> None:
         pass
+
+
+def engine_for(policy: Policy, cls: type[TorchEngine] | None = None, **kwargs: Any) -> TorchEngine:
+    """A torch engine built from the tiny model's config, starting from ``policy``'s weights."""
+    return (cls or TorchEngine)(TINY_MODEL, WeightUpdate.of_module(0, policy.model), **kwargs)
 
 
 def quick_config(experiment: str, *overrides: str) -> DictConfig:

@@ -7,6 +7,11 @@ Between ``pause`` returning and ``resume`` no token is produced; requests that w
 flight continue after ``resume`` under the new weights. (Finishing in-flight episodes under
 the old weights instead is the pipeline's choice: it waits for them before pausing.)
 
+An engine is built from config (``conf/engine/*.yaml`` plus the model's ``conf/model`` node)
+and a :class:`~orchestrator.weights.WeightUpdate` holding its starting weights, never from a
+live policy object, so the same config builds it in this process or in another one. A run
+builds its engine once; warm-start checks and evaluations reuse it.
+
 Engines are async context managers: ``async with engine:`` starts whatever loop they run and
 stops it, failing any request still waiting with :class:`~orchestrator.errors.EngineClosed`.
 """
@@ -14,11 +19,12 @@ stops it, failing any request still waiting with :class:`~orchestrator.errors.En
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 from orchestrator.types import Generation, SamplingParams
+from orchestrator.weights import WeightUpdate
 
 
 class InferenceEngine(ABC):
@@ -28,10 +34,11 @@ class InferenceEngine(ABC):
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation: ...
 
     @abstractmethod
-    async def update_weights(self, weights: Mapping[str, Any], version: int) -> None:
-        """Load ``weights`` (a state dict, or whatever the backend transfers) as ``version``.
+    async def update_weights(self, update: WeightUpdate) -> None:
+        """Load ``update``'s weights and serve ``update.version`` from now on.
 
-        Called only between :meth:`pause` and :meth:`resume`.
+        Called only between :meth:`pause` and :meth:`resume`. An update by reference is read
+        before this returns; the caller releases it afterwards.
         """
 
     @abstractmethod

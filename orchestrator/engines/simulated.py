@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import anyio
 
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.errors import ConfigError
 from orchestrator.gate import Gate
 from orchestrator.types import FinishReason, Generation, SamplingParams
+from orchestrator.weights import WeightUpdate
 
 
 class SimulatedEngine(InferenceEngine):
@@ -41,7 +42,8 @@ class SimulatedEngine(InferenceEngine):
         version: int = 0,
     ) -> None:
         if median_tokens <= 0 or sigma < 0 or seconds_per_token < 0 or chunk_tokens < 1:
-            raise ValueError("median_tokens > 0, sigma >= 0, seconds_per_token >= 0, chunk_tokens >= 1")
+            raise ConfigError("engine: median_tokens > 0, sigma >= 0, seconds_per_token >= 0 "
+                              "and chunk_tokens >= 1 are required")
         self.median_tokens = median_tokens
         self.sigma = sigma
         self.seconds_per_token = seconds_per_token
@@ -89,8 +91,8 @@ class SimulatedEngine(InferenceEngine):
             start_version=start_version if start_version is not None else self.version,
         )
 
-    async def update_weights(self, weights: Mapping[str, Any], version: int) -> None:
-        self.version = version
+    async def update_weights(self, update: WeightUpdate) -> None:
+        self.version = update.version
 
     async def pause(self) -> None:
         await self._gate.acquire_exclusive()

@@ -5,6 +5,9 @@ Requests queue on a stream; one scheduler loop takes every request waiting at th
 and then one decode step per token with the model's KV cache until every sequence in the
 wave has stopped. Forward passes run in a worker thread so the event loop stays free.
 
+Built from config: the model's ``conf/model`` node (the engine makes its own copy of the
+architecture) and a :class:`~orchestrator.weights.WeightUpdate` with the starting weights.
+
 Weight updates: each decode step holds the :class:`~orchestrator.gate.Gate` shared and
 :meth:`pause` takes it exclusively, so it returns only at a token boundary (and any task may
 call :meth:`resume`). One controller (the pipeline's weight sync) pauses and resumes.
@@ -19,7 +22,6 @@ engine for throughput.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -29,10 +31,11 @@ import torch
 from anyio.abc import TaskGroup
 
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.errors import EngineClosed
+from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.gate import Gate
-from orchestrator.models.policy import Policy
+from orchestrator.models.policy import build_policy
 from orchestrator.types import FinishReason, Generation, SamplingParams
+from orchestrator.weights import WeightUpdate
 
 
 @dataclass
@@ -64,21 +67,25 @@ class _Request:
 class TorchEngine(InferenceEngine):
     def __init__(
         self,
-        policy: Policy,
+        model: Mapping[str, Any],
+        weights: WeightUpdate | None = None,
         max_batch_size: int = 64,
         seed: int = 0,
-        version: int = 0,
         queue_size: int = 1024,
     ) -> None:
         if max_batch_size < 1:
-            raise ValueError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
-        # The engine owns its own copy so the trainer can update the original concurrently.
-        self.model = copy.deepcopy(policy.model).eval()
+            raise ConfigError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
+        if queue_size < 1:
+            raise ConfigError(f"engine.queue_size must be >= 1, got {queue_size}")
+        policy = build_policy(model)  # the engine's own copy: the trainer updates its own
+        self.model = policy.model.eval()
         self.device = policy.device
         self.pad_id = policy.tokenizer.pad_id
         self.max_batch_size = max_batch_size
         self.max_positions: int = getattr(self.model.config, "max_position_embeddings", 1 << 30)
-        self.version = version
+        self.version = 0
+        if weights is not None:
+            self._load(weights)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._send, self._receive = anyio.create_memory_object_stream[_Request](queue_size)
         self._step_gate = Gate()
@@ -123,15 +130,15 @@ class TorchEngine(InferenceEngine):
             raise EngineClosed("the torch engine stopped before the request finished")
         return request.result()
 
-    async def update_weights(self, weights: Mapping[str, Any], version: int) -> None:
+    async def update_weights(self, update: WeightUpdate) -> None:
         if not self._paused:
             raise RuntimeError("update_weights must be called between pause() and resume()")
-        await anyio.to_thread.run_sync(self._load, weights)
-        self.version = version
+        await anyio.to_thread.run_sync(self._load, update)
 
-    def _load(self, weights: Mapping[str, Any]) -> None:
+    def _load(self, update: WeightUpdate) -> None:
         with torch.no_grad():
-            self.model.load_state_dict(weights, strict=True)
+            self.model.load_state_dict(update.tensors(), strict=True)
+        self.version = update.version
 
     async def pause(self) -> None:
         if not self._paused:

@@ -11,8 +11,10 @@ Two ways in, one config group (``conf/model/``):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -92,3 +94,14 @@ def pretrained_policy(path: str, dtype: str = "bfloat16", device: str = "auto") 
         raise ConfigError(f"model.path={path} could not be loaded as a causal LM: {e}") from e
     target = resolve_device(device)
     return Policy(model=model.to(target), tokenizer=tokenizer, device=target)
+
+
+def build_policy(config: Mapping[str, Any]) -> Policy:
+    """The policy a ``conf/model`` node describes (``_target_`` plus its keyword arguments);
+    how an engine or a remote trainer makes its own copy of the model from config."""
+    from hydra.utils import instantiate
+
+    policy = instantiate(dict(config))
+    if not isinstance(policy, Policy):
+        raise ConfigError(f"model._target_={config.get('_target_')} did not build a Policy")
+    return policy

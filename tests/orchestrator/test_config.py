@@ -24,6 +24,7 @@ from orchestrator.models.policy import Policy
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.rollout import RolloutConfig
 from orchestrator.trainer import Trainer
+from orchestrator.weights import WeightUpdate
 from orchestrator.warmstart import WarmStartConfig
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -80,7 +81,8 @@ def test_every_group_option_composes_and_instantiates(group: str, option: str) -
     trainer = instantiate(cfg.trainer, policy=policy, algorithm=algorithm,
                           temperature=rollout.temperature)
     assert isinstance(trainer, Trainer)
-    engine = instantiate(cfg.engine, policy=policy, version=trainer.version)
+    engine = instantiate(cfg.engine, model=OmegaConf.to_container(cfg.model, resolve=True),
+                         weights=WeightUpdate.of_module(0, policy.model), _recursive_=False)
     assert isinstance(engine, InferenceEngine) and engine.version == 0
 
     async def start_and_stop() -> None:

@@ -10,7 +10,8 @@ from orchestrator.algo.grpo import GRPO
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_group
-from orchestrator.trainer import Trainer, pack
+from orchestrator.trainer import TorchTrainer, pack
+from orchestrator.weights import WeightUpdate
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,8 +25,10 @@ async def test_engine_and_trainer_on_cuda() -> None:
 
     policy = tiny_policy(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, device="cuda")
     spec = make_spec("arithmetic", digits=2, train_size=16, eval_size=4)
-    trainer = Trainer(policy, GRPO(), lr=1e-3)
-    async with TorchEngine(policy) as engine:
+    trainer = TorchTrainer(policy, GRPO(), lr=1e-3)
+    model = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 64,
+             "num_layers": 2, "num_heads": 2, "intermediate_size": 128, "device": "cuda"}
+    async with TorchEngine(model, WeightUpdate.of_module(0, policy.model)) as engine:
         groups = [
             await run_group(engine, policy.tokenizer, spec, task, RolloutConfig(group_size=4), Recorder(), "w")
             for task in spec.tasks("train")[:4]
@@ -38,7 +41,7 @@ async def test_engine_and_trainer_on_cuda() -> None:
     gap = ((logp.cpu() - batch.behaviour_logprobs) * batch.mask).abs().max().item()
     assert gap < 1e-3  # engine (KV cache, left padding) and trainer agree on the GPU too
 
-    metrics = trainer.step(groups)
+    metrics = await trainer.step(groups)
     assert trainer.version == 1
     assert metrics["ratio"] == pytest.approx(1.0, abs=1e-4)
     assert next(policy.model.parameters()).device.type == "cuda"

@@ -18,7 +18,7 @@ from orchestrator.algo.grpo import GRPO
 from orchestrator.checkpoint import load_checkpoint
 from orchestrator.main import run
 from orchestrator.models.policy import tiny_policy
-from orchestrator.trainer import Trainer
+from orchestrator.trainer import TorchTrainer
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = {"generate", "reward", "train_step", "weight_sync", "wait_batch", "wait_admission"}
@@ -91,7 +91,7 @@ def test_the_final_checkpoint_loads_back(tmp_path: Path) -> None:
                          num_heads=model.num_heads, intermediate_size=model.intermediate_size,
                          max_position_embeddings=model.max_position_embeddings, seed=99,
                          device="cpu")
-    trainer = Trainer(policy, GRPO())
+    trainer = TorchTrainer(policy, GRPO())
     load_checkpoint(trainer, tmp_path / "checkpoints" / "final")
     assert trainer.version == 4
     from safetensors.torch import load_file

@@ -18,6 +18,7 @@ from orchestrator.pipeline import Pipeline, PipelineConfig, StepReport, TaskSamp
 from orchestrator.recorder import Span
 from orchestrator.rollout import RolloutConfig
 from orchestrator.types import FinishReason, Generation, Group, SamplingParams, Trajectory
+from orchestrator.weights import WeightUpdate
 
 pytestmark = pytest.mark.anyio
 
@@ -172,9 +173,9 @@ class OneSlowGroupEngine(SimulatedEngine):
             await self._released.wait()
         return gen
 
-    async def update_weights(self, weights: Any, version: int) -> None:
-        await super().update_weights(weights, version)
-        if version >= self.release_at:
+    async def update_weights(self, update: WeightUpdate) -> None:
+        await super().update_weights(update)
+        if update.version >= self.release_at:
             self._released.set()
 
 
@@ -334,7 +335,7 @@ async def test_continue_mode_lets_long_episodes_cross_a_weight_update(fake_train
 ])
 def test_pipeline_config_rejects_bad_values(kwargs: dict[str, Any], group_size: int, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
-        PipelineConfig(**kwargs).validate(group_size)
+        PipelineConfig(**kwargs).check_group_size(group_size)
 
 
 def test_task_sampler_visits_every_task_once_per_pass() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.types import FinishReason, SamplingParams
+from orchestrator.weights import WeightUpdate
 
 pytestmark = pytest.mark.anyio
 
@@ -59,7 +60,7 @@ async def test_a_weight_update_mid_flight_changes_later_chunks() -> None:
             tg.start_soon(run)
             await anyio.sleep(0.03)
             await engine.pause()
-            await engine.update_weights({}, version=1)
+            await engine.update_weights(WeightUpdate.by_reference(1, {}, leased=False))
             await engine.resume()
     (gen,) = result
     assert gen.start_version == 0 and gen.versions[0] == 0 and gen.versions[-1] == 1

@@ -17,6 +17,8 @@ import torch
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.errors import EngineClosed
 from orchestrator.types import FinishReason, Generation, SamplingParams
+from orchestrator.weights import WeightUpdate
+from helpers import engine_for
 
 pytestmark = pytest.mark.anyio
 
@@ -58,7 +60,7 @@ async def test_batched_requests_have_their_lengths_and_teacher_forced_logprobs(t
     vocab = tiny.tokenizer.vocab_size
     requests = [(p, SamplingParams(max_tokens=4 + i % 9, temperature=1.0))
                 for i, p in enumerate(prompts(12, vocab))]
-    async with TorchEngine(tiny, max_batch_size=64, seed=0) as engine:
+    async with engine_for(tiny, max_batch_size=64, seed=0) as engine:
         with anyio.fail_after(60):
             gens = await generate_all(engine, requests)
     for (prompt, sampling), gen in zip(requests, gens, strict=True):
@@ -72,7 +74,7 @@ async def test_batched_requests_have_their_lengths_and_teacher_forced_logprobs(t
 
 async def test_logprobs_follow_the_sampling_temperature(tiny: Any) -> None:
     prompt = prompts(1, tiny.tokenizer.vocab_size, seed=2)[0]
-    async with TorchEngine(tiny, seed=1) as engine:
+    async with engine_for(tiny, seed=1) as engine:
         with anyio.fail_after(60):
             gen = await engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0.5))
     expected = full_forward_logprobs(tiny.model, prompt, gen.token_ids, temperature=0.5)
@@ -82,7 +84,7 @@ async def test_logprobs_follow_the_sampling_temperature(tiny: Any) -> None:
 async def test_max_batch_size_splits_requests_into_waves(tiny: Any) -> None:
     vocab = tiny.tokenizer.vocab_size
     requests = [(p, SamplingParams(max_tokens=5)) for p in prompts(7, vocab, seed=3)]
-    async with TorchEngine(tiny, max_batch_size=2, seed=0) as engine:
+    async with engine_for(tiny, max_batch_size=2, seed=0) as engine:
         with anyio.fail_after(60):
             gens = await generate_all(engine, requests)
     for (prompt, _), gen in zip(requests, gens, strict=True):
@@ -94,7 +96,7 @@ async def test_max_batch_size_splits_requests_into_waves(tiny: Any) -> None:
 async def test_greedy_is_deterministic_and_takes_the_argmax(tiny: Any) -> None:
     prompt = prompts(1, tiny.tokenizer.vocab_size, seed=4)[0]
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
-    async with TorchEngine(tiny, seed=0) as a, TorchEngine(tiny, seed=123) as b:
+    async with engine_for(tiny, seed=0) as a, engine_for(tiny, seed=123) as b:
         with anyio.fail_after(60):
             first = await a.generate(prompt, greedy)
             second = await a.generate(prompt, greedy)
@@ -111,14 +113,14 @@ async def test_greedy_is_deterministic_and_takes_the_argmax(tiny: Any) -> None:
 async def test_sampling_is_reproducible_for_a_seed(tiny: Any) -> None:
     prompt = prompts(1, tiny.tokenizer.vocab_size, seed=5)[0]
     sampling = SamplingParams(max_tokens=16, temperature=1.0)
-    async with TorchEngine(tiny, seed=9) as a, TorchEngine(tiny, seed=9) as b:
+    async with engine_for(tiny, seed=9) as a, engine_for(tiny, seed=9) as b:
         with anyio.fail_after(60):
             assert (await a.generate(prompt, sampling)).token_ids == (await b.generate(prompt, sampling)).token_ids
 
 
 async def test_stop_token_ends_generation(tiny: Any) -> None:
     prompt = prompts(1, tiny.tokenizer.vocab_size, seed=6)[0]
-    async with TorchEngine(tiny, seed=0) as engine:
+    async with engine_for(tiny, seed=0) as engine:
         with anyio.fail_after(60):
             free = await engine.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0))
             # stop at the greedy continuation's 6th token: generation must end exactly there
@@ -141,7 +143,7 @@ async def test_stop_and_length_mixed_in_one_batch(tiny: Any) -> None:
         (p, SamplingParams(max_tokens=10, stop_token_ids=everything if i % 2 else ()))
         for i, p in enumerate(prompts(6, vocab, seed=7))
     ]
-    async with TorchEngine(tiny, seed=0) as engine:
+    async with engine_for(tiny, seed=0) as engine:
         with anyio.fail_after(60):
             gens = await generate_all(engine, requests)
     for i, gen in enumerate(gens):
@@ -155,7 +157,7 @@ async def test_max_tokens_is_capped_by_the_position_limit(make_policy: Any) -> N
     policy = make_policy(0)
     limit = policy.model.config.max_position_embeddings
     prompt = [10] * (limit - 3)
-    async with TorchEngine(policy, seed=0) as engine:
+    async with engine_for(policy, seed=0) as engine:
         with anyio.fail_after(60):
             gen = await engine.generate(prompt, SamplingParams(max_tokens=50))
     assert gen.finish_reason is FinishReason.LENGTH
@@ -193,7 +195,7 @@ async def test_weights_updated_mid_generation_continue_under_the_new_version(mak
     at = 10
     result: list[Generation] = []
     paused_at: list[int] = []
-    async with HoldingEngine(old, seed=0, at=at) as engine:
+    async with engine_for(old, HoldingEngine, seed=0, at=at) as engine:
 
         async def run() -> None:
             result.append(await engine.generate(prompt, sampling))
@@ -203,7 +205,7 @@ async def test_weights_updated_mid_generation_continue_under_the_new_version(mak
             paused_at.append(engine.decodes)
             await anyio.sleep(0.05)
             assert engine.decodes == paused_at[0], "a token was produced while paused"
-            await engine.update_weights(new_weights, version=1)
+            await engine.update_weights(WeightUpdate.by_reference(1, new_weights, leased=False))
             assert engine.version == 1
             await engine.resume()
 
@@ -236,11 +238,11 @@ async def test_resume_may_come_from_another_task_than_pause(tiny: Any) -> None:
     """pause() and resume() are separate calls of the engine interface (separate requests
     for a remote engine): the task that resumes need not be the one that paused."""
     prompt = prompts(1, tiny.tokenizer.vocab_size, seed=10)[0]
-    async with TorchEngine(tiny) as engine:
+    async with engine_for(tiny) as engine:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(engine.pause)
-            await engine.update_weights(tiny.model.state_dict(), version=1)
+            await engine.update_weights(WeightUpdate.by_reference(1, tiny.model.state_dict(), leased=False))
             async with anyio.create_task_group() as tg:
                 tg.start_soon(engine.resume)
             gen = await engine.generate(prompt, SamplingParams(max_tokens=3))
@@ -248,16 +250,16 @@ async def test_resume_may_come_from_another_task_than_pause(tiny: Any) -> None:
 
 
 async def test_update_weights_outside_pause_is_refused(tiny: Any) -> None:
-    async with TorchEngine(tiny) as engine:
+    async with engine_for(tiny) as engine:
         with pytest.raises(RuntimeError):
-            await engine.update_weights(tiny.model.state_dict(), version=1)
+            await engine.update_weights(WeightUpdate.by_reference(1, tiny.model.state_dict(), leased=False))
         assert engine.version == 0
 
 
 async def test_pause_blocks_new_tokens_until_resume(tiny: Any) -> None:
     prompt = prompts(1, tiny.tokenizer.vocab_size, seed=9)[0]
     result: list[Generation] = []
-    async with TorchEngine(tiny) as engine:
+    async with engine_for(tiny) as engine:
         await engine.pause()
         await engine.pause()  # idempotent
         with anyio.fail_after(60):
@@ -274,7 +276,7 @@ async def test_pause_blocks_new_tokens_until_resume(tiny: Any) -> None:
 
 
 async def test_a_closed_engine_refuses_requests(tiny: Any) -> None:
-    engine = TorchEngine(tiny)
+    engine = engine_for(tiny)
     with pytest.raises(EngineClosed):
         await engine.generate([1, 2], SamplingParams())
     async with engine:
@@ -285,7 +287,7 @@ async def test_a_closed_engine_refuses_requests(tiny: Any) -> None:
 
 
 async def test_engine_owns_a_copy_of_the_weights(tiny: Any) -> None:
-    async with TorchEngine(tiny) as engine:
+    async with engine_for(tiny) as engine:
         with torch.no_grad():
             for p in tiny.model.parameters():
                 p.add_(1.0)
@@ -297,7 +299,7 @@ async def test_engine_owns_a_copy_of_the_weights(tiny: Any) -> None:
 async def test_closing_an_engine_that_never_started_releases_its_streams(tiny: Any) -> None:
     """``aclose()`` must free every resource even when ``__aenter__`` never ran (a run that
     fails between building the engine and starting it)."""
-    engine = TorchEngine(tiny)
+    engine = engine_for(tiny)
     await engine.aclose()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

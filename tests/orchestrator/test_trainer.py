@@ -1,4 +1,4 @@
-"""The trainer (orchestrator/trainer.py): packing, and RL steps on groups the torch engine
+"""The torch trainer (orchestrator/trainer/): packing, and RL steps on groups the torch engine
 produced through the episode runner."""
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import torch
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
-from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_group
-from orchestrator.trainer import Trainer, pack
+from orchestrator.trainer import TorchTrainer, Trainer, pack
 from orchestrator.types import Group
+from orchestrator.weights import WeightUpdate
+
+from helpers import engine_for
 
 SPEC = ArithmeticSpec(digits=2, train_size=16, eval_size=4, seed=0)
 
@@ -26,7 +28,7 @@ def rollout_groups(policy: Any, num_groups: int = 2, group_size: int = 4,
     rollout = RolloutConfig(group_size=group_size, max_tokens=max_tokens, temperature=1.0)
 
     async def main() -> list[Group]:
-        async with TorchEngine(policy, seed=seed) as engine:
+        async with engine_for(policy, seed=seed) as engine:
             groups = []
             for task in SPEC.tasks("train")[:num_groups]:
                 groups.append(await run_group(engine, policy.tokenizer, SPEC, task, rollout,
@@ -99,9 +101,9 @@ def test_rollout_groups_are_well_formed(tiny: Any) -> None:
 
 def test_on_policy_step_has_unit_ratio_and_weight_and_bumps_the_version(tiny: Any) -> None:
     groups = [with_rewards(g, [1.0, 0.0, 0.0, 1.0]) for g in rollout_groups(tiny)]
-    trainer = Trainer(tiny, GRPO(), lr=1e-3)
+    trainer = TorchTrainer(tiny, GRPO(), lr=1e-3)
     before = snapshot(tiny.model)
-    metrics = trainer.step(groups)
+    metrics = trainer.train_step(groups)
     assert trainer.version == 1
     assert metrics["ratio"] == pytest.approx(1.0, abs=1e-6)
     # the trainer's forward agrees with the engine's behaviour log-probs
@@ -112,15 +114,15 @@ def test_on_policy_step_has_unit_ratio_and_weight_and_bumps_the_version(tiny: An
     assert metrics["trained_tokens"] == tokens
     assert metrics["grad_norm"] > 0.0
     assert changed(before, tiny.model)  # rewards differ within a group: the weights move
-    trainer.step(groups)
+    trainer.train_step(groups)
     assert trainer.version == 2
 
 
 def test_equal_rewards_leave_the_weights_unchanged(tiny: Any) -> None:
     groups = [with_rewards(g, [1.0] * 4) for g in rollout_groups(tiny, seed=1)]
-    trainer = Trainer(tiny, GRPO(), lr=1e-2, weight_decay=0.0)
+    trainer = TorchTrainer(tiny, GRPO(), lr=1e-2, weight_decay=0.0)
     before = snapshot(tiny.model)
-    metrics = trainer.step(groups)
+    metrics = trainer.train_step(groups)
     assert metrics["grad_norm"] == 0.0
     assert changed(before, tiny.model) == []
     assert trainer.version == 1
@@ -130,7 +132,7 @@ def test_the_better_sample_becomes_more_likely(tiny: Any) -> None:
     (group,) = rollout_groups(tiny, num_groups=1, group_size=4, seed=2)
     group = with_rewards(group, [1.0, 0.0, 0.0, 0.0])
     best = group.trajectories[0]
-    trainer = Trainer(tiny, GRPO(), lr=1e-2)
+    trainer = TorchTrainer(tiny, GRPO(), lr=1e-2)
 
     def logprob_of_best() -> float:
         batch = pack([best.token_ids], [best.loss_mask], tiny.tokenizer.pad_id)
@@ -140,15 +142,15 @@ def test_the_better_sample_becomes_more_likely(tiny: Any) -> None:
 
     start = logprob_of_best()
     for _ in range(3):
-        trainer.step([group])
+        trainer.train_step([group])
     assert logprob_of_best() > start
 
 
 def test_micro_batching_does_not_change_the_gradient(make_policy: Any) -> None:
     groups = [with_rewards(g, [1.0, 0.0, 0.5, 0.0]) for g in rollout_groups(make_policy(0), seed=3)]
-    whole = Trainer(make_policy(0), GRPO(), micro_batch_size=64, max_grad_norm=1e9)
-    split = Trainer(make_policy(0), GRPO(), micro_batch_size=3, max_grad_norm=1e9)
-    a, b = whole.step(groups), split.step(groups)
+    whole = TorchTrainer(make_policy(0), GRPO(), micro_batch_size=64, max_grad_norm=1e9)
+    split = TorchTrainer(make_policy(0), GRPO(), micro_batch_size=3, max_grad_norm=1e9)
+    a, b = whole.train_step(groups), split.train_step(groups)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
     assert a["trained_tokens"] == b["trained_tokens"]
@@ -159,8 +161,8 @@ def test_micro_batching_does_not_change_the_gradient(make_policy: Any) -> None:
 
 def test_several_minibatches_take_several_optimiser_steps(tiny: Any) -> None:
     groups = [with_rewards(g, [1.0, 0.0, 0.0, 1.0]) for g in rollout_groups(tiny, seed=4)]
-    trainer = Trainer(tiny, GRPO(), lr=1e-3, num_minibatches=2)
-    metrics = trainer.step(groups)
+    trainer = TorchTrainer(tiny, GRPO(), lr=1e-3, num_minibatches=2)
+    metrics = trainer.train_step(groups)
     assert trainer.version == 1
     state = trainer.optimizer.state_dict()["state"]
     assert state and all(int(s["step"]) == 2 for s in state.values())
@@ -169,19 +171,55 @@ def test_several_minibatches_take_several_optimiser_steps(tiny: Any) -> None:
     assert metrics["ratio"] == pytest.approx(1.0, abs=0.1)
 
 
-def test_state_dict_is_a_detached_copy(tiny: Any) -> None:
-    trainer = Trainer(tiny, GRPO())
-    weights = trainer.state_dict()
-    assert set(weights) == set(tiny.model.state_dict())
-    with torch.no_grad():
-        for p in tiny.model.parameters():
-            p.add_(1.0)
-    name = next(iter(weights))
-    assert not torch.equal(weights[name], tiny.model.state_dict()[name])
+def test_weights_are_shared_by_reference_and_the_next_step_waits_for_their_release(tiny: Any) -> None:
+    trainer = TorchTrainer(tiny, GRPO(), lr=1e-2)
+    groups = [with_rewards(g, [1.0, 0.0, 0.0, 1.0]) for g in rollout_groups(tiny)]
+
+    async def main() -> None:
+        update = await trainer.weights()
+        assert isinstance(update, WeightUpdate) and update.transport == "reference"
+        assert update.version == 0 and not update.released
+        name, tensor = next(iter(update.tensors().items()))
+        assert tensor.data_ptr() == tiny.model.state_dict()[name].data_ptr()  # no copy
+        before = tensor.clone()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer.step, groups)
+            await anyio.sleep(0.2)  # the step must not touch the tensors the engine reads
+            assert trainer.version == 0 and torch.equal(tensor, before)
+            update.release()
+        assert trainer.version == 1 and not torch.equal(tensor, before)
+
+    anyio.run(main)
+
+
+def test_weight_update_transports_carry_the_same_tensors(tiny: Any, tmp_path: Any) -> None:
+    update = WeightUpdate.of_module(3, tiny.model)
+    wire = update.serialised()
+    on_disk = update.to_file(tmp_path / "w.safetensors")
+    assert (wire.transport, on_disk.transport) == ("bytes", "file")
+    assert wire.version == on_disk.version == 3
+    assert wire.nbytes > 0 and on_disk.nbytes >= wire.nbytes * 0.9
+    for other in (wire, on_disk, update.detached()):
+        got = other.tensors()
+        assert set(got) == set(update.tensors())
+        assert all(torch.equal(got[k], v) for k, v in update.tensors().items())
+
+
+def test_state_dict_round_trips_weights_optimiser_and_version(make_policy: Any) -> None:
+    groups = [with_rewards(g, [1.0, 0.0, 0.0, 1.0]) for g in rollout_groups(make_policy(0))]
+    trainer = TorchTrainer(make_policy(0), GRPO(), lr=1e-2, warmup_steps=5)
+    anyio.run(trainer.step, groups)
+    other = TorchTrainer(make_policy(1), GRPO(), lr=1e-2, warmup_steps=5)
+    other.load_state_dict(trainer.state_dict())
+    assert other.version == 1
+    assert other.scheduler.get_last_lr() == trainer.scheduler.get_last_lr()
+    for (name, p), q in zip(trainer.model.state_dict().items(),
+                            other.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
 
 
 def test_supervised_step_lowers_the_loss_and_keeps_the_version(tiny: Any) -> None:
-    trainer = Trainer(tiny, GRPO())
+    trainer = TorchTrainer(tiny, GRPO())
     tok = tiny.tokenizer
     task = SPEC.tasks("train")[0]
     prompt, answer = tok.chat_prompt(task.messages), tok.completion(task.answer)

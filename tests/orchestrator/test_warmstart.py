@@ -6,12 +6,12 @@ from typing import Any
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
-from orchestrator.trainer import Trainer
+from orchestrator.trainer import TorchTrainer
 from orchestrator.warmstart import WarmStartConfig, warm_start
 
 
 def test_no_steps_no_change(tiny: Any) -> None:
-    trainer = Trainer(tiny, GRPO())
+    trainer = TorchTrainer(tiny, GRPO())
     before = {k: v.clone() for k, v in tiny.model.state_dict().items()}
     assert warm_start(trainer, tiny.tokenizer, [], WarmStartConfig(steps=0)) == []
     assert all((before[k] == v).all() for k, v in tiny.model.state_dict().items())
@@ -19,7 +19,7 @@ def test_no_steps_no_change(tiny: Any) -> None:
 
 def test_warm_start_lowers_the_loss_and_reports_each_step(tiny: Any) -> None:
     tasks = ArithmeticSpec(train_size=32, eval_size=0).tasks("train")
-    trainer = Trainer(tiny, GRPO())
+    trainer = TorchTrainer(tiny, GRPO())
     seen: list[tuple[int, float]] = []
     losses = warm_start(trainer, tiny.tokenizer, tasks, WarmStartConfig(steps=8, batch_size=16, lr=3e-3),
                         on_step=lambda step, loss: seen.append((step, loss)))
@@ -32,7 +32,7 @@ def test_warm_start_lowers_the_loss_and_reports_each_step(tiny: Any) -> None:
 
 def test_warm_start_stops_early_at_the_target_accuracy(tiny: Any) -> None:
     tasks = ArithmeticSpec(train_size=16, eval_size=0).tasks("train")
-    trainer = Trainer(tiny, GRPO())
+    trainer = TorchTrainer(tiny, GRPO())
     checks = iter([0.1, 0.4, 0.6, 0.9])
     asked: list[int] = []
 

@@ -1,7 +1,10 @@
-"""The trainer: one optimiser step per batch of groups, and the weights it hands to engines.
+"""The torch trainer: one optimiser step per batch of groups, and the weights it hands to engines.
 
-``Trainer.step`` is blocking torch work; the pipeline runs it in a worker thread. The
-version counts optimiser steps: a batch trained at version ``v`` produces version ``v + 1``.
+:meth:`TorchTrainer.step` awaits the blocking torch work in a worker thread, so the event
+loop stays free. :meth:`TorchTrainer.weights` hands out the model's own tensors by reference
+(no copy); the next step waits until the engines have released them (see
+:mod:`orchestrator.weights`). The version counts optimiser steps: a batch trained at version
+``v`` produces version ``v + 1``.
 
 Per step: GRPO advantages from each group's rewards, then ``num_minibatches`` optimiser
 updates over the batch. With a single update the proximal policy is the current one (its
@@ -13,15 +16,19 @@ the whole minibatch so token-level aggregation does not depend on how it is spli
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import anyio
 import torch
 
 from orchestrator.algo.base import Algorithm, LossInputs
 from orchestrator.errors import ConfigError
 from orchestrator.models.policy import Policy
+from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.types import Group
+from orchestrator.weights import WeightUpdate
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ def pack(
     )
 
 
-class Trainer:
+class TorchTrainer(Trainer):
     def __init__(
         self,
         policy: Policy,
@@ -113,6 +120,7 @@ class Trainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / max(warmup_steps, 1))
         )
         self.version = 0
+        self._published: WeightUpdate | None = None  # by reference, until the engines release it
 
     # -- forward ---------------------------------------------------------------------
 
@@ -133,7 +141,14 @@ class Trainer:
 
     # -- RL step -----------------------------------------------------------------------
 
-    def step(self, groups: Sequence[Group]) -> dict[str, float]:
+    async def step(self, groups: Sequence[Group]) -> TrainStats:
+        if self._published is not None:  # engines may still be reading the last weights
+            await self._published.wait_released()
+            self._published = None
+        return await anyio.to_thread.run_sync(self.train_step, groups)
+
+    def train_step(self, groups: Sequence[Group]) -> TrainStats:
+        """The blocking optimiser step (:meth:`step` runs it in a worker thread)."""
         trajectories = [t for g in groups for t in g.trajectories]
         advantages = self.algorithm.advantages([g.rewards for g in groups])
         batch = pack(
@@ -227,6 +242,18 @@ class Trainer:
 
     # -- weights -----------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the weights, safe to hand to an engine while training goes on."""
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+    async def weights(self) -> WeightUpdate:
+        """The model's tensors by reference; :meth:`step` waits for their release."""
+        self._published = WeightUpdate.by_reference(self.version, self.model.state_dict())
+        return self._published
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])

@@ -1,0 +1,81 @@
+"""The run directory and its one writer.
+
+Every file of a run is written through :class:`RunDir`: ``config.yaml`` (the resolved config),
+``metrics.jsonl`` (one line per step, :func:`~orchestrator.loggers.base.step_metrics`), the
+PolyTrace files of every trained step (see :mod:`orchestrator.trace.writer`),
+``samples.jsonl`` (a few trained episodes per step as text), and at the end ``spans.jsonl``,
+``timeline.json`` (Perfetto) and ``summary.json``; checkpoints go under ``checkpoints/``.
+The run's loggers (W&B) get the same metrics. Training and replay both write through it, so
+their run directories have one layout and one metrics schema. Steps are written as they are
+reported and the rest on :meth:`close`, which also runs for a failed run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from orchestrator.loggers.base import JsonlMetrics, Logger
+from orchestrator.models.tokenizer import Tokenizer
+from orchestrator.pipeline import StepReport
+from orchestrator.recorder import Recorder
+from orchestrator.trace.timeline import write_timeline
+from orchestrator.trace.writer import TraceWriter
+
+SAMPLES_PER_STEP = 4
+
+
+class RunDir:
+    def __init__(self, path: Path, config: Mapping[str, Any], loggers: Sequence[Logger] = (),
+                 max_model_len: int | None = None) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "config.yaml").write_text(_yaml(config))
+        self._metrics = JsonlMetrics(self.path / "metrics.jsonl")
+        self._sinks: list[Logger] = [self._metrics, *loggers]
+        for logger in loggers:
+            logger.start(dict(config), self.path)
+        self._trace = TraceWriter(self.path, max_model_len)
+        self._samples = (self.path / "samples.jsonl").open("a")
+        self.recorder: Recorder | None = None
+        self.steps = 0
+
+    def record(self, recorder: Recorder) -> None:
+        """The recorder whose spans :meth:`close` writes out."""
+        self.recorder = recorder
+
+    def checkpoint_dir(self, name: str) -> Path:
+        return self.path / "checkpoints" / name
+
+    def write_step(self, report: StepReport, tokenizer: Tokenizer) -> None:
+        self._trace.write_step(report.step, report.version, report.groups)
+        for group in report.groups[:SAMPLES_PER_STEP]:  # the first episode of a few groups
+            t = group.trajectories[0]
+            self._samples.write(json.dumps({
+                "step": report.step, "prompt_id": t.prompt_id, "reward": t.reward,
+                "end_reason": t.end_reason, "text": tokenizer.decode(list(t.token_ids))}) + "\n")
+        self._samples.flush()
+        for sink in self._sinks:
+            sink.log_step(report)
+        self.steps += 1
+
+    def close(self, summary: Mapping[str, Any], failed: bool) -> None:
+        self._samples.close()
+        if self.recorder is not None:
+            self.recorder.write_jsonl(self.path / "spans.jsonl")
+            write_timeline(self.recorder.spans, self.path / "timeline.json", process=self.path.name)
+        (self.path / "summary.json").write_text(json.dumps(dict(summary), indent=2) + "\n")
+        scalars = {f"summary/{k}": v for k, v in summary.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for sink in self._sinks:
+            if scalars:
+                sink.log(scalars, self.steps)
+            sink.finish(failed=failed)
+
+
+def _yaml(config: Mapping[str, Any]) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(dict(config)))

@@ -1,0 +1,140 @@
+"""``WeightUpdate``: a versioned handle on a set of weights, and how its tensors travel.
+
+A trainer publishes one after every step (``await trainer.weights()``) and the pipeline hands
+it to the engines (``await engine.update_weights(update)``). Three transports, one type:
+
+* **by reference** (:meth:`WeightUpdate.by_reference`): the trainer's own tensors, no copy,
+  for an engine in the same process. The trainer must not change them while an engine reads
+  them, so such an update carries a *lease*: the consumer calls :meth:`release` once it has
+  loaded them, and the trainer waits for that before its next optimiser step
+  (:meth:`wait_released`). A consumer that cannot load promptly takes :meth:`detached`
+  instead, a private copy that releases the lease at once.
+* **serialised** (:meth:`serialised`): safetensors bytes, for an engine in another process
+  (sent over a pipe, an object store, a socket).
+* **a file** (:meth:`to_file`): a safetensors file path, for an engine on the same host that
+  maps it itself.
+
+:meth:`tensors` gives the weights back as a name → tensor mapping whichever way they came;
+:attr:`nbytes` is what a transfer moves (the weight-sync span records it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import anyio
+import torch
+
+Transport = Literal["reference", "bytes", "file"]
+
+
+@dataclass(frozen=True, eq=False)
+class WeightUpdate:
+    version: int
+    transport: Transport
+    _tensors: Mapping[str, torch.Tensor] | None = None
+    _data: bytes | None = None
+    _path: Path | None = None
+    _lease: anyio.Event | None = field(default=None, repr=False)
+
+    # -- making one --------------------------------------------------------------------------
+
+    @classmethod
+    def by_reference(cls, version: int, tensors: Mapping[str, torch.Tensor],
+                     leased: bool = True) -> WeightUpdate:
+        """The caller's tensors themselves; with ``leased`` (call it in the event loop), the
+        caller waits for :meth:`release` before changing them again."""
+        lease = anyio.Event() if leased else None
+        return cls(version, "reference", _tensors=tensors, _lease=lease)
+
+    @classmethod
+    def of_module(cls, version: int, module: torch.nn.Module) -> WeightUpdate:
+        """A module's current weights, copied (nothing to release): a starting point."""
+        return cls.by_reference(version, _copy(module.state_dict()), leased=False)
+
+    @classmethod
+    def from_bytes(cls, version: int, data: bytes) -> WeightUpdate:
+        return cls(version, "bytes", _data=data)
+
+    @classmethod
+    def from_file(cls, version: int, path: Path | str) -> WeightUpdate:
+        return cls(version, "file", _path=Path(path))
+
+    # -- other transports ---------------------------------------------------------------------
+
+    def serialised(self) -> WeightUpdate:
+        """The same weights as safetensors bytes (for another process); releases the lease."""
+        from safetensors.torch import save
+
+        if self.transport == "bytes":
+            return self
+        data = save({k: v.detach().contiguous().cpu() for k, v in self.tensors().items()})
+        self.release()
+        return WeightUpdate.from_bytes(self.version, data)
+
+    def to_file(self, path: Path | str) -> WeightUpdate:
+        """The same weights written to a safetensors file at ``path``; releases the lease."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.tensors().items()}, str(tmp))
+        tmp.replace(path)
+        self.release()
+        return WeightUpdate.from_file(self.version, path)
+
+    def detached(self) -> WeightUpdate:
+        """A private copy in this process; releases the lease at once."""
+        if self._lease is None and self.transport != "reference":
+            return WeightUpdate.by_reference(self.version, self.tensors(), leased=False)
+        copy = WeightUpdate.by_reference(self.version, _copy(self.tensors()), leased=False)
+        self.release()
+        return copy
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._tensors is not None:
+            return self._tensors
+        if self._data is not None:
+            from safetensors.torch import load
+
+            return load(self._data)
+        assert self._path is not None
+        from safetensors.torch import load_file
+
+        return load_file(str(self._path))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a transfer of this update moves (the payload's size for bytes and files)."""
+        if self._data is not None:
+            return len(self._data)
+        if self._path is not None:
+            return self._path.stat().st_size
+        assert self._tensors is not None
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    # -- the lease of a by-reference update --------------------------------------------------
+
+    def release(self) -> None:
+        """The consumer is done reading; the producer may change the tensors again."""
+        if self._lease is not None:
+            self._lease.set()
+
+    @property
+    def released(self) -> bool:
+        return self._lease is None or self._lease.is_set()
+
+    async def wait_released(self) -> None:
+        """Return once :meth:`release` was called (in the event loop that made the update)."""
+        if self._lease is not None:
+            await self._lease.wait()
+
+
+def _copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tensors.items()}
