@@ -12,7 +12,6 @@ import random
 from collections.abc import Sequence
 
 from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task
-from envs.registry import register_env
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -27,7 +26,6 @@ class ArithmeticEnv(SingleTurnEnv):
         return Reward(total=correct, components={"exact_match": correct})
 
 
-@register_env("arithmetic")
 class ArithmeticSpec(EnvSpec):
     def __init__(
         self,

@@ -1,87 +1,71 @@
-"""Environments by name.
+"""Environments by name: the ``polyrl.envs`` entry-point group.
 
-Built-ins register themselves with :func:`register_env`; third-party packages declare an
-entry point in the ``polyrl.envs`` group (``name = "package.module:SpecClass"``) and need no
-edit to this project. ``env=<name>`` in Hydra selects ``conf/env/<name>.yaml`` when the
-project ships one; for a plug-in, :func:`register_hydra_configs` stores a config built from
-its class's keyword arguments and their defaults, so ``env=<name> env.<arg>=…`` works too.
-The ``name`` key of the env config is looked up here; the other keys are the spec's
-keyword arguments.
+Every environment, built-in or third-party, is an :class:`~envs.base.EnvSpec` subclass named
+by an entry point in the ``polyrl.envs`` group (``name = "package.module:SpecClass"``): this
+project declares its own in ``pyproject.toml`` exactly as a plug-in package does, so a new
+environment needs no edit here. In Hydra, ``conf/env/<name>.yaml`` names the class with
+``_target_`` like every other group; for an installed plug-in without a shipped file,
+:func:`register_hydra_configs` stores a config built from its class's keyword arguments and
+their defaults, so ``env=<name> env.<arg>=…`` works too.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
-from collections.abc import Callable
-from importlib.metadata import entry_points
-from typing import Any, TypeVar
+from functools import cache
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
 
 from envs.base import EnvSpec
 
 ENTRY_POINT_GROUP = "polyrl.envs"
-_REGISTRY: dict[str, type[EnvSpec]] = {}
-_BUILTINS = ("envs.arithmetic", "envs.search_qa", "envs.code")
-_loaded = False
 log = logging.getLogger(__name__)
 
-S = TypeVar("S", bound=type[EnvSpec])
 
-
-def register_env(name: str) -> Callable[[S], S]:
-    def decorate(cls: S) -> S:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"environment {name!r} is registered twice")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorate
-
-
-def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    for module in _BUILTINS:
-        importlib.import_module(module)
+@cache
+def _entry_points() -> dict[str, EntryPoint]:
+    found: dict[str, EntryPoint] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in _REGISTRY:
-            log.warning("environment plug-in %s (%s) ignored: the name is taken", ep.name, ep.value)
+        if ep.name in found and found[ep.name].value != ep.value:
+            log.warning("environment %s (%s) ignored: the name is taken by %s",
+                        ep.name, ep.value, found[ep.name].value)
             continue
-        try:
-            cls = ep.load()
-        except Exception as e:  # noqa: BLE001 - one broken plug-in must not stop the rest
-            log.warning("environment plug-in %s (%s) failed to load: %s", ep.name, ep.value, e)
-            continue
-        if not (inspect.isclass(cls) and issubclass(cls, EnvSpec)):
-            log.warning("environment plug-in %s (%s) is not an EnvSpec subclass", ep.name, ep.value)
-            continue
-        register_env(ep.name)(cls)
-    _loaded = True
+        found[ep.name] = ep
+    return found
 
 
 def available() -> list[str]:
-    _load()
-    return sorted(_REGISTRY)
+    return sorted(_entry_points())
 
 
+@cache
 def spec_class(name: str) -> type[EnvSpec]:
-    names = available()
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown environment {name!r}; registered: {', '.join(names)}")
-    return _REGISTRY[name]
+    """The class registered as ``name``; KeyError (unknown) or TypeError (not an EnvSpec)."""
+    eps = _entry_points()
+    if name not in eps:
+        raise KeyError(f"unknown environment {name!r}; registered: {', '.join(available())}")
+    cls = eps[name].load()
+    if not (inspect.isclass(cls) and issubclass(cls, EnvSpec)):
+        raise TypeError(f"environment {name!r} ({eps[name].value}) is not an EnvSpec subclass")
+    cls.name = name
+    return cls
 
 
 def make_spec(name: str, **kwargs: Any) -> EnvSpec:
     return spec_class(name)(**kwargs)
 
 
+def target(cls: type) -> str:
+    """The dotted path Hydra's ``_target_`` names ``cls`` by."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def default_config(name: str) -> dict[str, Any]:
-    """``{"name": name, **keyword defaults}`` of a registered spec (``???`` when required)."""
-    config: dict[str, Any] = {"name": name}
-    for param in inspect.signature(spec_class(name).__init__).parameters.values():
+    """``{"_target_": <class>, **keyword defaults}`` of a registered spec (``???`` if required)."""
+    cls = spec_class(name)
+    config: dict[str, Any] = {"_target_": target(cls)}
+    for param in inspect.signature(cls.__init__).parameters.values():
         if param.name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         default = param.default
@@ -95,10 +79,17 @@ def default_config(name: str) -> dict[str, Any]:
 
 
 def register_hydra_configs(shipped: set[str]) -> None:
-    """Make every registered env without a shipped ``conf/env`` file selectable in Hydra."""
+    """Make every registered env without a shipped ``conf/env`` file selectable in Hydra; a
+    plug-in that fails to load is reported and left out, the others still work."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
     for name in available():
-        if name not in shipped:
-            store.store(group="env", name=name, node=default_config(name), provider="polyrl.envs")
+        if name in shipped:
+            continue
+        try:
+            node = default_config(name)
+        except Exception as e:  # noqa: BLE001 - one broken plug-in must not stop the rest
+            log.warning("environment plug-in %s failed to load: %s", name, e)
+            continue
+        store.store(group="env", name=name, node=node, provider="polyrl.envs")

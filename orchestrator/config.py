@@ -14,11 +14,11 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
-from hydra.utils import get_object
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from envs.base import EnvSpec
-from envs.registry import make_spec
 from orchestrator.errors import ConfigError
 
 T = TypeVar("T")
@@ -104,24 +104,30 @@ def check_target(cfg: DictConfig, key: str) -> None:
     check_arguments(fn, values, key)
 
 
+def build(cfg: DictConfig, key: str, **objects: Any) -> Any:
+    """Call ``cfg.<key>._target_`` with the node's values plus ``objects`` (live arguments such
+    as a WeightUpdate, passed as they are: Hydra's instantiate would turn dataclasses into
+    configs). Nested nodes stay plain mappings."""
+    check_target(cfg, key)
+    values = section(cfg, key)
+    return get_object(values.pop("_target_"))(**values, **objects)
+
+
 def scalar(cfg: DictConfig, key: str, annotation: Any) -> Any:
     """A top-level value, type-checked."""
     return _check(key, OmegaConf.select(cfg, key), annotation)
 
 
 def build_env(cfg: DictConfig) -> EnvSpec:
-    env_cfg = section(cfg, "env")
-    name = env_cfg.pop("name", None)
-    if name is None:
-        raise ConfigError("env.name is missing: name a registered environment")
+    """The environment ``cfg.env`` names by ``_target_`` (its other keys are the keyword
+    arguments; nested nodes such as ``sandbox`` arrive as plain mappings, for the spec to build)."""
+    check_target(cfg, "env")
+    values = section(cfg, "env")
     try:
-        from envs.registry import spec_class
-
-        check_arguments(spec_class(name), env_cfg, "env")
-        return make_spec(name, **env_cfg)
-    except ConfigError:
-        raise
-    except KeyError as e:
-        raise ConfigError(f"env.name={name}: {e.args[0]}") from e
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"env={name}: {e}") from e
+        spec = instantiate(values, _recursive_=False, _convert_="all")
+    except InstantiationException as e:
+        cause = e.__cause__ or e  # a constructor's ValueError names the key already
+        raise ConfigError(str(cause).splitlines()[0]) from e
+    if not isinstance(spec, EnvSpec):
+        raise ConfigError(f"env._target_={values['_target_']} is not an environment (EnvSpec)")
+    return spec

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from envs.base import EnvSpec
 from orchestrator.algo.base import Algorithm
 from orchestrator.checkpoint import save_checkpoint
-from orchestrator.config import build_env, check_target, scalar, section, typed
+from orchestrator.config import build, build_env, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.evaluate import evaluate
@@ -113,7 +113,7 @@ def training_parts(cfg: DictConfig) -> RunParts:
     model_cfg = section(cfg, "model")
 
     def make_engine(weights: WeightUpdate) -> InferenceEngine:
-        return instantiate(cfg.engine, model=model_cfg, weights=weights, _recursive_=False)
+        return build(cfg, "engine", model=model_cfg, weights=weights)
 
     async def warm_up(engine: InferenceEngine, recorder: Recorder) -> int:
         check_tasks = list(spec.tasks("train"))[: warm.check_tasks]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
 from envs.arithmetic import ArithmeticEnv, ArithmeticSpec, exact_match
 from envs.base import Task
-from envs.registry import available, make_spec, register_env
+from envs.registry import available, default_config, make_spec, spec_class
 
 pytestmark = pytest.mark.anyio
 
@@ -133,8 +134,24 @@ def test_unknown_environment_lists_the_registered_ones() -> None:
         assert name in message
 
 
-def test_a_name_cannot_be_registered_twice() -> None:
-    with pytest.raises(ValueError, match="arithmetic"):
-        register_env("arithmetic")(type("Other", (ArithmeticSpec,), {}))
-    # registering the same class again is harmless
-    assert register_env("arithmetic")(ArithmeticSpec) is ArithmeticSpec
+def test_built_ins_register_through_entry_points_like_plugins() -> None:
+    from importlib.metadata import entry_points
+
+    declared = {ep.name: ep.value for ep in entry_points(group="polyrl.envs")}
+    assert declared["arithmetic"] == "envs.arithmetic:ArithmeticSpec"
+    assert {"arithmetic", "code", "code_tool", "search_qa"} <= set(available())
+    assert spec_class("code_tool").__name__ == "CodeToolSpec"
+
+
+def test_a_shipped_env_file_names_the_class_its_entry_point_names() -> None:
+    """``conf/env/<name>.yaml`` and the entry point agree, and the default config of a
+    registered class is a ``_target_`` node like every other group's."""
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "env"
+    for path in conf.glob("*.yaml"):
+        target = OmegaConf.load(path)["_target_"]
+        cls = spec_class(path.stem)
+        assert target == f"{cls.__module__}.{cls.__qualname__}", path.name
+    config = default_config("arithmetic")
+    assert config["_target_"] == "envs.arithmetic.ArithmeticSpec" and config["digits"] == 2

@@ -41,7 +41,7 @@ def test_the_plugin_trains_one_step_as_env_reverse(site: Path, tmp_path: Path) -
     )
     assert result.returncode == 0, result.stderr[-2000:]
     config = (run_dir / "config.yaml").read_text()
-    assert "name: reverse" in config and "length: 4" in config
+    assert "polyrl_example_env.ReverseSpec" in config and "length: 4" in config
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 1
 

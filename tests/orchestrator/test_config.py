@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from envs.base import EnvSpec
 from orchestrator.__main__ import explain
 from orchestrator.algo.base import Algorithm
-from orchestrator.config import build_env, typed
+from orchestrator.config import build, build_env, typed
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.loggers.base import Logger
@@ -81,8 +81,8 @@ def test_every_group_option_composes_and_instantiates(group: str, option: str) -
     trainer = instantiate(cfg.trainer, policy=policy, algorithm=algorithm,
                           temperature=rollout.temperature)
     assert isinstance(trainer, Trainer)
-    engine = instantiate(cfg.engine, model=OmegaConf.to_container(cfg.model, resolve=True),
-                         weights=WeightUpdate.of_module(0, policy.model), _recursive_=False)
+    engine = build(cfg, "engine", model=OmegaConf.to_container(cfg.model, resolve=True),
+                   weights=WeightUpdate.of_module(0, policy.model))
     assert isinstance(engine, InferenceEngine) and engine.version == 0
 
     async def start_and_stop() -> None:
@@ -155,10 +155,12 @@ def test_a_missing_section_is_a_config_error() -> None:
 
 
 @pytest.mark.parametrize(("env", "words"), [
-    ({"digits": 2}, ["env.name"]),
-    ({"name": "nope"}, ["nope", "arithmetic"]),
-    ({"name": "arithmetic", "colour": "red"}, ["colour"]),
-    ({"name": "arithmetic", "digits": 1, "train_size": 100, "eval_size": 1}, ["train_size"]),
+    ({"digits": 2}, ["env._target_"]),
+    ({"_target_": "envs.nope.NopeSpec"}, ["envs.nope.NopeSpec"]),
+    ({"_target_": "envs.arithmetic.ArithmeticSpec", "colour": "red"}, ["env.colour"]),
+    ({"_target_": "envs.arithmetic.ArithmeticSpec", "digits": 1, "train_size": 100,
+      "eval_size": 1}, ["train_size"]),
+    ({"_target_": "orchestrator.recorder.Recorder"}, ["not an environment"]),
 ])
 def test_build_env_errors_are_config_errors(env: dict[str, Any], words: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
@@ -168,7 +170,8 @@ def test_build_env_errors_are_config_errors(env: dict[str, Any], words: list[str
 
 
 def test_check_sizes_rejects_a_batch_larger_than_the_dataset() -> None:
-    spec = build_env(OmegaConf.create({"env": {"name": "arithmetic", "train_size": 2,
+    spec = build_env(OmegaConf.create({"env": {"_target_": "envs.arithmetic.ArithmeticSpec",
+                                               "train_size": 2,
                                                "eval_size": 2}}))
     with pytest.raises(ConfigError, match="pipeline.batch_size=16"):
         check_sizes(PipelineConfig(batch_size=16), RolloutConfig(group_size=4), spec)
