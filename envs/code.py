@@ -15,9 +15,10 @@ Two variants:
   stateful session (variables persist between calls) and read the output, then answers
   with the function in a turn without tool calls.
 
-The sandbox pool (``sandbox=docker`` by default, ``sandbox=local`` for development only) is
-opened by :meth:`CodeSpec.running` for the whole run; a model never chooses its own timeout
-or limits.
+The sandbox is the ``sandbox`` config node (``sandbox=docker`` by default, ``sandbox=local`` for
+development only, or any backend a ``_target_`` names): built when the spec is (a bad config
+fails before anything starts), its pool opened by :meth:`CodeSpec.running` for the whole run. A
+model never chooses its own timeout or limits.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from typing import Any
 
 from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
 from envs.parsers import HermesParser
-from envs.registry import register_env
 from envs.tool_env import Episode, ToolEnv, WeightedReward
 from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
 from envs.toolset import ToolSet
-from sandboxes.docker import ExecResult, SandboxConfig, SandboxPool, make_sandbox_pool
+from sandboxes.api import ExecResult, SandboxPool
+from sandboxes.config import SandboxConfig, sandbox_config
 
 OPS: dict[str, tuple[str, Callable[[int, int], int]]] = {
     "plus": ("+", lambda a, b: a + b),
@@ -118,13 +119,12 @@ class CodeEnv(SingleTurnEnv):
         return Reward(score, {"tests_passed": score, "ran_ok": float(ran_ok), "exec_s": info["exec_s"]})
 
 
-@register_env("code")
 class CodeSpec(EnvSpec):
     multi_turn = False
 
     def __init__(
         self,
-        sandbox: Mapping[str, Any] | None = None,
+        sandbox: SandboxConfig | Mapping[str, Any] | None = None,
         train_size: int = 480,
         eval_size: int = 96,
         ops: Sequence[str] = ("plus", "minus", "times"),
@@ -144,7 +144,9 @@ class CodeSpec(EnvSpec):
                              f"(the distinct tasks with these ops and constants)")
         if num_tests < 1:
             raise ValueError("env.num_tests must be >= 1")
-        self.sandbox_config = SandboxConfig.from_mapping(sandbox or {})  # checked now, opened later
+        # a mapping with a _target_ (conf/sandbox/*.yaml), a config, or None (Docker defaults);
+        # checked now, opened in running()
+        self.sandbox_config = sandbox_config(sandbox)
         self.test_timeout = test_timeout
         self.pool: SandboxPool | None = None
         rng = random.Random(seed)
@@ -172,7 +174,7 @@ class CodeSpec(EnvSpec):
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        async with make_sandbox_pool(self.sandbox_config) as pool:
+        async with self.sandbox_config.pool() as pool:
             self.pool = pool
             try:
                 yield
@@ -194,7 +196,6 @@ class CodeSpec(EnvSpec):
         return CodeEnv(self)
 
 
-@register_env("code_tool")
 class CodeToolSpec(CodeSpec):
     """The multi-turn variant: a ``python`` tool on the episode's own stateful session."""
 

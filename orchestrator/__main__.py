@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from orchestrator.errors import ConfigError
-from sandboxes.docker.api import EngineUnavailable, ImageMissing, SandboxError
+from sandboxes.api import EngineUnavailable, ImageMissing, SandboxError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

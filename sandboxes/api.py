@@ -1,8 +1,10 @@
 """The sandbox interface every backend implements: typed results, limits, errors.
 
 ``Sandbox.exec`` runs Python in the episode's session (or a shell command) and returns an
-:class:`ExecResult`; a model mistake (an exception, a timeout, an out-of-memory kill) is a
-status, never an exception. Exceptions are for the operator: no engine, no image, a broken pool.
+:class:`ExecResult`; a model mistake (an exception, a crash, a timeout, an out-of-memory kill)
+is a status, never an exception. Exceptions are for the operator: a bad config, no engine, no
+image, a broken pool. A backend is a :class:`SandboxPool` plus the
+:class:`~sandboxes.config.SandboxConfig` subclass that builds it (see :mod:`sandboxes.config`).
 """
 
 from __future__ import annotations
@@ -44,16 +46,20 @@ class ExecLimits:
     max_output_bytes: int | None = None
 
 
+class SandboxConfigError(ValueError):
+    """A sandbox config the operator must fix: one line naming the key (``sandbox.<key>``)."""
+
+
 class SandboxError(RuntimeError):
     """The sandbox service itself is unusable (not a model mistake)."""
 
 
 class EngineUnavailable(SandboxError):
-    """No Docker engine answers."""
+    """The engine a backend runs on (the Docker daemon, a remote service) does not answer."""
 
 
 class ImageMissing(SandboxError):
-    """The configured image is not in the engine."""
+    """The configured image (or equivalent environment) is not available to the backend."""
 
 
 class Sandbox(ABC):

@@ -7,9 +7,13 @@ code can read and delete your files, open connections and leave processes that e
 runner's process-tree cleanup. Use it to develop environments on a machine without Docker
 (``sandbox=local``); train on anything you did not write yourself with ``sandbox=docker``.
 
-Same interface as the Docker pool: ``async with LocalSandboxPool(cfg) as pool``, ``async with
-pool.session() as sb``, ``await sb.exec(code)``; the same session runner (a supervisor plus a
-forked kernel holding the namespace) over the same protocol, on the subprocess's pipes.
+Same interface as the Docker pool: ``async with LocalSandboxConfig().pool() as pool``, ``async
+with pool.session() as sb``, ``await sb.exec(code)``; the same session runner (a supervisor plus
+a forked kernel holding the namespace) over the same protocol, on the subprocess's pipes.
+
+It is also the example of a backend: one module that imports only the interface
+(:mod:`sandboxes.api`, :mod:`sandboxes.config`, the shared runner and protocol), plus
+``conf/sandbox/local.yaml`` naming :class:`LocalSandboxConfig` as its ``_target_``.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Self
 
 import anyio
 import anyio.abc
 
-from sandboxes.docker import protocol
-from sandboxes.docker.api import (
+from sandboxes import protocol
+from sandboxes.api import (
     ExecLimits,
     ExecResult,
     Language,
@@ -36,15 +41,26 @@ from sandboxes.docker.api import (
     SandboxError,
     SandboxPool,
 )
-from sandboxes.docker.config import SandboxConfig
+from sandboxes.config import SandboxConfig
 
 log = logging.getLogger(__name__)
 WARNING = ("sandbox=local ISOLATES NOTHING: model-written code runs as your user with your "
            "files and network. Development only; use sandbox=docker for training.")
 
 
+@dataclass(frozen=True, kw_only=True)
+class LocalSandboxConfig(SandboxConfig):
+    """The limits only (see :class:`SandboxConfig`); ``memory_mb`` is an address-space limit,
+    which counts reserved as well as used memory, hence the larger default."""
+
+    memory_mb: int = 1024
+
+    def pool(self) -> LocalSandboxPool:
+        return LocalSandboxPool(self)
+
+
 class LocalSandbox(Sandbox):
-    def __init__(self, config: SandboxConfig) -> None:
+    def __init__(self, config: LocalSandboxConfig) -> None:
         self.config = config
         self._dir = tempfile.TemporaryDirectory(prefix="polyrl-local-sandbox-")
         self._process: anyio.abc.Process | None = None
@@ -118,8 +134,8 @@ class LocalSandbox(Sandbox):
 class LocalSandboxPool(SandboxPool):
     """Sessions as local subprocesses (no warm pool: a process starts in ~30 ms)."""
 
-    def __init__(self, config: SandboxConfig | None = None) -> None:
-        self.config = config or SandboxConfig(backend="local")
+    def __init__(self, config: LocalSandboxConfig | None = None) -> None:
+        self.config = config or LocalSandboxConfig()
         self._open = False
 
     async def __aenter__(self) -> Self:
@@ -142,4 +158,4 @@ class LocalSandboxPool(SandboxPool):
         self._open = False
 
 
-__all__ = ["WARNING", "LocalSandbox", "LocalSandboxPool"]
+__all__ = ["WARNING", "LocalSandbox", "LocalSandboxConfig", "LocalSandboxPool"]

@@ -1,11 +1,12 @@
-"""Host side of the runner's binary protocol (see :mod:`sandboxes.docker.runner`)."""
+"""Host side of the session runner's binary protocol (see :mod:`sandboxes.runner`), shared by
+the backends that run the runner: requests to send, frames to cut from a byte stream, results."""
 
 from __future__ import annotations
 
 import struct
 from pathlib import Path
 
-from sandboxes.docker.api import STATUSES, ExecResult, Language
+from sandboxes.api import STATUSES, ExecResult, Language
 
 RUNNER_SOURCE = (Path(__file__).with_name("runner.py")).read_text()
 OP_PING, OP_PYTHON, OP_SHELL, OP_RESET, OP_EXIT = range(5)

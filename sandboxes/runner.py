@@ -1,7 +1,9 @@
 """The session runner: the small program that runs inside a sandbox and executes requests.
 
-It is sent as source (``python3 -c``) and needs only the interpreter's minimal standard library
-(Debian's python3-minimal has no json), so it speaks a binary protocol over its stdin/stdout:
+Every backend that runs Python sessions shares it (the host side is :mod:`sandboxes.protocol`).
+It is sent as source (``python3 -I -c``) and imports only modules built into any CPython (os,
+select, signal, struct, sys, time), so it works in any image with an interpreter, and it speaks
+a binary protocol over its stdin/stdout (fixed headers, nothing to parse but lengths):
 
     request  = u32 length, then  u8 op, f64 timeout_s, u32 max_output, body (UTF-8)
     response = u32 length, then  u8 status, i64 exit_code, f64 duration_s, u8 flags,
@@ -16,8 +18,10 @@ and, after every request, SIGKILLs every process the request left behind (backgr
 and the kernel — safe only because, in a container, the long-lived PID 1 process runs as another
 uid; with ``--kill-scope tree`` (the local sandbox) only the kernel's and children's trees.
 A timeout, an overflow or a dead kernel resets the session (flag bit 0): the next request gets
-a fresh namespace. The kernel asks the OOM killer to pick it first (``oom_score_adj``), and an
-OOM kill is told apart from other SIGKILLs by the memory cgroup's ``oom_kill`` counter.
+a fresh namespace. A kernel killed by a signal (a segfault from ``ctypes``, SIGKILL) answers
+``killed`` with exit code ``128 + N``. The kernel asks the OOM killer to pick it first
+(``oom_score_adj``), and an OOM kill is told apart from other SIGKILLs by the memory cgroup's
+``oom_kill`` counter.
 """
 
 import os
@@ -157,8 +161,10 @@ def child_setup(out_w, err_w, keep):
 
 def kernel_loop(ctl_r, res_w):
     import builtins
+    import faulthandler
     import traceback
 
+    faulthandler.enable()  # a crash (a ctypes segfault) shows the cell's line on stderr
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     kernel_pid = os.getpid()
     while True:
@@ -296,8 +302,10 @@ class Supervisor:
             out, err = self.drain_fds(kernel.out_r, kernel.err_r, out, err, max_out)
             return OK, done[0][1], 0, out, err
         # a timeout, an overflow or a dead kernel: the session starts again
-        if outcome == "done":
+        if outcome == "done":  # it died (a signal, an os._exit): keep what it wrote last
             kernel.pid_reaped = True
+            self.kill_strays(keep=())
+            out, err = self.drain_fds(kernel.out_r, kernel.err_r, out, err, max_out)
         self.kill_kernel()
         self.kill_strays(keep=())
         status, exit_code = self.classify(outcome, done[0][1] if done else None, oom_before)
@@ -391,7 +399,7 @@ class Supervisor:
 
     def drain_fds(self, out_fd, err_fd, out, err, max_out):
         for fd, buf in ((out_fd, out), (err_fd, err)):
-            while True:
+            while len(out) + len(err) < max_out:
                 try:
                     data = os.read(fd, 65536)
                 except BlockingIOError:

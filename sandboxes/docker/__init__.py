@@ -1,12 +1,13 @@
 """Docker sandboxes: a warm pool of hardened containers, each episode with its own stateful
 Python session, over the blocking ``docker`` SDK (calls in worker threads behind a limiter).
+The backend of ``conf/sandbox/docker.yaml`` (``_target_: sandboxes.docker.DockerSandboxConfig``)::
 
-    async with make_sandbox_pool({"image": "polyrl-sandbox:bookworm"}) as pool:
+    async with DockerSandboxConfig(pool_size=4).pool() as pool:
         async with pool.session() as sb:
             await sb.exec("x = 21")
             result = await sb.exec("print(x * 2)")      # stdout "42\\n", status "ok"
 
-What is isolated, by default (each a :class:`SandboxConfig` value):
+What is isolated, by default (each a :class:`DockerSandboxConfig` value):
 - no network (``network_mode=none``: no egress, no DNS, no metadata endpoint);
 - the root filesystem is read-only; the only writable places are size-capped tmpfs mounts
   (the work dir, ``/tmp``, ``/dev/shm``), emptied between episodes;
@@ -22,41 +23,14 @@ runtime for untrusted adversaries), as are the CPU caches, the page cache and th
 itself. Containers reused across episodes keep SysV IPC objects; set ``reuse: false`` for a
 fresh container per episode. Labels and a self-destruct lifetime let :mod:`.engine`'s reaper
 remove containers of a run that died, even by SIGKILL.
+
+The interface (:mod:`sandboxes.api`), the limits every backend shares (:mod:`sandboxes.config`)
+and the session runner with its protocol (:mod:`sandboxes.runner`, :mod:`sandboxes.protocol`)
+live one level up; this package holds only what is Docker.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from sandboxes.docker.pool import DockerSandbox, DockerSandboxConfig, DockerSandboxPool
 
-from sandboxes.docker.api import (
-    STATUSES,
-    EngineUnavailable,
-    ExecLimits,
-    ExecResult,
-    ExecStatus,
-    ImageMissing,
-    Sandbox,
-    SandboxError,
-    SandboxPool,
-)
-from sandboxes.docker.config import SandboxConfig
-from sandboxes.docker.pool import DockerSandbox, DockerSandboxPool
-
-
-def make_sandbox_pool(config: SandboxConfig | Mapping[str, Any] | None = None) -> SandboxPool:
-    """The pool a config asks for (``backend: docker`` or ``local``); open it with ``async with``."""
-    if config is None:
-        config = SandboxConfig()
-    elif not isinstance(config, SandboxConfig):
-        config = SandboxConfig.from_mapping(config)
-    if config.backend == "local":
-        from sandboxes.local import LocalSandboxPool
-
-        return LocalSandboxPool(config)
-    return DockerSandboxPool(config)
-
-
-__all__ = ["STATUSES", "DockerSandbox", "DockerSandboxPool", "EngineUnavailable", "ExecLimits",
-           "ExecResult", "ExecStatus", "ImageMissing", "Sandbox", "SandboxConfig",
-           "SandboxError", "SandboxPool", "make_sandbox_pool"]
+__all__ = ["DockerSandbox", "DockerSandboxConfig", "DockerSandboxPool"]

@@ -14,19 +14,18 @@ import argparse
 import sys
 import time
 
+from sandboxes.api import SandboxError
 from sandboxes.docker import engine
-from sandboxes.docker.api import SandboxError
-from sandboxes.docker.config import SandboxConfig
-from sandboxes.docker.image import build_image
+from sandboxes.docker.image import DEFAULT_IMAGE, PACKAGES, SUITE, build_image
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m sandboxes.docker")
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build-image", help="build the base image with debootstrap")
-    build.add_argument("--image", default=SandboxConfig.image)
-    build.add_argument("--suite", default="bookworm")
-    build.add_argument("--packages", default="python3-minimal",
+    build.add_argument("--image", default=DEFAULT_IMAGE)
+    build.add_argument("--suite", default=SUITE)
+    build.add_argument("--packages", default=PACKAGES,
                        help="comma-separated Debian packages to include")
     build.add_argument("--force", action="store_true", help="rebuild even when it exists")
     reap = commands.add_parser("reap", help="remove leaked sandbox containers")

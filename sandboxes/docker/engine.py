@@ -20,7 +20,7 @@ import docker
 import docker.errors
 import requests.exceptions
 
-from sandboxes.docker.api import EngineUnavailable, ImageMissing
+from sandboxes.api import EngineUnavailable, ImageMissing
 
 LABEL = "polyrl.sandbox"
 LABEL_RUN = "polyrl.run_id"

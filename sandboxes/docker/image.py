@@ -1,8 +1,12 @@
 """Building the sandbox base image with no registry: debootstrap, then ``docker import``.
 
-``debootstrap --variant=minbase --include=python3-minimal bookworm DIR`` (about 30 s, needs
-root and Debian's debootstrap; the default mirror is used), docs and apt caches removed, then
-the directory is tarred and imported as ``NAME:TAG``. Nothing happens when the image exists.
+``debootstrap --variant=minbase --include=python3 bookworm DIR`` (about a minute, needs root and
+Debian's debootstrap; the default mirror is used), docs, locales and apt caches removed, then
+the directory is tarred and imported as ``NAME:TAG``. Nothing happens when the image exists, so
+a machine that has it works offline. ``python3``, not ``python3-minimal``: the minimal package
+lacks much of the standard library (``json``, ``ctypes``, ``sqlite3``, …), which model-written
+code imports. A change of contents takes a new tag (:data:`DEFAULT_IMAGE`), so
+machines holding an older image build this one instead of using it.
 Where a registry is reachable, any image with ``python3`` and ``sleep`` works instead
 (``sandbox.image=python:3.12-slim``); no build is needed then.
 """
@@ -17,10 +21,14 @@ from pathlib import Path
 import docker
 import docker.errors
 
-from sandboxes.docker.api import SandboxError
+from sandboxes.api import SandboxError
 
+DEFAULT_IMAGE = "polyrl-sandbox:bookworm-py3"
+SUITE = "bookworm"
+PACKAGES = "python3"  # comma-separated Debian packages on top of minbase
 PRUNE = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
-         "var/cache/apt", "var/lib/apt/lists", "var/log")
+         "usr/share/common-licenses", "usr/share/lintian", "usr/share/bug", "usr/share/menu",
+         "var/cache/apt", "var/cache/debconf", "var/lib/apt/lists", "var/log")
 
 
 def image_exists(client: docker.DockerClient, image: str) -> bool:
@@ -31,8 +39,8 @@ def image_exists(client: docker.DockerClient, image: str) -> bool:
         return False
 
 
-def build_image(client: docker.DockerClient, image: str, suite: str = "bookworm",
-                packages: str = "python3-minimal", force: bool = False) -> bool:
+def build_image(client: docker.DockerClient, image: str = DEFAULT_IMAGE, suite: str = SUITE,
+                packages: str = PACKAGES, force: bool = False) -> bool:
     """Build ``image`` unless it exists (or ``force``); True when it was built."""
     if image_exists(client, image) and not force:
         return False

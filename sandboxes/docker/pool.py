@@ -22,12 +22,12 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import socket
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -38,8 +38,8 @@ import docker.errors
 import requests
 from docker.types import Ulimit
 
-from sandboxes.docker import engine, protocol
-from sandboxes.docker.api import (
+from sandboxes import protocol
+from sandboxes.api import (
     ExecLimits,
     ExecResult,
     Language,
@@ -47,7 +47,10 @@ from sandboxes.docker.api import (
     SandboxError,
     SandboxPool,
 )
-from sandboxes.docker.config import SandboxConfig
+from sandboxes.config import SandboxConfig
+from sandboxes.docker import engine
+from sandboxes.docker.channel import RunnerChannel, RunnerGone
+from sandboxes.docker.image import DEFAULT_IMAGE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,62 +58,50 @@ T = TypeVar("T")
 ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
 
-class RunnerGone(SandboxError):
-    """The runner's stream ended: its process was killed or the container is gone."""
+@dataclass(frozen=True, kw_only=True)
+class DockerSandboxConfig(SandboxConfig):
+    """The keys of ``conf/sandbox/docker.yaml`` beyond the limits every backend honours."""
 
+    image: str = DEFAULT_IMAGE        # built by `python -m sandboxes.docker build-image`
+    pool_size: int = 4                # warm containers kept ready
+    max_containers: int = 64          # live containers at most (waiting beyond)
+    max_idle: int = 16                # used containers kept ready for reuse (>= pool_size)
+    reuse: bool = True                # reset and reuse a container after a clean episode
+    max_uses: int = 50                # episodes per container before it is replaced
+    # per container (memory_mb, fsize_mb, nofile: see SandboxConfig)
+    cpus: float = 1.0                 # CPU quota
+    pids_limit: int = 128             # processes and threads
+    work_dir: str = "/work"           # the writable tmpfs home and working directory
+    work_dir_mb: int = 64
+    tmp_mb: int = 16                  # /tmp and /dev/shm tmpfs
+    user: str = "1000:1000"           # uid:gid of the code (never root)
+    keepalive_user: str = "65534:65534"  # PID 1's uid: another uid, so code cannot kill it
+    network: bool = False             # True attaches the default bridge (egress!)
+    read_only_root: bool = True
+    lifetime_s: int = 3600            # the container exits by itself after this
+    # engine
+    docker_host: str | None = None    # None: $DOCKER_HOST or unix:///var/run/docker.sock
+    docker_call_concurrency: int = 8  # SDK calls in worker threads at once
+    reap_interval_s: float = 60.0
+    run_id: str | None = None         # label of this run's containers (default: random)
 
-class RunnerChannel:
-    """Async request/response over the hijacked exec socket (Docker's multiplexed frames)."""
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require("pool_size", self.pool_size >= 0, ">= 0")
+        self.require("max_containers", self.max_containers >= 1, ">= 1")
+        self.require("max_idle", self.max_idle >= 0, ">= 0")
+        self.require("max_uses", self.max_uses >= 1, ">= 1")
+        self.require("cpus", self.cpus > 0, "> 0")
+        self.require("pids_limit", self.pids_limit >= 8, ">= 8")
+        self.require("work_dir_mb", self.work_dir_mb >= 1, ">= 1")
+        self.require("tmp_mb", self.tmp_mb >= 1, ">= 1")
+        self.require("lifetime_s", self.lifetime_s >= 60, ">= 60")
+        self.require("docker_call_concurrency", self.docker_call_concurrency >= 1, ">= 1")
+        self.require("reap_interval_s", self.reap_interval_s > 0, "> 0")
+        self.require("user", self.user.split(":")[0] not in ("0", "root"), "a uid other than root")
 
-    def __init__(self, sock_io: Any) -> None:
-        self._io = sock_io  # keep the SocketIO (and its HTTP response) alive
-        self._sock: socket.socket = getattr(sock_io, "_sock", sock_io)
-        self._sock.setblocking(False)
-        self._raw = bytearray()
-        self._proto = bytearray()
-        self.stderr = bytearray()
-
-    async def roundtrip(self, data: bytes) -> bytes:
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[self._sock.send(view):]
-            except BlockingIOError:
-                await anyio.wait_writable(self._sock)
-            except OSError as e:
-                raise RunnerGone(f"runner stream closed: {e}") from e
-        while (frame := protocol.take_frame(self._proto)) is None:
-            await self._receive()
-        return frame
-
-    async def _receive(self) -> None:
-        while True:
-            try:
-                data = self._sock.recv(1 << 18)
-                break
-            except BlockingIOError:
-                await anyio.wait_readable(self._sock)
-            except OSError as e:
-                raise RunnerGone(f"runner stream closed: {e}") from e
-        if not data:
-            raise RunnerGone("runner stream ended")
-        self._raw += data
-        while len(self._raw) >= 8:
-            size = int.from_bytes(self._raw[4:8], "big")
-            if len(self._raw) < 8 + size:
-                break
-            target = self._proto if self._raw[0] == 1 else self.stderr
-            if target is self._proto or len(self.stderr) < 65536:
-                target += self._raw[8:8 + size]
-            del self._raw[:8 + size]
-
-    def close(self) -> None:
-        for closer in (getattr(self._io, "close", None), self._sock.close):
-            try:
-                if closer is not None:
-                    closer()
-            except OSError:
-                pass
+    def pool(self) -> DockerSandboxPool:
+        return DockerSandboxPool(self)
 
 
 class _Container:
@@ -197,8 +188,8 @@ class DockerSandbox(Sandbox):
 class DockerSandboxPool(SandboxPool):
     """Warm, hardened containers for episodes. Use as ``async with DockerSandboxPool(cfg)``."""
 
-    def __init__(self, config: SandboxConfig | None = None) -> None:
-        self.config = config or SandboxConfig()
+    def __init__(self, config: DockerSandboxConfig) -> None:
+        self.config = config
         self.run_id = self.config.run_id or uuid.uuid4().hex[:12]
         self.owner = engine.Owner.this_process(self.run_id)
         self.client: docker.DockerClient | None = None

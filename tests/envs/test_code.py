@@ -22,10 +22,12 @@ from orchestrator.main import run
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_episode
 from orchestrator.warmstart import demonstration_tokens
-from sandboxes.docker import EngineUnavailable, SandboxConfig
+from sandboxes.api import EngineUnavailable
+from sandboxes.docker import DockerSandboxConfig
 from sandboxes.docker.engine import connect
 
-LOCAL = {"backend": "local", "timeout_s": 2.0, "max_timeout_s": 2.0}
+LOCAL = {"_target_": "sandboxes.local.LocalSandboxConfig", "timeout_s": 2.0, "max_timeout_s": 2.0}
+DOCKER = "sandboxes.docker.DockerSandboxConfig"
 
 
 def docker_available() -> bool:
@@ -34,7 +36,7 @@ def docker_available() -> bool:
     except EngineUnavailable:
         return False
     try:
-        return any(SandboxConfig().image in i.tags for i in client.images.list())
+        return any(DockerSandboxConfig().image in i.tags for i in client.images.list())
     finally:
         client.close()
 
@@ -57,8 +59,9 @@ def test_tasks_are_reproducible_disjoint_and_their_reference_answers_pass() -> N
 def test_bad_config_values_are_named() -> None:
     with pytest.raises(ValueError, match="env.ops"):
         CodeSpec(sandbox=LOCAL, ops=["divide"])
-    with pytest.raises(ValueError, match="unknown sandbox key"):
-        CodeSpec(sandbox={"backend": "local", "timeout": 3})
+    with pytest.raises(ValueError, match="sandbox.timeout is not a key of "
+                                         "sandboxes.local.LocalSandboxConfig"):
+        CodeSpec(sandbox={"_target_": "sandboxes.local.LocalSandboxConfig", "timeout": 3})
     with pytest.raises(ValueError, match="env.train_size"):
         CodeSpec(sandbox=LOCAL, ops=["plus"], max_constant=2, train_size=5)
 
@@ -133,7 +136,8 @@ def tool_policy() -> ScriptedEngine:
 @pytest.mark.anyio
 async def test_the_python_tool_keeps_state_across_calls_in_a_docker_session() -> None:
     # one container in all: the episode's session must be released before grading takes one
-    spec = CodeToolSpec(sandbox={"pool_size": 1, "max_containers": 1}, train_size=4, eval_size=0)
+    spec = CodeToolSpec(sandbox={"_target_": DOCKER, "pool_size": 1, "max_containers": 1},
+                        train_size=4, eval_size=0)
     task = spec.tasks("train")[0]
     recorder = Recorder()
     async with spec.running():

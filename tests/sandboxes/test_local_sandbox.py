@@ -6,21 +6,21 @@ import time
 
 import pytest
 
-from sandboxes.docker import SandboxConfig, make_sandbox_pool
-from sandboxes.local import LocalSandboxPool
+from sandboxes.config import make_sandbox_pool
+from sandboxes.local import LocalSandboxConfig, LocalSandboxPool
 
 pytestmark = pytest.mark.anyio
 
 
-def local_config(**overrides) -> SandboxConfig:
-    values = dict(backend="local", timeout_s=1.5, max_timeout_s=1.5, host_grace_s=2.0,
-                  max_output_bytes=4096)
+def local_config(**overrides) -> LocalSandboxConfig:
+    values = dict(timeout_s=1.5, max_timeout_s=1.5, host_grace_s=2.0, max_output_bytes=4096)
     values.update(overrides)
-    return SandboxConfig(**values)
+    return LocalSandboxConfig(**values)
 
 
 async def test_session_state_shell_and_errors(capfd) -> None:
-    async with make_sandbox_pool(local_config()) as pool:
+    mapping = {"_target_": "sandboxes.local.LocalSandboxConfig", "timeout_s": 1.5}
+    async with make_sandbox_pool(mapping) as pool:
         assert isinstance(pool, LocalSandboxPool)
         async with pool.session() as sb:
             await sb.exec("x = 40")
@@ -54,3 +54,15 @@ async def test_sessions_are_separate() -> None:
             await a.exec("import os\nopen('f', 'w').write('a')")
             r = await b.exec("import os\nos.listdir('.')")
             assert r.stdout == "[]\n"
+
+
+async def test_a_segfault_is_killed_on_time_and_the_session_goes_on() -> None:
+    async with local_config().pool() as pool, pool.session() as sb:
+        await sb.exec("kept = 1")
+        start = time.monotonic()
+        r = await sb.exec("import ctypes\nctypes.string_at(0)")
+        assert time.monotonic() - start < 1.5 + 5
+        assert (r.status, r.exit_code, r.session_reset) == ("killed", 128 + 11, True)
+        assert "Segmentation fault" in r.stderr and '"<cell>", line 2' in r.stderr
+        assert "NameError" in (await sb.exec("kept")).stderr  # a fresh namespace
+        assert (await sb.exec("print('next')")).stdout == "next\n"

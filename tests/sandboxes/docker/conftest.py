@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from sandboxes.docker import DockerSandboxPool, EngineUnavailable, SandboxConfig
+from sandboxes.api import EngineUnavailable
+from sandboxes.docker import DockerSandboxConfig, DockerSandboxPool
 from sandboxes.docker.engine import LABEL_PID, connect, is_leaked, labelled
 
 # Generous for a loaded 2-core machine; the limits under test are far tighter than the slack.
@@ -43,7 +44,7 @@ def docker_client() -> Iterator:
     client = _engine_or_none()
     if client is None:
         pytest.skip("no Docker engine; start one with `bash scripts/docker_setup.sh`")
-    image = SandboxConfig().image
+    image = DockerSandboxConfig().image
     if not any(image in i.tags for i in client.images.list()):
         pytest.skip(f"image {image} missing; run `python -m sandboxes.docker build-image`")
     yield client
@@ -74,13 +75,13 @@ def no_leaked_containers() -> Iterator[None]:
     assert not left, f"containers left behind: {left}"
 
 
-def small_config(**overrides) -> SandboxConfig:
+def small_config(**overrides) -> DockerSandboxConfig:
     values = dict(pool_size=1, max_containers=8, timeout_s=TIMEOUT_S, max_timeout_s=TIMEOUT_S,
                   host_grace_s=GRACE_S, memory_mb=192, pids_limit=64, cpus=1.0,
                   max_output_bytes=1 << 16, work_dir_mb=16, tmp_mb=8, fsize_mb=8,
                   lifetime_s=600)
     values.update(overrides)
-    return SandboxConfig(**values)
+    return DockerSandboxConfig(**values)
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ import anyio
 import pytest
 from conftest import SLACK_S, STRAYS, TIMEOUT_S, small_config
 
-from sandboxes.docker import DockerSandboxPool, ExecResult
+from sandboxes.api import ExecResult
+from sandboxes.docker import DockerSandboxPool
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker]
 

@@ -16,7 +16,7 @@ import anyio
 import pytest
 from conftest import small_config
 
-from sandboxes.docker import DockerSandboxPool, SandboxConfig
+from sandboxes.docker import DockerSandboxConfig, DockerSandboxPool
 from sandboxes.docker.engine import (
     LABEL,
     LABEL_EXPIRES,
@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parents[3]
 ORCHESTRATOR = textwrap.dedent("""
     import sys
     import anyio
-    from sandboxes.docker import DockerSandboxPool, SandboxConfig
+    from sandboxes.docker import DockerSandboxConfig, DockerSandboxPool
 
     async def main():
-        cfg = SandboxConfig(pool_size=2, run_id=sys.argv[1], lifetime_s=600, memory_mb=128)
+        cfg = DockerSandboxConfig(pool_size=2, run_id=sys.argv[1], lifetime_s=600, memory_mb=128)
         async with DockerSandboxPool(cfg) as pool:
             async with pool.session() as sb:
                 await sb.exec("x = 1")
@@ -84,7 +84,7 @@ async def test_containers_of_a_sigkilled_orchestrator_are_reaped(docker_client) 
 async def test_the_periodic_reaper_removes_a_leak_while_running(docker_client) -> None:
     dead = Owner("leak-" + uuid.uuid4().hex[:8], socket.gethostname(), 2**22 + 7, "1")
     async with DockerSandboxPool(small_config(pool_size=0, reap_interval_s=0.3)) as pool:
-        docker_client.containers.run(SandboxConfig().image, ["sleep", "120"], detach=True,
+        docker_client.containers.run(DockerSandboxConfig().image, ["sleep", "120"], detach=True,
                                      auto_remove=True, network_mode="none",
                                      labels=dead.labels(120))
         assert run_containers(docker_client, dead.run_id)

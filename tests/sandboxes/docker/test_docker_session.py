@@ -8,14 +8,9 @@ import anyio
 import pytest
 from conftest import GRACE_S, SLACK_S, STRAYS, TIMEOUT_S, small_config
 
-from sandboxes.docker import (
-    DockerSandboxPool,
-    EngineUnavailable,
-    ExecLimits,
-    ImageMissing,
-    SandboxConfig,
-    make_sandbox_pool,
-)
+from sandboxes.api import EngineUnavailable, ExecLimits, ImageMissing, SandboxConfigError
+from sandboxes.config import make_sandbox_pool, sandbox_config
+from sandboxes.docker import DockerSandboxConfig, DockerSandboxPool
 from sandboxes.docker.engine import LABEL, LABEL_EXPIRES, LABEL_PID, LABEL_RUN
 
 pytestmark = [pytest.mark.anyio, pytest.mark.docker]
@@ -118,15 +113,17 @@ async def test_run_is_a_session_of_one_call(pool: DockerSandboxPool) -> None:
 
 
 async def test_make_sandbox_pool_from_a_mapping(docker_client) -> None:
-    async with make_sandbox_pool({"_target_": "x", "pool_size": 0, "timeout_s": 2.0}) as p:
+    target = "sandboxes.docker.DockerSandboxConfig"
+    async with make_sandbox_pool({"_target_": target, "pool_size": 0, "timeout_s": 2.0}) as p:
         assert isinstance(p, DockerSandboxPool)
         assert (await p.run("6 * 7")).stdout == "42\n"
-    with pytest.raises(ValueError, match="unknown sandbox key"):
-        make_sandbox_pool({"memroy_mb": 1})
+    assert isinstance(make_sandbox_pool(None), DockerSandboxPool)  # None: the Docker defaults
+    with pytest.raises(SandboxConfigError, match="sandbox.memroy_mb is not a key"):
+        make_sandbox_pool({"_target_": target, "memroy_mb": 1})
 
 
 async def test_no_engine_is_one_clear_line() -> None:
-    cfg = SandboxConfig(docker_host="unix:///nonexistent/docker.sock")
+    cfg = DockerSandboxConfig(docker_host="unix:///nonexistent/docker.sock")
     with pytest.raises(EngineUnavailable) as e:
         async with DockerSandboxPool(cfg):
             pass
@@ -137,15 +134,37 @@ async def test_no_engine_is_one_clear_line() -> None:
 
 async def test_missing_image_names_the_build_command(docker_client) -> None:
     with pytest.raises(ImageMissing, match="build-image"):
-        async with DockerSandboxPool(SandboxConfig(image="polyrl-no-such-image:0")):
+        async with DockerSandboxPool(DockerSandboxConfig(image="polyrl-no-such-image:0")):
             pass
 
 
 def test_config_rejects_root_and_nonsense() -> None:
-    with pytest.raises(ValueError, match="root"):
-        SandboxConfig(user="0:0")
-    with pytest.raises(ValueError, match="pids_limit"):
-        SandboxConfig(pids_limit=0)
+    with pytest.raises(SandboxConfigError, match="sandbox.user must be a uid other than root"):
+        DockerSandboxConfig(user="0:0")
+    with pytest.raises(SandboxConfigError, match="sandbox.pids_limit must be >= 8, got 0"):
+        DockerSandboxConfig(pids_limit=0)
+    with pytest.raises(SandboxConfigError, match="sandbox.network must be true or false"):
+        sandbox_config({"_target_": "sandboxes.docker.DockerSandboxConfig", "network": "no"})
+
+
+async def test_the_image_has_the_standard_library(pool: DockerSandboxPool) -> None:
+    async with pool.session() as sb:
+        r = await sb.exec("import json, re, ctypes, collections, math, sqlite3\n"
+                          "print(json.dumps(collections.Counter('aab')), math.isqrt(17))")
+        assert (r.status, r.stdout) == ("ok", '{"a": 2, "b": 1} 4\n'), r.stderr
+
+
+async def test_a_segfault_is_killed_on_time_and_the_session_goes_on(
+        pool: DockerSandboxPool) -> None:
+    async with pool.session() as sb:
+        await sb.exec("kept = 1")
+        start = time.monotonic()
+        r = await sb.exec("import ctypes\nctypes.string_at(0)")
+        assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+        assert (r.status, r.exit_code, r.session_reset) == ("killed", 128 + 11, True)
+        assert "Segmentation fault" in r.stderr and '"<cell>", line 2' in r.stderr
+        assert "NameError" in (await sb.exec("kept")).stderr  # a fresh namespace
+        assert (await sb.exec("print('next')")).stdout == "next\n"
 
 
 async def test_parallel_calls_in_one_session_are_serialised(pool: DockerSandboxPool) -> None:
