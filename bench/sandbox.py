@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import anyio
 import numpy as np
 
-from sandboxes.docker import DockerSandboxPool, SandboxConfig
+from sandboxes.docker import DockerSandboxConfig
 
 SNIPPETS = {
     "trivial": "print(1)",
@@ -78,13 +78,13 @@ async def measure(workers: list[Callable[[], Awaitable[None]]], calls: int) -> t
 
 
 async def run(quick: bool) -> list[Cell]:
-    cfg = SandboxConfig(pool_size=max(CONCURRENCY), max_containers=max(CONCURRENCY) + 1,
-                        docker_call_concurrency=16)
+    cfg = DockerSandboxConfig(pool_size=max(CONCURRENCY), max_containers=max(CONCURRENCY) + 1,
+                              docker_call_concurrency=16)
     scale = 1 if quick else 4
     calls = {"cold": 6 * scale, "exec": 16 * scale, "session": 100 * scale}
     limiter = anyio.CapacityLimiter(max(CONCURRENCY))
     cells: list[Cell] = []
-    async with DockerSandboxPool(cfg) as pool, AsyncExitStack() as stack:
+    async with cfg.pool() as pool, AsyncExitStack() as stack:
         sessions = [await stack.enter_async_context(pool.session())
                     for _ in range(max(CONCURRENCY))]
         async with anyio.create_task_group() as tg:  # each gets its container

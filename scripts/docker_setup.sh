@@ -3,7 +3,8 @@
 #   bash scripts/docker_setup.sh
 # As root on Debian/Ubuntu: installs docker.io and debootstrap with apt-get when absent, starts
 # dockerd in the background when no engine answers, waits for it, then builds the image
-# (python -m sandboxes.docker build-image; a no-op when the image exists). Without root, or
+# polyrl-sandbox:bookworm-py3 (Debian bookworm with python3: python -m sandboxes.docker
+# build-image; a no-op when the image exists). Without root, or
 # without apt-get, it only reports what is missing and leaves the sandbox tests to skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
