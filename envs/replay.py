@@ -12,9 +12,9 @@ real text, so it speaks a small message protocol that a replay tokenizer underst
 
 :class:`ReplaySpec` hands out one task per recorded prompt group; the episodes of a group
 take its recorded samples in turn. Tool time is waited with ``anyio.sleep``, so under a
-virtual clock a replay takes no real time; ``ToolCallRecord.started`` is read from
-``anyio.current_time()``, which the recorder of a replay uses as its clock. Nothing here
-knows about engines or versions.
+virtual clock a replay takes no real time; ``ToolCallRecord.started`` and the latency are
+readings of the spec's clock (:attr:`EnvSpec.clock`), which the orchestrator sets to its
+recorder's (``anyio.current_time`` for a replay). Nothing here knows about engines or versions.
 """
 
 from __future__ import annotations
@@ -106,12 +106,12 @@ class ReplayEnv(Env):
             latency, status = tool.latency, tool.status
             if self.spec.latency_model is not None:
                 latency, status = self.spec.latency_model(tool.query_count)
-            started = anyio.current_time()
+            started = self.spec.clock()
             await anyio.sleep(latency * self.spec.tool_time_scale)
             ok = status == "success"
             extra = {"metadata": {"query_count": tool.query_count}} if _HAS_METADATA else {}
             records.append(ToolCallRecord("search", "ok" if ok else "error", started,
-                                          anyio.current_time() - started,
+                                          self.spec.clock() - started,
                                           None if ok else status, **extra))
             observation.append(observation_message(tool.append_tokens))
         return StepResult(observation=tuple(observation), reward=0.0, done=False,

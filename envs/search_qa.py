@@ -273,7 +273,8 @@ class SearchQASpec(EnvSpec):
             WeightedReward("f1", _f1, 1.0 if self.reward_kind == "f1" else 0.0),
             WeightedReward("searched", _searched, 0.0),
         ]
-        return ToolEnv(ToolSet([search], max_calls_per_turn=self.max_calls_per_turn),
+        return ToolEnv(ToolSet([search], max_calls_per_turn=self.max_calls_per_turn,
+                               clock=self.clock),
                        rewards, system_prompt=self.system_prompt, describe_tools=self.describe_tools)
 
     def demonstration(self, task: Task) -> tuple[Message, ...]:

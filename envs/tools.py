@@ -12,6 +12,11 @@ raised by the tool body is recorded as an ``error`` result with its type and mes
 :class:`ToolError` adds metadata). A body returns the content as a string,
 or a :class:`ToolOutput` to add metadata for the trace.
 
+A call is timed with the clock it is handed: the run's one clock (:attr:`envs.base.EnvSpec.clock`,
+passed down by :class:`~envs.toolset.ToolSet`), so ``ToolResult.started`` lies on the timeline
+of every other span of the run, and ``latency`` is the difference of two of its readings.
+(Durations a tool measures inside itself, such as a client's attempts, may use any clock.)
+
 Per-episode state (a sandbox session, an HTTP client) lives in an :class:`EpisodeContext`:
 a function tool that declares a parameter annotated ``EpisodeContext`` gets the episode's
 context injected (the parameter is left out of the schema), creates its resource on first
@@ -23,7 +28,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import time
 import types
 import typing
 from abc import ABC, abstractmethod
@@ -34,6 +38,8 @@ from enum import StrEnum
 from typing import Any, Literal, TypeVar
 
 import anyio
+
+from envs.base import Clock
 
 T = TypeVar("T")
 
@@ -71,9 +77,9 @@ class ToolStatus(StrEnum):
 class ToolResult:
     status: ToolStatus
     content: str
+    started: float  # a reading of the clock the call was handed, when it began
     latency: float = 0.0  # seconds, measured around the call
     metadata: dict[str, Any] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)  # perf_counter at the call
 
     @property
     def ok(self) -> bool:
@@ -120,29 +126,29 @@ class Tool(ABC):
             },
         }
 
-    async def __call__(self, arguments: Mapping[str, Any],
-                       context: EpisodeContext | None = None) -> ToolResult:
+    async def __call__(self, arguments: Mapping[str, Any], context: EpisodeContext | None = None,
+                       *, clock: Clock) -> ToolResult:
+        start = clock()
         problem = check_arguments(self.parameters, arguments)
         if problem is not None:
-            return ToolResult(ToolStatus.ERROR, f"{self.name}: {problem}",
+            return ToolResult(ToolStatus.ERROR, f"{self.name}: {problem}", start,
                               metadata={"error_kind": "bad_arguments"})
-        start = time.perf_counter()
         try:
             with anyio.fail_after(self.timeout):
                 content = await self.run(arguments, context)
         except TimeoutError:
             return ToolResult(ToolStatus.TIMEOUT, f"{self.name} timed out after {self.timeout:g} s",
-                              time.perf_counter() - start, {"error_kind": "timeout"}, start)
+                              start, clock() - start, {"error_kind": "timeout"})
         except Exception as e:  # noqa: BLE001 - a failing tool is recorded, never raised into the episode
             if isinstance(e, ToolError):  # the tool's own account of what went wrong
                 message, metadata = f"{self.name}: {e}", {"error_kind": "tool_failed", **e.metadata}
             else:
                 message, metadata = f"{self.name} failed: {type(e).__name__}: {e}", {"error_kind": "tool_failed"}
-            return ToolResult(ToolStatus.ERROR, message, time.perf_counter() - start, metadata, start)
-        latency = time.perf_counter() - start
+            return ToolResult(ToolStatus.ERROR, message, start, clock() - start, metadata)
+        latency = clock() - start
         if isinstance(content, ToolOutput):
-            return ToolResult(ToolStatus.OK, content.content, latency, dict(content.metadata), start)
-        return ToolResult(ToolStatus.OK, str(content), latency, started=start)
+            return ToolResult(ToolStatus.OK, content.content, start, latency, dict(content.metadata))
+        return ToolResult(ToolStatus.OK, str(content), start, latency)
 
 
 class FunctionTool(Tool):

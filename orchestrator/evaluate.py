@@ -23,6 +23,7 @@ async def evaluate(
     recorder: Recorder,
 ) -> float:
     """Mean reward of one greedy episode per task."""
+    spec.use_clock(recorder.clock)  # tools report times on the recorder's clock
     greedy = replace(rollout, temperature=0.0)
     rewards: list[float] = []
 

@@ -145,6 +145,7 @@ class Pipeline:
         self.spec = spec
         self.sampler = sampler
         self.recorder = recorder or Recorder()
+        spec.use_clock(self.recorder.clock)  # one clock: tools report times on the recorder's
         self.on_step = on_step
         self.staleness = StalenessController(
             config.batch_size, config.max_staleness, version=trainer.version

@@ -1,10 +1,18 @@
 """A recorder of timed spans: (stage, worker, start, end, version, attributes).
 
 Stages are free-form names ("generate", "reward", "train_step", "weight_sync",
-"wait_admission", "wait_batch", …). Times are seconds of ``clock`` (``time.perf_counter`` by
-default; a replay in virtual time passes ``anyio.current_time``) relative to the recorder's
-creation, so spans from every task share one clock. The recorder is plain
-data; writers (JSONL here, PolyTrace and Perfetto later) read :attr:`spans`.
+"wait_admission", "wait_batch", …). Times are seconds of :attr:`Recorder.clock`
+(``time.perf_counter`` by default; a replay in virtual time passes ``anyio.current_time``)
+relative to the recorder's creation, so spans from every task share one clock.
+
+The recorder's clock is the run's one clock. The orchestrator hands it to the environment
+(``spec.use_clock(recorder.clock)``) wherever the two meet, so a time an environment or a tool
+reports (``ToolCallRecord.started``) is a reading of the same clock, and :meth:`Recorder.at`
+puts it on the timeline. A time read from any other clock would land on the timeline wrong,
+by however far the two clocks' origins differ; nothing here can detect that.
+
+The recorder is plain data; writers (JSONL here, PolyTrace and Perfetto in
+:mod:`orchestrator.trace`) read :attr:`spans`.
 """
 
 from __future__ import annotations
@@ -39,12 +47,17 @@ class Recorder:
         self.wall_origin = time.time()
         self.spans: list[Span] = []
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock every span is read from; hand it to whatever reports times to the recorder."""
+        return self._clock
+
     def now(self) -> float:
         return self._clock() - self._origin
 
-    def at(self, perf_counter: float) -> float:
-        """A reading of the recorder's clock (``time.perf_counter()`` by default) on its timeline."""
-        return perf_counter - self._origin
+    def at(self, reading: float) -> float:
+        """A reading of :attr:`clock`, on the recorder's timeline."""
+        return reading - self._origin
 
     def add(self, stage: str, worker: str, start: float, end: float,
             version: int | None = None, **attributes: Any) -> Span:

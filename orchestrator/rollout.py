@@ -1,9 +1,15 @@
 """The episode runner: drives an ``Env`` with an engine, token in and token out.
 
-The episode's token sequence is built only by appending: the prompt's tokens, then exactly
-the tokens the engine sampled (trained on, with their behaviour log-probs and versions),
-then the tokens of each observation (not trained on). Nothing earlier is re-tokenised, so
-what the trainer scores is exactly what the engine saw and produced.
+An episode reads top to bottom: reset; per turn, generate, step the environment, check the
+caps, append the observation; then the reward and the trajectory. Two helpers own the rest:
+
+* :class:`~orchestrator.trajectory.TrajectoryBuilder` holds the token sequence, built only by
+  appending: the prompt, exactly the tokens the engine sampled (trained on, with their
+  behaviour log-probs and versions), the tokens of each observation (not trained on). Nothing
+  earlier is re-tokenised, so what the trainer scores is what the engine saw and produced.
+* :class:`~orchestrator.trace.episode.EpisodeTrace` records the spans (``generate``,
+  ``tool_call``, ``reward``) and the turn and tool-call timings. The runner reads nothing of
+  what tools report: their metadata passes through to the trace writers.
 
 Caps end an episode with a recorded ``end_reason``: ``done`` (the environment finished it),
 ``max_turns``, ``max_length`` (``max_total_tokens`` reached: each turn's generation is also
@@ -15,24 +21,18 @@ A group is ``group_size`` episodes of one task run concurrently (the engine batc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import anyio
 
-from envs.base import EnvSpec, Message, Task, ToolCallRecord
+from envs.base import EnvSpec, Task
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.types import (
-    FinishReason,
-    Group,
-    SamplingParams,
-    ToolTiming,
-    Trajectory,
-    TurnTiming,
-)
+from orchestrator.trace.episode import EpisodeTrace
+from orchestrator.trajectory import TrajectoryBuilder
+from orchestrator.types import Group, SamplingParams, Trajectory
 
 
 @dataclass(frozen=True)
@@ -66,141 +66,67 @@ async def run_episode(
     worker: str,
     sample_index: int = 0,
 ) -> Trajectory:
-    sampling = SamplingParams(
-        max_tokens=config.max_tokens,
-        temperature=config.temperature,
-        stop_token_ids=tokenizer.stop_ids,
-    )
-    started_at = recorder.now()
-    turns: list[TurnTiming] = []
-    tool_timings: list[ToolTiming] = []
+    trace = EpisodeTrace(recorder, worker, sample_index, tokenizer)
+    tokens = TrajectoryBuilder()
+    metrics: dict[str, float] = {}
+    step_reward, end_reason = 0.0, "max_turns"
     async with spec.make_env() as env:
-        messages = await env.reset(task)
-        ids = tokenizer.chat_prompt(messages)
-        prompt_tokens = len(ids)
-        mask = [False] * len(ids)
-        logprobs = [0.0] * len(ids)
-        versions = [-1] * len(ids)
-        step_reward = 0.0
-        start_version: int | None = None
-        finish = FinishReason.LENGTH
-        metrics: dict[str, float] = {}
-        end_reason = "max_turns"
-        limit = config.max_total_tokens
+        tokens.add_prompt(tokenizer.chat_prompt(await env.reset(task)))
         for turn in range(config.max_turns):
-            if limit is not None and len(ids) >= limit:
+            sampling = _sampling(config, tokenizer, len(tokens))
+            if sampling is None:
                 end_reason = "max_length"
                 break
-            turn_sampling = sampling if limit is None else replace(
-                sampling, max_tokens=min(sampling.max_tokens, limit - len(ids)))
             metrics["episode/turns"] = turn + 1.0
-            turn_start = recorder.now()
-            turn_prompt = len(ids)
-            with recorder.span("generate", worker, engine.version, turn=turn,
-                               prompt_tokens=len(ids), sample=sample_index) as attrs:
-                gen = await engine.generate(ids, turn_sampling)
-                attrs.update(completion_tokens=len(gen.token_ids), finish_reason=str(gen.finish_reason))
-            turn_latency = recorder.now() - turn_start
-            if start_version is None:
-                start_version = gen.versions[0] if gen.versions else gen.start_version
-            ids += gen.token_ids
-            mask += [True] * len(gen.token_ids)
-            logprobs += gen.logprobs
-            versions += gen.versions
-            finish = gen.finish_reason
-            reply_ids = [t for t in gen.token_ids if t not in tokenizer.stop_ids]
-            result = await env.step(tokenizer.decode(reply_ids))
-            for call in result.tool_calls:  # one span per tool call, with its latency and status
-                start = recorder.at(call.started)
-                recorder.add("tool_call", worker, start, start + call.latency, engine.version,
-                             tool=call.name, status=call.status, error_kind=call.error_kind,
-                             turn=turn, sample=sample_index)
-            turns.append(TurnTiming(
-                turn=turn, start=turn_start, latency=turn_latency, prompt_tokens=turn_prompt,
-                cached_tokens=gen.cached_tokens, completion_tokens=len(gen.token_ids),
-                max_new_tokens=turn_sampling.max_tokens, text_tokens=len(reply_ids),
-                finish_reason=_trace_finish(gen.finish_reason, result.done, len(result.tool_calls)),
-                tool_call_count=len(result.tool_calls), version=gen.start_version,
-            ))
+            gen = await trace.generate(turn, engine.version, len(tokens),
+                                       engine.generate(tokens.ids, sampling))
+            tokens.add_generation(gen)
+            reply = [t for t in gen.token_ids if t not in tokenizer.stop_ids]
+            result = await env.step(tokenizer.decode(reply))
             step_reward += result.reward
             for key, value in result.metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + value
-            if result.done:
-                end_reason = "done"
+            observation = [] if result.done else tokenizer.chat_prompt(result.observation,
+                                                                       continuation=True)
+            ended = _end_reason(config, result.done, len(tokens), len(observation))
+            trace.turn(gen, result, sampling.max_tokens, len(reply),
+                       appended=None if ended else len(observation))
+            if ended:
+                end_reason = ended
                 break
-            observation = tokenizer.chat_prompt(result.observation, continuation=True)
-            cap = config.max_tool_response_tokens
-            if cap is not None and len(observation) > cap:
-                end_reason = "tool_response_too_long"
-                break
-            if limit is not None and len(ids) + len(observation) >= limit:
-                end_reason = "max_length"
-                break
-            turns[-1] = replace(turns[-1], observation_tokens=len(observation))
-            tool_timings += _tool_timings(tokenizer, turn, result.tool_calls, result.observation,
-                                          len(observation), recorder)
-            ids += observation
-            mask += [False] * len(observation)
-            logprobs += [0.0] * len(observation)
-            versions += [-1] * len(observation)
-        reward_start = recorder.now()
-        with recorder.span("reward", worker, engine.version, sample=sample_index) as attrs:
-            reward = await env.reward()
-            attrs["reward"] = reward.total
-        reward_seconds = recorder.now() - reward_start
+            tokens.add_observation(observation)
+        reward = await trace.reward(engine.version, env.reward())
     metrics.update({f"reward/{k}": v for k, v in reward.components.items()})
-    return Trajectory(
-        prompt_id=task.id,
-        sample_index=sample_index,
-        token_ids=tuple(ids),
-        loss_mask=tuple(mask),
-        logprobs=tuple(logprobs),
-        versions=tuple(versions),
-        reward=step_reward + reward.total,
-        start_version=start_version if start_version is not None else engine.version,
-        finish_reason=finish,
+    return trace.finish(tokens.build(
+        prompt_id=task.id, sample_index=sample_index, reward=step_reward + reward.total,
+        version=engine.version, end_reason=end_reason, max_tokens=config.max_tokens,
         metrics=metrics,
-        end_reason=end_reason,
-        turns=tuple(turns),
-        tool_calls=tuple(tool_timings),
-        prompt_tokens=prompt_tokens,
-        max_tokens=config.max_tokens,
-        started_at=started_at,
-        finished_at=recorder.now(),
-        reward_seconds=reward_seconds,
-        worker=worker,
-    )
+    ))
 
 
-def _trace_finish(finish: FinishReason, done: bool, tool_calls: int) -> str:
-    """The PolyTrace name of why a turn ended."""
-    if finish is FinishReason.LENGTH:
-        return "length"
-    if not done and tool_calls:
-        return "tool_calls"
-    return "stop" if finish is FinishReason.STOP else str(finish)
+def _sampling(config: RolloutConfig, tokenizer: Tokenizer, length: int) -> SamplingParams | None:
+    """A turn's sampling after ``length`` tokens: no more than ``max_total_tokens`` leaves
+    (None: nothing is left)."""
+    max_tokens = config.max_tokens
+    if config.max_total_tokens is not None:
+        if length >= config.max_total_tokens:
+            return None
+        max_tokens = min(max_tokens, config.max_total_tokens - length)
+    return SamplingParams(max_tokens=max_tokens, temperature=config.temperature,
+                          stop_token_ids=tokenizer.stop_ids)
 
 
-def _tool_timings(tokenizer: Tokenizer, turn: int, calls: Sequence[ToolCallRecord],
-                  observation: Sequence[Message], appended: int,
-                  recorder: Recorder) -> list[ToolTiming]:
-    """One record per tool call; the turn's observation tokens are split over its calls by
-    their messages' lengths (the last takes the chat template's tokens)."""
-    sizes = [len(tokenizer.encode(m.get("content", ""))) for m in observation]
-    if len(sizes) != len(calls):  # an environment whose observation is not one message per call
-        sizes = [0] * len(calls)
-    timings = []
-    for i, call in enumerate(calls):
-        metadata = getattr(call, "metadata", None) or {}
-        query_count = metadata.get("query_count", 1)
-        timings.append(ToolTiming(
-            turn=turn, name=call.name, status=call.status, start=recorder.at(call.started),
-            latency=call.latency, error_kind=call.error_kind,
-            query_count=query_count if isinstance(query_count, int) else 1,
-            response_tokens=sizes[i],
-            append_tokens=sizes[i] if i < len(calls) - 1 else appended - sum(sizes[:-1]),
-        ))
-    return timings
+def _end_reason(config: RolloutConfig, done: bool, length: int, observation: int) -> str | None:
+    """Why the episode ends after a step, or None to append its ``observation`` tokens."""
+    if done:
+        return "done"
+    cap = config.max_tool_response_tokens
+    if cap is not None and observation > cap:
+        return "tool_response_too_long"
+    limit = config.max_total_tokens
+    if limit is not None and length + observation >= limit:
+        return "max_length"
+    return None
 
 
 async def run_group(

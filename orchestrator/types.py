@@ -71,15 +71,19 @@ class TurnTiming:
 
 @dataclass(frozen=True)
 class ToolTiming:
-    """One tool call of an episode (see :class:`envs.base.ToolCallRecord`)."""
+    """One tool call of an episode (see :class:`envs.base.ToolCallRecord`).
+
+    ``metadata`` is what the tool reported, as it reported it; nothing on the way reads it.
+    Writers pick the fields they publish from it (the PolyTrace writer: ``query_count``).
+    """
 
     turn: int
     name: str | None
     status: str  # ok | error | timeout
-    start: float
+    start: float  # on the recorder's timeline
     latency: float
     error_kind: str | None = None
-    query_count: int = 1
+    metadata: dict[str, object] = field(default_factory=dict)
     response_tokens: int = 0  # tokens of its observation message
     append_tokens: int = 0  # tokens appended to the sequence for it (template included)
 

@@ -11,7 +11,9 @@ Per trained step ``N`` a :class:`TraceWriter` appends, in the run directory's ``
 
 Files are written when the step is reported, so a run that fails part-way keeps every step
 it trained. Tool statuses keep this project's names except ``ok``, written as the published
-``success``; token counts are those of the run's tokenizer.
+``success``; token counts are those of the run's tokenizer. A tool call's ``query_count`` is
+read here, from the metadata its tool reported (1 when it reported none): the episode runner
+passes tool metadata through without reading it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from orchestrator.trace.records import (
     TurnRecord,
     WorkloadRecord,
 )
-from orchestrator.types import Group, Trajectory
+from orchestrator.types import Group, ToolTiming, Trajectory
 
 TOOL_STATUS = {"ok": "success"}
 
@@ -45,6 +47,12 @@ def loss_mask_rle(mask: Sequence[bool]) -> tuple[tuple[int, int], ...]:
         else:
             runs.append([value, 1])
     return tuple((v, n) for v, n in runs)
+
+
+def query_count(call: ToolTiming) -> int:
+    """The published ``query_count`` of a call: what its tool reported, else 1 (one query)."""
+    value = call.metadata.get("query_count", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 def workload_record(trajectory: Trajectory, step: int, train_version: int | None = None,
@@ -71,7 +79,7 @@ def workload_record(trajectory: Trajectory, step: int, train_version: int | None
             engine_latency_s=turn.latency,
         ))
     calls = tuple(ToolCallTrace(
-        turn=c.turn, tool_name=c.name or "", query_count=c.query_count, latency_s=c.latency,
+        turn=c.turn, tool_name=c.name or "", query_count=query_count(c), latency_s=c.latency,
         response_token_len=c.response_tokens, append_len=c.append_tokens, loss_len=0,
         status=TOOL_STATUS.get(c.status, c.status), total_results=0,
     ) for c in t.tool_calls)

@@ -4,6 +4,7 @@ calls (envs/toolset.py): every malformed-call case ends as an error observation.
 from __future__ import annotations
 
 import json
+import time
 from typing import Literal
 
 import anyio
@@ -86,13 +87,14 @@ def test_argument_checks_name_the_problem(arguments: dict, fragment: str) -> Non
 
 @pytest.mark.anyio
 async def test_tool_results_are_typed_and_never_raise() -> None:
-    ok = await add({"a": 2, "b": 3})
+    clock = time.perf_counter
+    ok = await add({"a": 2, "b": 3}, clock=clock)
     assert ok.status is ToolStatus.OK and ok.content == "5" and ok.latency >= 0
-    late = await slow({"seconds": 1.0})
+    late = await slow({"seconds": 1.0}, clock=clock)
     assert late.status is ToolStatus.TIMEOUT and late.metadata["error_kind"] == "timeout"
-    failed = await broken({})
+    failed = await broken({}, clock=clock)
     assert failed.status is ToolStatus.ERROR and "disk on fire" in failed.content
-    wrong = await add({"a": "x", "b": 1})
+    wrong = await add({"a": "x", "b": 1}, clock=clock)
     assert wrong.status is ToolStatus.ERROR and wrong.metadata["error_kind"] == "bad_arguments"
 
 
@@ -165,3 +167,21 @@ async def test_calls_of_one_turn_run_concurrently_under_the_cap() -> None:
     outcome = await tools.run_turn(HermesParser().parse(call("wait") * 6))
     assert [m["content"] for m in outcome.observation] == ["done"] * 6
     assert peak == 3
+
+
+@pytest.mark.anyio
+async def test_a_turn_is_timed_with_the_tool_sets_clock() -> None:
+    now = 50.0
+
+    @tool
+    async def tick() -> str:
+        """Take two seconds of the clock."""
+        nonlocal now
+        now += 2.0
+        return "ok"
+
+    tools = ToolSet([tick], clock=lambda: now)
+    outcome = await tools.run_turn(HermesParser().parse(call("tick") + call("nope")))
+    ran, unknown = outcome.records
+    assert (ran.started, ran.latency) == (50.0, 2.0)
+    assert (unknown.started, unknown.latency) == (50.0, 0.0)  # never ran: stamped at the turn

@@ -32,7 +32,7 @@ def trajectory(prompt_id: int, sample: int) -> Trajectory:
             TurnTiming(0, 0.5, 1.25, prompt, 0, turn0, 8, turn0 - 1, "tool_calls", 1, 2, obs),
             TurnTiming(1, 2.0, 0.75, prompt + turn0 + obs, 7, turn1, 8, turn1 - 1, "stop", 0, 3),
         ),
-        tool_calls=(ToolTiming(0, "search", "ok", 1.75, 0.2, None, 2, 3, obs),),
+        tool_calls=(ToolTiming(0, "search", "ok", 1.75, 0.2, None, {"query_count": 2}, 3, obs),),
         prompt_tokens=prompt, max_tokens=8, started_at=0.5, finished_at=3.0,
         reward_seconds=0.01, worker="rollout-1",
     )
