@@ -34,7 +34,6 @@ import anyio
 
 from envs.base import Env, EnvSpec, Message, Task
 from envs.parsers import HermesParser
-from envs.registry import register_env
 from envs.tool_env import Episode, ToolEnv, WeightedReward
 from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
 from envs.toolset import ToolSet
@@ -144,7 +143,6 @@ class _ServerThread:
 
 # -- the environment --------------------------------------------------------------------------
 
-@register_env("search_qa")
 class SearchQASpec(EnvSpec):
     def __init__(
         self,
