@@ -1,12 +1,13 @@
 """Sync against bounded-staleness async on the search_r1 workload, with the calibrated engine.
 
-The real :class:`~orchestrator.pipeline.Pipeline` replays the search_r1 workload (the shipped
-sample by default, ``--trace`` for the published steps) with the
-:class:`~orchestrator.engines.replay.ReplayEngine` fitted to the trace, tools taking their
-recorded latencies, and the trainer cost model calibrated so rollout is ``--rollout-share``
-of a synchronous step (default 0.7; the trace records no training time). Every ``k`` in
-0, 1, 2, 4 trains the same number of samples on the same sequence of prompt groups, in
-virtual time (trio's MockClock). Printed per ``k``: throughput (trained samples per virtual
+The run loop training uses (:func:`orchestrator.replay.replay`, through
+:func:`orchestrator.runloop.run_session` and the real :class:`~orchestrator.pipeline.Pipeline`)
+replays the search_r1 workload (the shipped sample by default, ``--trace`` for the published
+steps) with the :class:`~orchestrator.replay.engine.ReplayEngine` fitted to the trace, tools
+taking their recorded latencies, and the trainer cost model calibrated so rollout is
+``--rollout-share`` of a synchronous step (default 0.7; the trace records no training
+time). Every ``k`` in 0, 1, 2, 4 trains the same number of samples on the same sequence of
+prompt groups, in virtual time (trio's MockClock). Printed per ``k``: throughput (trained samples per virtual
 second) over the whole run and in steady state (after the first third of the steps: a short
 run's start, where ``k + 1`` batches fill the engine at once, and its end, where in-flight
 work is thrown away, would otherwise weigh on large ``k`` far more than in a real run of
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.engines.replay_run import (
+from orchestrator.replay import (
     EngineFit,
     ReplayResult,
     load_plans,
@@ -71,8 +72,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"model; the trace records no training time; published: 50-80%)")
     started = time.perf_counter()
     results: list[ReplayResult] = [
-        run_virtual(replay, plans, fit, k, args.steps, groups, args.rollout_share, "trace",
-                    0.0, args.seed)
+        run_virtual(replay, plans, fit, k=k, num_steps=args.steps, groups_per_step=groups,
+                    rollout_share=args.rollout_share, seed=args.seed)
         for k in KS
     ]
     warmup = args.steps // 3

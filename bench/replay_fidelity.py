@@ -1,11 +1,12 @@
 """Fidelity of the calibrated replay: fit the engine model on some trace steps, replay a step it
 was not fitted on through the real pipeline, and compare with what was recorded.
 
-Fit: :func:`orchestrator.engines.replay_model.fit` on ``--fit`` steps (closed-loop replays of
-the standalone server model). Evaluation: the ``--eval`` step replayed by
-:func:`orchestrator.engines.replay_run.replay` — the real :class:`~orchestrator.pipeline.Pipeline`
-at ``k = 0`` with the replay engine, environment and recorder, in virtual time — and three
-figures against the recorded step:
+Fit: :func:`orchestrator.replay.fit.fit` on ``--fit`` steps (closed-loop replays of the
+standalone server model). Evaluation: the ``--eval`` step replayed by
+:func:`orchestrator.replay.replay` — the run loop training uses, with the real
+:class:`~orchestrator.pipeline.Pipeline` at ``k = 0`` and the replay engine, environment,
+trainer cost model and recorder, in virtual time — and three figures against the recorded
+step:
 
 * rollout makespan: the longest trajectory's end-to-end time (target: within 5%);
 * median per-trajectory end-to-end time (target: within 10%);
@@ -28,15 +29,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from orchestrator.engines.replay_model import episodes_from, ks_statistic, replay_fidelity
-from orchestrator.engines.replay_run import (
+from orchestrator.replay import (
     EngineFit,
+    fit_trace,
     plans_from_records,
     replay,
     resample_groups,
     run_virtual,
 )
-from orchestrator.trace.fitting import fit_trace
+from orchestrator.replay.fit import episodes_from, ks_statistic, replay_fidelity
 from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
 
 FULL_STEP = 2048
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     groups = len({pl.group for pl in plans}) * replicas
     plans = resample_groups(plans, groups)
     started = time.perf_counter()
-    result = run_virtual(replay, plans, fit, 0, 1)
+    result = run_virtual(replay, plans, fit, k=0, num_steps=1)
     replay_seconds = time.perf_counter() - started
     trajectories = [t for r in result.reports for g in r.groups for t in g.trajectories]
     e2e = [t.finished_at - t.started_at for t in trajectories]

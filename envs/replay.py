@@ -3,12 +3,12 @@ trace, with tool calls that take the recorded time (or a time drawn from a laten
 
 Each :class:`EpisodePlan` says, per turn, how many prompt tokens the engine sees (and how
 many of them a prefix cache holds), how many it generates, and which tool calls follow with
-their latency, status and observation size. The environment cannot carry token counts in
-real text, so it speaks a small message protocol that a replay tokenizer understands:
-
-* the opening message's content is ``replay:<key>:<prompt tokens>`` (``key`` names the plan;
-  the engine looks the turn's counts up by it);
-* each tool observation's content is ``obs:<tokens>``.
+their latency, status and observation size. Messages carry no real text: their content is
+placeholder text of one character per token (:data:`FILLER`), so a replay tokenizer that
+reads one token per character gives every message its recorded length without parsing it,
+and the opening message names its plan in a field of its own (:data:`PLAN_FIELD`, read by
+:func:`plan_of`), which the replay tokenizer turns into the prompt's first token id so that
+the engine can look the turn's counts up.
 
 :class:`ReplaySpec` hands out one task per recorded prompt group; the episodes of a group
 take its recorded samples in turn. Tool time is waited with ``anyio.sleep``, so under a
@@ -20,7 +20,6 @@ recorder's (``anyio.current_time`` for a replay). Nothing here knows about engin
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
@@ -28,26 +27,22 @@ import anyio
 
 from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task, ToolCallRecord
 
-OPENING = re.compile(r"^replay:(\d+):(\d+)$")
-OBSERVATION = re.compile(r"^obs:(\d+)$")
+FILLER = "."  # one character per token of a replayed message
+PLAN_FIELD = "plan"  # the opening message's field naming its plan (EpisodePlan.key)
 
 
 def opening_message(key: int, prompt_tokens: int) -> Message:
-    return {"role": "user", "content": f"replay:{key}:{prompt_tokens}"}
+    return {"role": "user", "content": FILLER * prompt_tokens, PLAN_FIELD: str(key)}
 
 
 def observation_message(tokens: int) -> Message:
-    return {"role": "tool", "content": f"obs:{tokens}"}
+    return {"role": "tool", "content": FILLER * tokens}
 
 
-def parse_opening(content: str) -> tuple[int, int] | None:
-    match = OPENING.match(content)
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
-def parse_observation(content: str) -> int | None:
-    match = OBSERVATION.match(content)
-    return int(match.group(1)) if match else None
+def plan_of(message: Message) -> int | None:
+    """The key of the plan an opening message starts, or None for any other message."""
+    key = message.get(PLAN_FIELD)
+    return int(key) if key is not None else None
 
 
 @dataclass(frozen=True)

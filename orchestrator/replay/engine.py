@@ -1,75 +1,37 @@
 """The calibrated replay engine: a continuously-batched server model in (virtual) time.
 
 :class:`ReplayEngine` implements :class:`~orchestrator.engines.base.InferenceEngine` on top
-of :class:`~orchestrator.engines.replay_model.ServerModel`. A request's token counts come
-from the episode plan it belongs to (see :mod:`envs.replay`): the prompt's first token names
-the plan, the number of observation markers in the prompt is the turn. The engine loop (one
-task, started by ``async with engine``) advances the model to the next event with
-``anyio.sleep``-style waits, so under trio's ``MockClock`` (see
-:mod:`orchestrator.engines.replay_run`) a whole step takes no real time and a few CPU
-seconds; on a real clock it runs in real time.
+of :class:`~orchestrator.replay.model.ServerModel`. A request's token counts come from the
+episode plan it belongs to (see :mod:`envs.replay`): the prompt's first token names the plan,
+the number of observation markers in the prompt is the turn (the id layout is
+:mod:`orchestrator.replay.tokenizer`'s). The engine loop (one task, started by
+``async with engine``) advances the model to the next event with ``anyio.sleep``-style waits,
+so under trio's ``MockClock`` (see :func:`orchestrator.replay.run.run_virtual`) a whole step
+takes no real time and a few CPU seconds; on a real clock it runs in real time.
 
 Generated tokens are placeholders (``FILL``, then a stop token unless the turn hit its
 length cap), with behaviour log-probs of ``-1.0``. Every token is stamped with the version at
 the request's start except the last, stamped with the version at its end: the fluid model
 does not say which token a weight update landed on. ``pause`` freezes the server; a weight
-load takes ``sync_seconds``.
-
-:class:`ReplayTokenizer` turns the replay message protocol into token ids of the right
-lengths, and :class:`SimulatedTrainer` is a trainer cost model: a step takes
-``seconds_per_token`` times the batch's tokens (prompt and response), in virtual time.
+update carries no weights (the simulated trainer has none), only its version, and takes
+``sync_seconds`` to load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from typing import Self
 
 import anyio
 from anyio.abc import TaskGroup
 
-from envs.base import Message
-from envs.replay import EpisodePlan, parse_observation, parse_opening
+from envs.replay import EpisodePlan
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.engines.replay_model import RequestSpec, ServerModel, ServerParams
 from orchestrator.errors import EngineClosed
-from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.types import FinishReason, Generation, Group, SamplingParams
-
-PAD, STOP, OBS, FILL = 0, 1, 2, 3
-KEY_BASE = 16  # the opening token of plan ``key`` is KEY_BASE + key
-
-
-class ReplayTokenizer(Tokenizer):
-    """Token ids of replay messages: right lengths, no text (see :mod:`envs.replay`)."""
-
-    pad_id = PAD
-    vocab_size = 1 << 30
-
-    def encode(self, text: str) -> list[int]:
-        opening = parse_opening(text)
-        if opening is not None:
-            key, n = opening
-            return [KEY_BASE + key] + [FILL] * (n - 1)
-        observation = parse_observation(text)
-        if observation is not None:
-            return [FILL] * observation
-        return [FILL] * len(text.split())
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return f"<{len(ids)} tokens>"
-
-    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False) -> list[int]:
-        ids: list[int] = []
-        for m in messages:
-            ids += self.encode(m.get("content", ""))
-        if continuation and ids:
-            ids[0] = OBS  # one marker per observation turn: the engine counts turns by it
-        return ids
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return (STOP,)
+from orchestrator.replay.model import RequestSpec, ServerModel, ServerParams
+from orchestrator.replay.tokenizer import FILL, plan_key, turn_of
+from orchestrator.types import FinishReason, Generation, SamplingParams
+from orchestrator.weights import WeightUpdate
 
 
 class ReplayEngine(InferenceEngine):
@@ -122,12 +84,11 @@ class ReplayEngine(InferenceEngine):
     # -- requests ----------------------------------------------------------------------------
 
     def _shape(self, prompt_ids: Sequence[int]) -> tuple[EpisodePlan, int]:
-        key = prompt_ids[0] - KEY_BASE if prompt_ids else -1
-        if key not in self.plans:
+        key = plan_key(prompt_ids)
+        if key is None or key not in self.plans:
             raise ValueError("a replay engine serves only prompts of replay plans (envs.replay)")
-        turn = prompt_ids.count(OBS)
         plan = self.plans[key]
-        return plan, min(turn, len(plan.turns) - 1)
+        return plan, min(turn_of(prompt_ids), len(plan.turns) - 1)
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
         if self._tg is None:
@@ -163,10 +124,10 @@ class ReplayEngine(InferenceEngine):
             start_version=start_version, cached_tokens=shape.cached_tokens,
         )
 
-    async def update_weights(self, weights: Mapping[str, Any], version: int) -> None:
+    async def update_weights(self, update: WeightUpdate) -> None:
         if self.sync_seconds:
             await anyio.sleep(self.sync_seconds)
-        self.version = version
+        self.version = update.version
 
     def _settle(self, finished: list[int]) -> None:
         for rid in finished:
@@ -185,30 +146,3 @@ class ReplayEngine(InferenceEngine):
     @property
     def busy_seconds(self) -> float:
         return self.model.busy
-
-
-class SimulatedTrainer:
-    """A trainer cost model: a step takes ``fixed_seconds + seconds_per_token * tokens``."""
-
-    def __init__(self, seconds_per_token: float, fixed_seconds: float = 0.0) -> None:
-        self.seconds_per_token = seconds_per_token
-        self.fixed_seconds = fixed_seconds
-        self.version = 0
-        self.busy = 0.0
-
-    def cost(self, groups: Sequence[Group]) -> float:
-        tokens = sum(len(t.token_ids) for g in groups for t in g.trajectories)
-        return self.fixed_seconds + self.seconds_per_token * tokens
-
-    def step(self, groups: Sequence[Group]) -> dict[str, float]:
-        raise RuntimeError("SimulatedTrainer steps in virtual time: the pipeline awaits step_async")
-
-    async def step_async(self, groups: Sequence[Group]) -> dict[str, float]:
-        seconds = self.cost(groups)
-        await anyio.sleep(seconds)
-        self.busy += seconds
-        self.version += 1
-        return {"simulated_seconds": seconds}
-
-    def state_dict(self) -> Mapping[str, Any]:
-        return {}

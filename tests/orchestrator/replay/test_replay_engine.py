@@ -1,36 +1,22 @@
-"""The calibrated replay: the server model, the replay engine in virtual time, and
-``experiment=replay`` through ``orchestrator.main``."""
+"""The calibrated replay's parts: the server model, the replay engine in virtual time, the
+tokenizer of the replay environment's messages, and plans from a trace
+(orchestrator/replay/model.py, engine.py, tokenizer.py, plans.py; envs/replay.py)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import anyio
 import pytest
-from hydra import compose, initialize_config_dir
 
-from envs.replay import EpisodePlan, ReplaySpec, ToolPlan, TurnPlan
-from orchestrator.engines.replay import ReplayEngine, ReplayTokenizer
-from orchestrator.engines.replay_model import (
-    RequestSpec,
-    ServerModel,
-    ServerParams,
-    TurnShape,
-    simulate,
-)
-from orchestrator.engines.replay_run import (
-    EngineFit,
-    load_plans,
-    plans_from_records,
-    replay,
-    run_virtual,
-)
-from orchestrator.main import run
+from envs.replay import EpisodePlan, ReplaySpec, ToolPlan, TurnPlan, observation_message
+from orchestrator.replay.engine import ReplayEngine
+from orchestrator.replay.fit import EngineFit, TurnShape, simulate
+from orchestrator.replay.model import RequestSpec, ServerModel, ServerParams
+from orchestrator.replay.plans import load_plans, plans_from_records
+from orchestrator.replay.run import replay, run_virtual
+from orchestrator.replay.tokenizer import KEY_BASE, OBS, ReplayTokenizer, plan_key
 from orchestrator.trace import SHIPPED_SAMPLE, TraceDir
 from orchestrator.types import SamplingParams
 
-REPO = Path(__file__).resolve().parents[3]
 PARAMS = ServerParams(step_base=0.01, step_per_seq=0.002, step_per_1k_tokens=0.0,
                       prefill_per_1k=0.1, max_running=2)
 
@@ -121,9 +107,10 @@ def test_tokenizer_lengths_follow_the_protocol() -> None:
         return tok.chat_prompt(await env.reset(spec.tasks("train")[0]))
 
     ids = anyio.run(opening)
-    assert len(ids) == 100 and ids[0] == 16 + 3
-    obs = tok.chat_prompt([{"role": "tool", "content": "obs:40"}] * 2, continuation=True)
-    assert len(obs) == 80 and obs.count(2) == 1
+    assert len(ids) == 100 and ids[0] == KEY_BASE + 3 and plan_key(ids) == 3
+    obs = tok.chat_prompt([observation_message(40)] * 2, continuation=True)
+    assert len(obs) == 80 and obs.count(OBS) == 1 and plan_key(obs) is None
+    assert len(tok.encode(observation_message(40)["content"])) == 40  # per-call trace sizes
 
 
 def test_sample_plans_replicate_to_a_full_step() -> None:
@@ -132,37 +119,3 @@ def test_sample_plans_replicate_to_a_full_step() -> None:
     assert len({p.key for p in plans}) == len(plans)
     records = list(TraceDir.open(SHIPPED_SAMPLE).workload(0))
     assert plans_from_records(records)[0].turns[0].completion_tokens == records[0].turns[0].completion_tokens
-
-
-@pytest.mark.parametrize("k", [0, 1])
-def test_experiment_replay_runs_through_main(tmp_path: Path, k: int,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[
-            "experiment=replay", f"trace={SHIPPED_SAMPLE}", "replay.groups_per_step=16",
-            "pipeline.num_steps=2", f"pipeline.max_staleness={k}"])
-    result = run(cfg, tmp_path)
-    assert len(result.reports) == 2 and all(r.samples == 128 for r in result.reports)
-    out = capsys.readouterr().out
-    assert "rollout is 70% of a synchronous step" in out
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["k"] == k and summary["samples"] == 256 and summary["virtual_seconds"] > 10
-    trace = TraceDir.open(tmp_path)
-    assert trace.steps() == [0, 1]
-    records = list(trace.workload(1))
-    assert len(records) == 128 and all(r.polyrl and r.polyrl.staleness <= k for r in records)
-    timeline = json.loads((tmp_path / "timeline.json").read_text())
-    assert any(e["name"] == "train_step" for e in timeline["traceEvents"])
-
-
-def test_a_missing_trace_is_a_config_error(tmp_path: Path) -> None:
-    from orchestrator.errors import ConfigError
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["experiment=replay", f"trace={tmp_path / 'none'}"])
-    with pytest.raises(ConfigError, match="no such directory"):
-        run(cfg, tmp_path / "run")
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["experiment=replay", f"trace={tmp_path}"])
-    with pytest.raises(ConfigError, match="holds no multiturn_workload"):
-        run(cfg, tmp_path / "run")

@@ -1,0 +1,29 @@
+"""Trace replay: a PolyTrace workload played through the run loop in virtual time.
+
+Layout (imports point down the list, and into :mod:`orchestrator.trace`, never back):
+
+* :mod:`~orchestrator.replay.run` — :func:`replay_parts` (``experiment=replay``) and
+  :func:`replay` (benches), both through :func:`orchestrator.runloop.run_session`;
+* :mod:`~orchestrator.replay.plans` — episode plans from a trace's multi-turn workload;
+* :mod:`~orchestrator.replay.fit` — the server model's fit to trace steps and its fidelity
+  (``python -m orchestrator.replay fit``), :class:`EngineFit`;
+* :mod:`~orchestrator.replay.engine` — :class:`ReplayEngine`, an ``InferenceEngine`` that
+  runs the continuously-batched server model of :mod:`~orchestrator.replay.model`;
+* :mod:`~orchestrator.replay.trainer` — :class:`SimulatedTrainer`, a ``Trainer`` cost model;
+* :mod:`~orchestrator.replay.tokenizer` — :class:`ReplayTokenizer`, token ids of the
+  replay environment's messages (:mod:`envs.replay`).
+"""
+
+from orchestrator.replay.engine import ReplayEngine
+from orchestrator.replay.fit import SHIPPED_FIT, EngineFit, fit_trace
+from orchestrator.replay.model import ServerParams
+from orchestrator.replay.plans import load_plans, plans_from_records, resample_groups
+from orchestrator.replay.run import ReplayResult, replay, replay_parts, run_virtual
+from orchestrator.replay.tokenizer import ReplayTokenizer
+from orchestrator.replay.trainer import SimulatedTrainer
+
+__all__ = [
+    "SHIPPED_FIT", "EngineFit", "ReplayEngine", "ReplayResult", "ReplayTokenizer", "ServerParams",
+    "SimulatedTrainer", "fit_trace", "load_plans", "plans_from_records", "replay", "replay_parts",
+    "resample_groups", "run_virtual",
+]
