@@ -1,4 +1,6 @@
-"""The warm container pool and the per-episode sandbox (a stateful Python session).
+"""The Docker backend: its config, the warm container pool and the per-episode sandbox (a
+stateful Python session). ``DockerSandboxConfig`` sits here, beside the pool its ``pool()``
+builds, as a backend's config does (see :mod:`sandboxes.config`).
 
 ``DockerSandboxPool`` keeps ``pool_size`` hardened containers started, each with the session
 runner attached over a long-lived ``docker exec`` whose stdin/stdout socket carries the
