@@ -238,8 +238,9 @@ class CodeToolSpec(CodeSpec):
 
         rewards = [WeightedReward("tests_passed", tests_passed, 1.0),
                    WeightedReward("used_python", used_python, 0.0)]
-        return ToolEnv(ToolSet([python], max_calls_per_turn=self.max_calls_per_turn), rewards,
-                       system_prompt=self.system_prompt, describe_tools=self.describe_tools)
+        tools = ToolSet([python], max_calls_per_turn=self.max_calls_per_turn, clock=self.clock)
+        return ToolEnv(tools, rewards, system_prompt=self.system_prompt,
+                       describe_tools=self.describe_tools)
 
     def demonstration(self, task: Task) -> tuple[Message, ...]:
         """Try the function on the first hidden input, read the result, then answer."""

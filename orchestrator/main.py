@@ -149,7 +149,6 @@ def training_parts(cfg: DictConfig) -> RunParts:
 
 
 def check_sizes(pipeline: PipelineConfig, rollout: RolloutConfig, spec: EnvSpec) -> None:
-    rollout.validate()
     pipeline.check_group_size(rollout.group_size)
     prompts = pipeline.batch_size // rollout.group_size
     train = len(spec.tasks("train"))

@@ -44,7 +44,7 @@ class RolloutConfig:
     max_total_tokens: int | None = None  # prompt + every turn; None: the engine's context
     max_tool_response_tokens: int | None = None
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         for key in ("group_size", "max_tokens", "max_turns"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")

@@ -48,6 +48,15 @@ def test_the_groups_design_md_names_exist() -> None:
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_group_option_composes_and_instantiates(group: str, option: str) -> None:
     overrides = [f"{group}={option}"]
+    if (group, option) == ("experiment", "replay"):
+        cfg = composed(overrides)  # composes only what a replay uses, and builds from it
+        for unused in ("model", "engine", "env", "algo", "trainer", "sandbox", "warmstart"):
+            assert OmegaConf.select(cfg, unused) is None, unused
+        from orchestrator.replay import replay_parts
+
+        parts = replay_parts(cfg)
+        assert parts.anyio_backend == "trio" and parts.warm_start is None
+        return
     if (group, option) == ("model", "hf"):
         overrides += ["model.path=/nonexistent"]
     elif group != "model":
