@@ -119,3 +119,40 @@ def test_smoke_from_the_command_line_with_offline_wandb(tmp_path: Path) -> None:
     assert len(offline) == 1 and offline[0].is_dir()
     records = list(offline[0].glob("*.wandb"))
     assert records and records[0].stat().st_size > 0
+
+
+def test_one_engine_serves_the_warm_start_checks_the_evals_and_rl(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine is built once per run, from config and a WeightUpdate (never a policy), and
+    the warm start's greedy checks load the trainer's weights into that same engine."""
+    from orchestrator.engines.torch_engine import TorchEngine
+    from orchestrator.weights import WeightUpdate
+
+    built: list[tuple[dict, WeightUpdate | None]] = []
+    loads: list[int] = []
+    original_init, original_load = TorchEngine.__init__, TorchEngine._load
+
+    def init(self: TorchEngine, model: dict, weights: WeightUpdate | None = None, **kw: object) -> None:
+        built.append((model, weights))
+        original_init(self, model, weights, **kw)  # type: ignore[arg-type]
+
+    def load(self: TorchEngine, update: WeightUpdate) -> None:
+        loads.append(update.version)
+        original_load(self, update)
+
+    monkeypatch.setattr(TorchEngine, "__init__", init)
+    monkeypatch.setattr(TorchEngine, "_load", load)
+    cfg = smoke_config("warmstart.steps=4", "warmstart.check_every=1",
+                       "warmstart.target_accuracy=1.0")
+    result = run(cfg, tmp_path)
+    assert result.warm_start_steps == 4
+    assert len(built) == 1
+    model, weights = built[0]
+    assert model["_target_"] == cfg.model._target_ and isinstance(weights, WeightUpdate)
+    # the starting weights, four greedy checks, the warm-started weights, then one per RL step
+    assert loads == [0] * 6 + [1, 2, 3, 4]
+    syncs = [s for s in read_jsonl(tmp_path / "spans.jsonl") if s["stage"] == "weight_sync"]
+    assert len(syncs) == 4
+    for span in syncs:
+        assert span["attributes"]["transport"] == "reference"
+        assert span["attributes"]["bytes"] > 0 and span["attributes"]["load_seconds"] >= 0
