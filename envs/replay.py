@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import anyio
 
@@ -74,7 +74,6 @@ class EpisodePlan:
 
 # (query_count) -> (latency seconds, status): a latency model, e.g. the search fault model.
 LatencyModel = Callable[[int], tuple[float, str]]
-_HAS_METADATA = "metadata" in {f.name for f in fields(ToolCallRecord)}
 
 
 class ReplayEnv(Env):
@@ -104,10 +103,9 @@ class ReplayEnv(Env):
             started = self.spec.clock()
             await anyio.sleep(latency * self.spec.tool_time_scale)
             ok = status == "success"
-            extra = {"metadata": {"query_count": tool.query_count}} if _HAS_METADATA else {}
             records.append(ToolCallRecord("search", "ok" if ok else "error", started,
-                                          self.spec.clock() - started,
-                                          None if ok else status, **extra))
+                                          self.spec.clock() - started, None if ok else status,
+                                          metadata={"query_count": tool.query_count}))
             observation.append(observation_message(tool.append_tokens))
         return StepResult(observation=tuple(observation), reward=0.0, done=False,
                           tool_calls=tuple(records))

@@ -3,7 +3,7 @@ prompt) and a composed config for a seconds-long run of any experiment."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 

@@ -14,7 +14,7 @@ from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_group
-from orchestrator.trainer import TorchTrainer, Trainer, pack
+from orchestrator.trainer import TorchTrainer, pack
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
