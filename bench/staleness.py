@@ -47,7 +47,9 @@ from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig
+from orchestrator.trainer import Trainer
 from orchestrator.types import Group
+from orchestrator.weights import WeightUpdate
 
 MEDIAN_TOKENS = 64
 SIGMA = 1.2
@@ -57,20 +59,27 @@ BATCH_SIZE = 64
 KS = (0, 1, 2, 4)
 
 
-class FixedCostTrainer:
-    """A :class:`~orchestrator.pipeline.TrainerBackend` whose step costs a fixed time."""
+class FixedCostTrainer(Trainer):
+    """A :class:`~orchestrator.trainer.Trainer` whose step costs a fixed time."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.version = 0
 
-    def step(self, groups: Sequence[Group]) -> dict[str, float]:
-        time.sleep(self.seconds)  # runs in a worker thread, like a real optimizer step
+    async def step(self, groups: Sequence[Group]) -> dict[str, float]:
+        # in a worker thread, like a real optimiser step
+        await anyio.to_thread.run_sync(time.sleep, self.seconds)
         self.version += 1
         return {"samples": float(sum(len(g) for g in groups))}
 
+    async def weights(self) -> WeightUpdate:
+        return WeightUpdate.by_reference(self.version, {}, leased=False)
+
     def state_dict(self) -> Mapping[str, Any]:
-        return {}
+        return {"version": self.version}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.version = int(state["version"])
 
 
 @dataclass(frozen=True)
