@@ -109,8 +109,7 @@ class EpisodeTrace:
 
     def _tool_timings(self, turn: int, result: StepResult, appended: int) -> list[ToolTiming]:
         calls = result.tool_calls
-        sizes = [len(self.tokenizer.encode(m.get("content", "")))
-                                for m in result.observation]
+        sizes = [len(self.tokenizer.encode(m.get("content", ""))) for m in result.observation]
         if len(sizes) != len(calls):
             sizes = [0] * len(calls)
         return [ToolTiming(
