@@ -13,6 +13,7 @@ something). Everything but the final checkpoint is written even when the run fai
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -23,20 +24,20 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from envs.base import EnvSpec
-from orchestrator.algo.base import Algorithm
-from orchestrator.checkpoint import save_checkpoint
-from orchestrator.config import build, build_env, check_target, scalar, section, typed
+from orchestrator.config import build_env, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.evaluate import evaluate
+from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRecipe
 from orchestrator.loggers.base import Logger
-from orchestrator.models.policy import Policy
+from orchestrator.models.policy import build_policy
+from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig
 from orchestrator.rundir import RunDir
 from orchestrator.runloop import RunParts, RunResult, load_into, run_session, summarise
-from orchestrator.trainer import TorchTrainer
+from orchestrator.trainer import TorchTrainer, Trainer
 from orchestrator.warmstart import WarmStartConfig, warm_start
 from orchestrator.weights import WeightUpdate
 
@@ -54,12 +55,19 @@ class EvalConfig:
 
 def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     """Run the experiment ``cfg`` describes; raises :class:`ConfigError` on bad input."""
-    if OmegaConf.select(cfg, "replay") is not None:
-        from orchestrator.replay import replay_parts
+    with ExitStack() as resources:  # the launcher's actors live as long as the run
+        if OmegaConf.select(cfg, "replay") is not None:
+            from orchestrator.replay import replay_parts
 
-        parts = replay_parts(cfg)
-    else:
-        parts = training_parts(cfg)
+            parts = replay_parts(cfg)
+        else:
+            check_target(cfg, "launcher")
+            launcher: Launcher = resources.enter_context(instantiate(cfg.launcher))
+            parts = training_parts(cfg, launcher)
+        return _run(cfg, parts, run_dir)
+
+
+def _run(cfg: DictConfig, parts: RunParts, run_dir: Path) -> RunResult:
     check_target(cfg, "logger")
     logger: Logger = instantiate(cfg.logger)
     out = RunDir(run_dir, OmegaConf.to_container(cfg, resolve=True), [logger],  # type: ignore[arg-type]
@@ -88,8 +96,10 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     return result
 
 
-def training_parts(cfg: DictConfig) -> RunParts:
-    """The parts of a training run: policy, trainer, engine factory, environment, warm start."""
+def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunParts:
+    """The parts of a training run: trainer and engine placed by ``launcher`` (in this process
+    by default), environment, warm start, evals."""
+    launcher = launcher or LocalLauncher()
     seed: int = scalar(cfg, "seed", int)
     threads: int | None = scalar(cfg, "torch_threads", int | None)
     if threads is not None and threads < 1:
@@ -106,46 +116,51 @@ def training_parts(cfg: DictConfig) -> RunParts:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
 
-    policy: Policy = instantiate(cfg.model)
-    algorithm: Algorithm = instantiate(cfg.algo)
-    trainer: TorchTrainer = instantiate(
-        cfg.trainer, policy=policy, algorithm=algorithm, temperature=rollout_cfg.temperature)
     model_cfg = section(cfg, "model")
+    trainer = launcher.trainer(TrainerRecipe(
+        trainer=section(cfg, "trainer"), model=model_cfg, algo=section(cfg, "algo"),
+        temperature=rollout_cfg.temperature, seed=seed, torch_threads=threads))
+    tokenizer = _tokenizer(trainer, model_cfg)
+    engine_recipe = EngineRecipe(engine=section(cfg, "engine"), model=model_cfg)
 
     def make_engine(weights: WeightUpdate) -> InferenceEngine:
-        return build(cfg, "engine", model=model_cfg, weights=weights)
+        return launcher.engine(engine_recipe, weights)
 
     async def warm_up(engine: InferenceEngine, recorder: Recorder) -> int:
         check_tasks = list(spec.tasks("train"))[: warm.check_tasks]
         checks: list[float] = []
 
-        async def greedy_check() -> float:  # on the run's engine, with the trainer's weights
+        async def accuracy() -> float:  # on the run's engine, with the trainer's weights
             await load_into(engine, await trainer.weights())
-            return await evaluate(engine, policy.tokenizer, spec, check_tasks, rollout_cfg,
-                                  Recorder(clock=recorder.clock))
-
-        def accuracy() -> float:  # called from the warm start's thread
-            checks.append(anyio.from_thread.run(greedy_check))
+            checks.append(await evaluate(engine, tokenizer, spec, check_tasks, rollout_cfg,
+                                         Recorder(clock=recorder.clock)))
             log.info("warm start: greedy accuracy %.3f on %d train tasks", checks[-1], len(check_tasks))
             return checks[-1]
 
         with recorder.span("warm_start", "trainer", trainer.version) as attrs:
-            losses = await anyio.to_thread.run_sync(lambda: warm_start(
-                trainer, policy.tokenizer, spec.tasks("train"), warm, seed=seed,
-                accuracy=accuracy, demonstrate=spec.demonstration))
+            losses = await warm_start(trainer, tokenizer, spec.tasks("train"), warm, seed=seed,
+                                      accuracy=accuracy, demonstrate=spec.demonstration)
             attrs.update(steps=len(losses), accuracy=checks[-1] if checks else None)
         if losses:
             log.info("warm start: %d steps, final loss %.3f", len(losses), losses[-1])
         return len(losses)
 
     return RunParts(
-        spec=spec, tokenizer=policy.tokenizer, trainer=trainer, make_engine=make_engine,
+        spec=spec, tokenizer=tokenizer, trainer=trainer, make_engine=make_engine,
         sampler=TaskSampler(spec.tasks("train"), seed=seed), pipeline=pipeline_cfg,
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
         eval_tasks=list(spec.tasks("eval"))[: eval_cfg.num_tasks],
         progress=scalar(cfg, "progress", bool),
-        save_checkpoint=lambda directory: save_checkpoint(trainer, directory),
+        save_checkpoint=lambda directory: launcher.save_checkpoint(trainer, directory),
     )
+
+
+def _tokenizer(trainer: Trainer, model_cfg: dict) -> Tokenizer:
+    """The trainer's own tokenizer in this process; for a remote trainer, one built here from
+    the model config (the policy's weights come along and are dropped)."""
+    if isinstance(trainer, TorchTrainer):
+        return trainer.policy.tokenizer
+    return build_policy(model_cfg).tokenizer
 
 
 def check_sizes(pipeline: PipelineConfig, rollout: RolloutConfig, spec: EnvSpec) -> None:

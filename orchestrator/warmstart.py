@@ -16,15 +16,13 @@ not (thread counts alone change the numerics enough to matter).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-
-import torch
 
 from envs.base import Message, Task
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.trainer import TorchTrainer
+from orchestrator.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -73,23 +71,23 @@ def demonstration_tokens(tokenizer: Tokenizer, messages: Sequence[Message]) -> t
     return ids, mask
 
 
-def warm_start(
-    trainer: TorchTrainer,
+async def warm_start(
+    trainer: Trainer,
     tokenizer: Tokenizer,
     tasks: Sequence[Task],
     config: WarmStartConfig,
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
-    accuracy: Callable[[], float] | None = None,
+    accuracy: Callable[[], Awaitable[float]] | None = None,
     demonstrate: Callable[[Task], Sequence[Message]] = reference_answer,
 ) -> list[float]:
-    """Run the warm start; ``accuracy()`` is the greedy check used with ``target_accuracy``,
+    """Run the warm start through ``trainer.supervised_step`` (any :class:`Trainer`, in this
+    process or not); ``await accuracy()`` is the greedy check used with ``target_accuracy``,
     ``demonstrate(task)`` the reference episode learned from."""
     if config.steps <= 0:
         return []
     rng = random.Random(seed)
     cache: dict[int, tuple[list[int], list[bool]]] = {}
-    optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=config.lr, weight_decay=0.0)
     losses = []
     for step in range(config.steps):
         sequences, masks = [], []
@@ -99,12 +97,12 @@ def warm_start(
             ids, mask = cache[task.id]
             sequences.append(ids)
             masks.append(mask)
-        loss = trainer.supervised_step(sequences, masks, optimizer)
+        loss = await trainer.supervised_step(sequences, masks, config.lr)
         losses.append(loss)
         if on_step is not None:
             on_step(step, loss)
         checkpoint = (step + 1) % max(config.check_every, 1) == 0
         if config.target_accuracy is not None and accuracy is not None and checkpoint:
-            if accuracy() >= config.target_accuracy:
+            if await accuracy() >= config.target_accuracy:
                 break
     return losses

@@ -32,6 +32,12 @@ class Trainer(ABC):
     async def weights(self) -> WeightUpdate:
         """The current weights, stamped with :attr:`version`, for the engines."""
 
+    async def supervised_step(self, sequences: Sequence[Sequence[int]],
+                              masks: Sequence[Sequence[bool]], lr: float) -> float:
+        """One cross-entropy step on the masked tokens (the warm start), with an optimiser of
+        its own at ``lr``; returns the loss and leaves the version alone."""
+        raise NotImplementedError(f"{type(self).__name__} has no supervised warm start")
+
     @abstractmethod
     def state_dict(self) -> Mapping[str, Any]:
         """Everything needed to resume training (weights, optimiser, schedule, version)."""

@@ -121,6 +121,7 @@ class TorchTrainer(Trainer):
         )
         self.version = 0
         self._published: WeightUpdate | None = None  # by reference, until the engines release it
+        self._warm_optimizer: torch.optim.Optimizer | None = None
 
     # -- forward ---------------------------------------------------------------------
 
@@ -142,10 +143,14 @@ class TorchTrainer(Trainer):
     # -- RL step -----------------------------------------------------------------------
 
     async def step(self, groups: Sequence[Group]) -> TrainStats:
-        if self._published is not None:  # engines may still be reading the last weights
+        await self._engines_done()
+        return await anyio.to_thread.run_sync(self.train_step, groups)
+
+    async def _engines_done(self) -> None:
+        """Wait until the engines have read the weights handed out by reference."""
+        if self._published is not None:
             await self._published.wait_released()
             self._published = None
-        return await anyio.to_thread.run_sync(self.train_step, groups)
 
     def train_step(self, groups: Sequence[Group]) -> TrainStats:
         """The blocking optimiser step (:meth:`step` runs it in a worker thread)."""
@@ -213,14 +218,24 @@ class TorchTrainer(Trainer):
 
     # -- supervised warm start ---------------------------------------------------------
 
-    def supervised_step(
+    async def supervised_step(self, sequences: Sequence[Sequence[int]],
+                              masks: Sequence[Sequence[bool]], lr: float) -> float:
+        """A warm-start step with an AdamW of its own at ``lr`` (so the RL optimiser starts
+        fresh), in a worker thread; does not change the version."""
+        await self._engines_done()
+        if self._warm_optimizer is None or self._warm_optimizer.param_groups[0]["lr"] != lr:
+            self._warm_optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr,
+                                                     weight_decay=0.0)
+        return await anyio.to_thread.run_sync(self.supervised_update, sequences, masks,
+                                              self._warm_optimizer)
+
+    def supervised_update(
         self,
         sequences: Sequence[Sequence[int]],
         masks: Sequence[Sequence[bool]],
         optimizer: torch.optim.Optimizer,
     ) -> float:
-        """One cross-entropy step on the masked tokens with ``optimizer`` (the warm start's
-        own, so the RL optimiser starts fresh); does not change the version."""
+        """One cross-entropy step on the masked tokens with ``optimizer``."""
         batch = pack(sequences, masks, self.policy.tokenizer.pad_id)
         self.model.train()
         optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,89 @@
+"""Where a run's engines and trainer live: the ``Launcher`` interface and the recipes it builds.
+
+A launcher gets *recipes*, never live objects: an :class:`EngineRecipe` (the ``conf/engine``
+and ``conf/model`` nodes) and a :class:`TrainerRecipe` (the ``conf/trainer``, ``conf/model``
+and ``conf/algo`` nodes plus the sampling temperature and thread count). Recipes are plain,
+picklable data, so the same recipe builds its object in this process
+(:class:`~orchestrator.launch.local.LocalLauncher`) or in a Ray actor on another machine
+(``orchestrator.launch.ray``). What the launcher hands back implements the same
+:class:`~orchestrator.engines.base.InferenceEngine` and :class:`~orchestrator.trainer.Trainer`
+interfaces either way; the pipeline cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from orchestrator.engines.base import InferenceEngine
+from orchestrator.trainer.base import Trainer
+from orchestrator.weights import WeightUpdate
+
+
+@dataclass(frozen=True)
+class EngineRecipe:
+    engine: Mapping[str, Any]  # conf/engine: _target_ and the engine's options
+    model: Mapping[str, Any]  # conf/model: the engine builds its own copy of the architecture
+
+    def build(self, weights: WeightUpdate) -> InferenceEngine:
+        from hydra.utils import get_object
+
+        values = dict(self.engine)
+        return get_object(values.pop("_target_"))(**values, model=dict(self.model), weights=weights)
+
+
+@dataclass(frozen=True)
+class TrainerRecipe:
+    trainer: Mapping[str, Any]  # conf/trainer
+    model: Mapping[str, Any]  # conf/model
+    algo: Mapping[str, Any]  # conf/algo
+    temperature: float = 1.0  # the sampling temperature the trainer scores tokens at
+    seed: int = 0
+    torch_threads: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Trainer:
+        import torch
+        from hydra.utils import get_object, instantiate
+
+        from orchestrator.models.policy import build_policy
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        torch.manual_seed(self.seed)
+        policy = build_policy(self.model)
+        algorithm = instantiate(dict(self.algo))
+        values = dict(self.trainer)
+        cls = get_object(values.pop("_target_"))
+        return cls(policy=policy, algorithm=algorithm, temperature=self.temperature, **values)
+
+
+class Launcher(ABC):
+    """Places a run's trainer and engines; a context manager around the run."""
+
+    @abstractmethod
+    def trainer(self, recipe: TrainerRecipe) -> Trainer:
+        """The run's trainer (built now: its starting weights are the engines')."""
+
+    @abstractmethod
+    def engine(self, recipe: EngineRecipe, weights: WeightUpdate) -> InferenceEngine:
+        """The run's engine (one, or several behind one interface), starting from ``weights``;
+        called once, in the run's event loop."""
+
+    @abstractmethod
+    def save_checkpoint(self, trainer: Trainer, directory: Path) -> None:
+        """Write ``trainer``'s checkpoint to ``directory``."""
+
+    def close(self) -> None:  # noqa: B027 - the local launcher holds nothing
+        pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
