@@ -300,7 +300,7 @@ class Pipeline:
         return StepReport(
             step=step,
             version=version,
-            metrics=metrics,
+            metrics={**metrics, **self.engine.metrics()},  # the engine's under their own names
             rewards=tuple(t.reward for t in trajectories),
             staleness=tuple(version - t.start_version for t in trajectories),
             start_versions=tuple(t.start_version for t in trajectories),

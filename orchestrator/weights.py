@@ -13,6 +13,9 @@ it to the engines (``await engine.update_weights(update)``). Three transports, o
   (sent over a pipe, an object store, a socket).
 * **a file** (:meth:`to_file`): a safetensors file path, for an engine on the same host that
   maps it itself.
+* **the Ray object store** (:meth:`to_object_store`): put once by the trainer's actor, pulled
+  by every engine actor with ``ray.get`` (zero-copy on a node: the tensors it reads share the
+  store's read-only memory). Ray is imported only when this transport is used.
 
 :meth:`tensors` gives the weights back as a name → tensor mapping whichever way they came;
 :attr:`nbytes` is what a transfer moves (the weight-sync span records it).
@@ -23,12 +26,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import torch
 
-Transport = Literal["reference", "bytes", "file"]
+Transport = Literal["reference", "bytes", "file", "object_store"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,6 +41,8 @@ class WeightUpdate:
     _tensors: Mapping[str, torch.Tensor] | None = None
     _data: bytes | None = None
     _path: Path | None = None
+    _ref: Any = None  # a Ray ObjectRef to the _to_arrays payload
+    _nbytes: int = 0
     _lease: anyio.Event | None = field(default=None, repr=False)
 
     # -- making one --------------------------------------------------------------------------
@@ -63,6 +68,10 @@ class WeightUpdate:
     def from_file(cls, version: int, path: Path | str) -> WeightUpdate:
         return cls(version, "file", _path=Path(path))
 
+    @classmethod
+    def from_object_ref(cls, version: int, ref: Any, nbytes: int) -> WeightUpdate:
+        return cls(version, "object_store", _ref=ref, _nbytes=nbytes)
+
     # -- other transports ---------------------------------------------------------------------
 
     def serialised(self) -> WeightUpdate:
@@ -87,6 +96,15 @@ class WeightUpdate:
         self.release()
         return WeightUpdate.from_file(self.version, path)
 
+    def to_object_store(self) -> WeightUpdate:
+        """The same weights put once into the Ray object store; releases the lease."""
+        import ray
+
+        arrays = _to_arrays(self.tensors())
+        self.release()
+        nbytes = sum(a.nbytes for _, _, a in arrays.values())
+        return WeightUpdate.from_object_ref(self.version, ray.put(arrays), nbytes)
+
     def detached(self) -> WeightUpdate:
         """A private copy in this process; releases the lease at once."""
         if self._lease is None and self.transport != "reference":
@@ -100,6 +118,10 @@ class WeightUpdate:
     def tensors(self) -> Mapping[str, torch.Tensor]:
         if self._tensors is not None:
             return self._tensors
+        if self._ref is not None:
+            import ray
+
+            return _from_arrays(ray.get(self._ref))
         if self._data is not None:
             from safetensors.torch import load
 
@@ -116,6 +138,8 @@ class WeightUpdate:
             return len(self._data)
         if self._path is not None:
             return self._path.stat().st_size
+        if self._ref is not None:
+            return self._nbytes
         assert self._tensors is not None
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
@@ -138,3 +162,20 @@ class WeightUpdate:
 
 def _copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tensors.items()}
+
+
+def _to_arrays(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], Any]]:
+    """Name -> (dtype, shape, raw bytes as a uint8 numpy array): numpy arrays leave the object
+    store without a copy, and a byte view carries any dtype (bfloat16 has no numpy type)."""
+    return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape),
+                v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            for k, v in tensors.items()}
+
+
+def _from_arrays(arrays: Mapping[str, tuple[str, tuple[int, ...], Any]]) -> dict[str, torch.Tensor]:
+    import warnings
+
+    with warnings.catch_warnings():  # read-only store memory: these tensors are only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {k: torch.from_numpy(a).view(getattr(torch, dtype)).reshape(shape)
+                for k, (dtype, shape, a) in arrays.items()}

@@ -40,6 +40,6 @@ if ! python -c "import torch" >/dev/null 2>&1; then
       --extra-index-url https://download.pytorch.org/whl/cpu "torch==$TORCH_VERSION+cpu"
   fi
 fi
-echo "setup: installing the project and its dependencies" >&2
-pip install "${pip_quiet[@]}" -e ".[dev]"
+echo "setup: installing the project and its dependencies (with the dev and ray extras)" >&2
+pip install "${pip_quiet[@]}" -e ".[dev,ray]"  # ray: launcher=ray and its tests
 touch "$stamp"

@@ -48,6 +48,10 @@ class InferenceEngine(ABC):
     @abstractmethod
     async def resume(self) -> None: ...
 
+    def metrics(self) -> dict[str, float]:
+        """Counters the engine keeps (``faults/engine_restarts``, …), added to each step's metrics."""
+        return {}
+
     async def __aenter__(self) -> Self:
         return self
 

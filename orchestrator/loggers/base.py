@@ -27,7 +27,9 @@ def step_metrics(report: StepReport) -> dict[str, float]:
         "throughput/tokens_per_s": report.tokens / elapsed,
         "policy/version": float(report.version),
     }
-    metrics.update({f"train/{k}": v for k, v in report.metrics.items()})
+    # The trainer's metrics under train/; names that already have a namespace (the engine's
+    # faults/…) as they are.
+    metrics.update({k if "/" in k else f"train/{k}": v for k, v in report.metrics.items()})
     metrics.update(episode_metrics([t for g in report.groups for t in g.trajectories]))
     metrics.update({f"time/{stage}": s for stage, s in report.stage_seconds.items()})
     metrics["time/step"] = report.elapsed

@@ -1,0 +1,239 @@
+"""The Ray actors of ``launcher=ray``: one hosts an engine, one the trainer.
+
+Both are asyncio actors (their methods are coroutines, so Ray runs them concurrently on one
+event loop in the actor's process) built from the same picklable recipes as in a local run.
+Blocking work goes to worker threads as it does in this process: the torch engine's forward
+passes and weight loads (``ray.get`` of an object-store update included), the trainer's steps
+and its one ``ray.put`` of the new weights per step.
+
+:class:`EngineActor` builds its engine in :meth:`~EngineActor.serve`, a call that lasts as long
+as the engine runs, so the driver learns that the actor died the moment that call fails (see
+:mod:`orchestrator.launch.ray.engines`). Each actor records its own spans (``engine_start``,
+``weight_sync`` with ``bytes`` and ``seconds``; ``train_compute``, ``supervised_compute``,
+``weights_put``) for the driver to drain (:mod:`orchestrator.launch.ray.spans`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import ray
+import torch
+
+from orchestrator.engines.base import InferenceEngine
+from orchestrator.errors import ConfigError, EngineClosed
+from orchestrator.launch.base import EngineRecipe, TrainerRecipe
+from orchestrator.launch.ray.spans import ActorSpan, SpanBuffer
+from orchestrator.trainer.base import Trainer, TrainStats
+from orchestrator.types import Generation, Group, SamplingParams
+from orchestrator.weights import WeightUpdate
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    """Who answered: the actor's name, process, node and the version it holds."""
+
+    name: str
+    pid: int
+    node: str  # Ray node id
+    ip: str
+    version: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    metrics: TrainStats
+    version: int
+
+
+def _info(name: str, version: int) -> ActorInfo:
+    return ActorInfo(name, os.getpid(), ray.get_runtime_context().get_node_id(),
+                     ray.util.get_node_ip_address(), version)
+
+
+class EngineActor:
+    """One engine (any ``InferenceEngine`` its recipe names) in a Ray actor."""
+
+    def __init__(self, recipe: EngineRecipe, name: str, threads: int) -> None:
+        torch.set_num_threads(threads)
+        # Weight loads call ray.get in a worker thread, never on the event loop; Ray's warning
+        # about blocking calls inside asyncio actors does not apply.
+        os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
+        self._recipe = recipe
+        self._name = name
+        self._spans = SpanBuffer(name)
+        self._engine: InferenceEngine | None = None
+        self._serving = False
+        self._up = anyio.Event()  # the engine runs, or failed to start (_error)
+        self._stop = anyio.Event()
+        self._stopped = anyio.Event()
+        self._error: BaseException | None = None
+        self._inflight = 0
+
+    async def serve(self, weights: WeightUpdate) -> None:
+        """Build the engine from the recipe and ``weights`` and run it until :meth:`stop`.
+
+        A second call while the engine runs (the driver lost sight of this actor for a while)
+        waits with the first instead of building another engine.
+        """
+        if self._serving:
+            await self._stopped.wait()
+            return
+        self._serving = True
+        try:
+            with self._spans.span("engine_start", weights.version) as attrs:
+                local = await anyio.to_thread.run_sync(weights.detached)  # the pull, off the loop
+                engine = self._recipe.build(local)
+                attrs.update(bytes=weights.nbytes, transport=weights.transport)
+            async with engine:
+                self._engine = engine
+                self._up.set()
+                await self._stop.wait()
+        except BaseException as error:
+            self._error = error
+            self._up.set()
+            raise
+        finally:
+            self._engine = None
+            self._stopped.set()
+
+    async def ready(self) -> ActorInfo:
+        """Return once :meth:`serve` has its engine running (or raise why it could not)."""
+        await self._up.wait()
+        if self._error is not None:
+            raise self._error
+        return _info(self._name, self._running().version)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._serving:
+            await self._stopped.wait()
+
+    def _running(self) -> InferenceEngine:
+        if self._engine is None:
+            raise EngineClosed(f"{self._name} has no running engine")
+        return self._engine
+
+    # -- InferenceEngine, forwarded ------------------------------------------------------
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
+        engine = self._running()
+        self._inflight += 1
+        try:
+            return await engine.generate(prompt_ids, sampling)
+        finally:
+            self._inflight -= 1
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        engine = self._running()
+        started = time.time()
+        with self._spans.span("weight_sync", update.version) as attrs:
+            await engine.update_weights(update)  # the torch engine pulls and loads in a thread
+            attrs.update(bytes=update.nbytes, seconds=time.time() - started,
+                         transport=update.transport)
+
+    async def pause(self) -> None:
+        await self._running().pause()
+
+    async def resume(self) -> None:
+        await self._running().resume()
+
+    async def version(self) -> int:
+        return self._running().version
+
+    # -- for the driver ------------------------------------------------------------------
+
+    async def ping(self) -> float:
+        return time.time()
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def inflight(self) -> int:
+        return self._inflight
+
+    async def drain_spans(self) -> list[ActorSpan]:
+        return self._spans.drain()
+
+
+class TrainerActor:
+    """The trainer its recipe names, in a Ray actor; hands out weights through the object store."""
+
+    def __init__(self, recipe: TrainerRecipe, name: str, threads: int) -> None:
+        self._recipe = recipe
+        self._name = name
+        self._threads = threads
+        self._spans = SpanBuffer(name)
+        self._trainer: Trainer | None = None
+
+    async def start(self) -> ActorInfo:
+        """Build the trainer (a method, not the constructor: its errors reach the driver as
+        themselves)."""
+        if self._recipe.torch_threads is None:
+            torch.set_num_threads(self._threads)
+        self._trainer = self._recipe.build()
+        return _info(self._name, self._trainer.version)
+
+    def _built(self) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(f"{self._name} was not started")
+        return self._trainer
+
+    async def step(self, groups: Sequence[Group]) -> StepResult:
+        trainer = self._built()
+        with self._spans.span("train_compute", trainer.version,
+                              samples=sum(len(g) for g in groups)):
+            metrics = await trainer.step(groups)
+        return StepResult(metrics, trainer.version)
+
+    async def weights(self) -> WeightUpdate:
+        """The current weights, put once into the object store; every engine pulls them."""
+        update = await self._built().weights()
+        with self._spans.span("weights_put", update.version) as attrs:
+            view = WeightUpdate.by_reference(update.version, update.tensors(), leased=False)
+            shared = await anyio.to_thread.run_sync(view.to_object_store)
+            attrs["bytes"] = shared.nbytes
+        update.release()  # in the loop that made its lease; the store holds a copy
+        return shared
+
+    async def supervised_step(self, sequences: Sequence[Sequence[int]],
+                              masks: Sequence[Sequence[bool]], lr: float) -> float:
+        trainer = self._built()
+        with self._spans.span("supervised_compute", trainer.version, sequences=len(sequences)):
+            return await trainer.supervised_step(sequences, masks, lr)
+
+    async def state_dict(self) -> Mapping[str, Any]:
+        return self._built().state_dict()
+
+    async def load_state_dict(self, state: Mapping[str, Any]) -> int:
+        trainer = self._built()
+        trainer.load_state_dict(state)
+        return trainer.version
+
+    async def save_checkpoint(self, directory: str) -> None:
+        """A checkpoint written on this actor's node (its file system, not the driver's)."""
+        from orchestrator.checkpoint import save_checkpoint
+        from orchestrator.trainer import TorchTrainer
+
+        trainer = self._built()
+        if not isinstance(trainer, TorchTrainer):
+            raise ConfigError(f"launcher=ray cannot checkpoint a {type(trainer).__name__}")
+        await anyio.to_thread.run_sync(save_checkpoint, trainer, Path(directory))
+
+    async def version(self) -> int:
+        return self._built().version
+
+    async def ping(self) -> float:
+        return time.time()
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def drain_spans(self) -> list[ActorSpan]:
+        return self._spans.drain()

@@ -1,0 +1,337 @@
+"""``launcher=ray``: the engines and the trainer as Ray actors, the pipeline in this process.
+
+What runs where: this process (the driver) keeps the pipeline, admission and the freshness
+check, the environments and their tools, the recorder and the run directory. The trainer runs
+in a :class:`~.actors.TrainerActor` and each of ``num_engines`` engines in an
+:class:`~.actors.EngineActor`, all placed by one placement group: a bundle for the trainer and
+one per engine (``launcher.trainer`` and ``launcher.engine``: CPUs, GPUs, custom resources),
+packed onto as few nodes as possible or spread over as many (``launcher.placement``).
+
+``launcher.address``: empty starts a Ray instance on this machine for the run (and stops it
+after); ``auto`` joins the cluster ``ray start`` runs on this machine; ``host:port`` the one
+whose head is there; ``ray://host:port`` goes through Ray Client. Every node needs this project
+installed in the same Python environment (the actors import it). A run that cannot connect, or
+that asks for resources no node has, ends with one sentence naming the key to change.
+
+Weights: after each step the trainer actor puts the new weights into the object store once and
+every engine actor pulls them (see :mod:`orchestrator.weights`); engine faults are survived
+(:mod:`~.engines`), a trainer fault ends the run (:mod:`~.trainer`); spans come back from every
+actor (:mod:`~.spans`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Self
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator.engines.base import InferenceEngine
+from orchestrator.errors import ConfigError
+from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
+from orchestrator.launch.ray.actors import ActorInfo, EngineActor, TrainerActor
+from orchestrator.launch.ray.engines import EngineRouter, RayEngine
+from orchestrator.launch.ray.remote import RayActorError, result_now
+from orchestrator.launch.ray.spans import SpanCollector
+from orchestrator.launch.ray.trainer import RayTrainer, TrainerLost
+from orchestrator.recorder import Recorder
+from orchestrator.trainer.base import Trainer
+from orchestrator.weights import WeightUpdate
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
+# Ray's own bookkeeping resources, left out when the cluster is described to a user
+_HIDDEN = ("memory", "object_store_memory", "node:", "accelerator_type:")
+
+
+@dataclass(frozen=True)
+class ActorResources:
+    """What one actor reserves (``launcher.engine``, ``launcher.trainer``)."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)  # custom: {"gpu_node": 1}
+
+    @classmethod
+    def of(cls, key: str, values: Mapping[str, Any] | None) -> ActorResources:
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        for name in values:
+            if name not in known:
+                raise ConfigError(f"unknown key {key}.{name}: expected one of {sorted(known)}")
+        made = cls(**{**values, "resources": {str(k): v for k, v in
+                                              dict(values.get("resources") or {}).items()}})
+        for name in ("num_cpus", "num_gpus"):
+            value = getattr(made, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{key}.{name} must be a number >= 0, got {value!r}")
+        for name, value in made.resources.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{key}.resources.{name} must be a number > 0, got {value!r}")
+        if not made.bundle():
+            raise ConfigError(f"{key} reserves nothing: give it num_cpus, num_gpus or a resource")
+        return made
+
+    def bundle(self) -> dict[str, float]:
+        amounts = {"CPU": float(self.num_cpus), "GPU": float(self.num_gpus),
+                   **{k: float(v) for k, v in self.resources.items()}}
+        return {k: v for k, v in amounts.items() if v > 0}
+
+    def options(self) -> dict[str, Any]:
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
+                "resources": dict(self.resources)}
+
+    @property
+    def threads(self) -> int:
+        """Torch threads for an actor holding this many CPUs (at least one)."""
+        return max(1, int(self.num_cpus))
+
+    def key_of(self, key: str, resource: str) -> str:
+        """The config key (with its value) that asks for ``resource``."""
+        if resource == "CPU":
+            return f"{key}.num_cpus={self.num_cpus:g}"
+        if resource == "GPU":
+            return f"{key}.num_gpus={self.num_gpus:g}"
+        return f"{key}.resources={dict(self.resources)}"
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None
+    num_engines: int = 1
+    engine: ActorResources = field(default_factory=ActorResources)
+    trainer: ActorResources = field(default_factory=ActorResources)
+    placement: str = "pack"
+    connect_timeout_s: float = 30.0
+    engine_restart_timeout_s: float = 120.0
+    span_flush_s: float = 5.0
+    affinity_slack: int | None = 8
+    namespace: str = "polyrl"
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise ConfigError(f"launcher.num_engines must be >= 1, got {self.num_engines}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"launcher.placement={self.placement} must be one of {', '.join(PLACEMENTS)}")
+        for key in ("connect_timeout_s", "engine_restart_timeout_s", "span_flush_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"launcher.{key} must be > 0, got {getattr(self, key)}")
+        if self.affinity_slack is not None and self.affinity_slack < 0:
+            raise ConfigError(
+                f"launcher.affinity_slack must be >= 0 or null, got {self.affinity_slack}")
+
+
+class RayLauncher(Launcher):
+    """Connects to Ray and places the actors on ``__enter__``; kills them on :meth:`close`."""
+
+    def __init__(self, address: str | None = None, num_engines: int = 1,
+                 engine: Mapping[str, Any] | None = None, trainer: Mapping[str, Any] | None = None,
+                 placement: str = "pack", connect_timeout_s: float = 30.0,
+                 engine_restart_timeout_s: float = 120.0, span_flush_s: float = 5.0,
+                 affinity_slack: int | None = 8, namespace: str = "polyrl") -> None:
+        self.config = RayConfig(
+            address=str(address) if address else None, num_engines=num_engines,
+            engine=ActorResources.of("launcher.engine", engine),
+            trainer=ActorResources.of("launcher.trainer", trainer), placement=placement,
+            connect_timeout_s=connect_timeout_s, engine_restart_timeout_s=engine_restart_timeout_s,
+            span_flush_s=span_flush_s, affinity_slack=affinity_slack, namespace=namespace)
+        self.run_id = f"polyrl-{uuid.uuid4().hex[:8]}"  # names this run's actors in the cluster
+        self.spans = SpanCollector()
+        self._owns_ray = False
+        self._group: PlacementGroup | None = None
+        self._actors: list[Any] = []
+        self._trainer: RayTrainer | None = None
+
+    # -- connecting and placing ------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        try:
+            self._connect()
+            self._place()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _connect(self) -> None:
+        if ray.is_initialized():  # the caller (a benchmark, a notebook) connected already
+            return
+        config = self.config
+        options: dict[str, Any] = {"namespace": config.namespace, "logging_level": logging.WARNING}
+        if config.address is None:
+            ray.init(include_dashboard=False, **options)
+        else:
+            if config.address != "auto":
+                _probe(config.address, config.connect_timeout_s)
+            try:
+                with _gcs_wait(config.connect_timeout_s):
+                    ray.init(address=config.address, **options)
+            except ConnectionError as error:
+                if config.address == "auto":
+                    raise ConfigError(
+                        "launcher.address=auto found no Ray cluster on this machine: start one "
+                        "with `ray start --head`, name its head with launcher.address=host:port, "
+                        "or leave launcher.address empty to start Ray for this run") from error
+                raise _unreachable(config.address, error, config.connect_timeout_s) from error
+        self._owns_ray = True
+
+    def _place(self) -> None:
+        config = self.config
+        bundles = [config.trainer.bundle()] + [config.engine.bundle()] * config.num_engines
+        self._check_fits()
+        group = placement_group(bundles, strategy=PLACEMENTS[config.placement],
+                                name=self.run_id)
+        self._group = group
+        if not group.wait(timeout_seconds=config.connect_timeout_s):
+            raise ConfigError(
+                f"launcher.placement={config.placement}: {len(bundles)} bundles {bundles} were "
+                f"not placed within launcher.connect_timeout_s={config.connect_timeout_s:g}: "
+                f"other work holds the free resources (free: "
+                f"{_describe(ray.available_resources())})")
+
+    def _check_fits(self) -> None:
+        """One sentence naming the key when no node, or the whole cluster, is too small."""
+        config = self.config
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        totals: dict[str, float] = ray.cluster_resources()
+        cluster = _describe(totals)
+        for key, spec in (("launcher.trainer", config.trainer), ("launcher.engine", config.engine)):
+            bundle = spec.bundle()
+            for resource, amount in bundle.items():
+                if not any(node.get(resource, 0.0) >= amount for node in nodes):
+                    what = "it" if resource not in totals else f"{amount:g} {resource}"
+                    raise ConfigError(f"{spec.key_of(key, resource)} cannot be placed: "
+                                      f"no node has {what} (cluster: {cluster})")
+            if not any(all(node.get(r, 0.0) >= a for r, a in bundle.items()) for node in nodes):
+                raise ConfigError(f"{key} asks for {bundle}, which no single node has "
+                                  f"(cluster: {cluster})")
+        need: Counter[str] = Counter(config.trainer.bundle())
+        for _ in range(config.num_engines):
+            need.update(config.engine.bundle())
+        for resource, amount in need.items():
+            if amount > totals.get(resource, 0.0) + 1e-9:
+                raise ConfigError(
+                    f"launcher.num_engines={config.num_engines} needs {amount:g} {resource} in "
+                    f"all ({config.engine.key_of('launcher.engine', resource)} per engine, "
+                    f"{config.trainer.key_of('launcher.trainer', resource)}) but the cluster has "
+                    f"{totals.get(resource, 0.0):g}: fewer engines or smaller requests "
+                    f"(fractions are allowed, e.g. launcher.engine.num_cpus=0.5)")
+
+    def _bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
+        assert self._group is not None, "use the launcher as a context manager"
+        return PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=index)
+
+    # -- Launcher --------------------------------------------------------------------------
+
+    def trainer(self, recipe: TrainerRecipe) -> Trainer:
+        spec = self.config.trainer
+        name = f"{self.run_id}-trainer"
+        actor = ray.remote(TrainerActor).options(
+            name=name, max_restarts=0, scheduling_strategy=self._bundle(0), **spec.options(),
+        ).remote(recipe, "trainer", spec.threads)
+        self._actors.append(actor)
+        try:
+            info: ActorInfo = result_now(actor.start.remote())
+        except RayActorError as error:
+            raise TrainerLost(f"the trainer actor died while it was built: "
+                              f"{str(error).strip().splitlines()[0]}") from error
+        self.spans.watch("trainer", actor)
+        self._trainer = RayTrainer(actor, info)
+        return self._trainer
+
+    def engine(self, recipe: EngineRecipe, weights: WeightUpdate,
+               recorder: Recorder | None = None) -> InferenceEngine:
+        """The engines behind one router; their spans (and the trainer's) go to ``recorder``."""
+        if recorder is not None:
+            self.record_to(recorder)
+        spec = self.config.engine
+        engines = []
+        for i in range(self.config.num_engines):
+            name = f"engine-{i}"
+            actor = ray.remote(EngineActor).options(
+                name=f"{self.run_id}-{name}", max_restarts=-1, max_task_retries=0,
+                scheduling_strategy=self._bundle(1 + i), **spec.options(),
+            ).remote(recipe, name, spec.threads)
+            self._actors.append(actor)
+            engines.append(RayEngine(actor, name))
+        if weights.transport != "object_store":
+            weights = weights.to_object_store()
+        return EngineRouter(engines, weights, self.spans,
+                            restart_timeout_s=self.config.engine_restart_timeout_s,
+                            span_flush_s=self.config.span_flush_s,
+                            affinity_slack=self.config.affinity_slack)
+
+    def record_to(self, recorder: Recorder) -> None:
+        """Send the actors' spans to the run's ``recorder`` (on its clock)."""
+        self.spans.record_to(recorder)
+
+    def save_checkpoint(self, trainer: Trainer, directory: Path) -> None:
+        if not isinstance(trainer, RayTrainer):
+            raise ConfigError(f"launcher=ray cannot checkpoint a {type(trainer).__name__}")
+        trainer.save_checkpoint(directory)
+
+    def close(self) -> None:
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        self._actors.clear()
+        if self._group is not None:
+            remove_placement_group(self._group)
+            self._group = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
+
+
+def _probe(address: str, timeout: float) -> None:
+    """Fail in ``timeout`` seconds, naming the key, when nothing answers at ``address``."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"launcher.address={address} must be auto, host:port, ray://host:port "
+                          f"or empty (start Ray for this run)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as error:
+        raise _unreachable(address, error, timeout) from error
+
+
+def _unreachable(address: str, error: BaseException, timeout: float) -> ConfigError:
+    reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0] or "timed out"
+    return ConfigError(f"launcher.address={address} is unreachable ({reason}; "
+                       f"launcher.connect_timeout_s={timeout:g}): is Ray running there?")
+
+
+@contextmanager
+def _gcs_wait(seconds: float) -> Iterator[None]:
+    """Bound how long ``ray.init`` retries a head that accepts connections but does not answer
+    as Ray (a proxy, another service): about a second per try, ``seconds`` tries."""
+    name = "RAY_gcs_server_port_wait_time_s"
+    before = os.environ.get(name)
+    if before is None:
+        os.environ[name] = str(max(1, math.ceil(seconds)))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+
+
+def _describe(resources: Mapping[str, float]) -> str:
+    shown = {k: v for k, v in sorted(resources.items()) if not k.startswith(_HIDDEN)}
+    return "{" + ", ".join(f"'{k}': {v:g}" for k, v in shown.items()) + "}"

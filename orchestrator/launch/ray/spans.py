@@ -1,0 +1,145 @@
+"""Spans recorded inside Ray actors, brought to the driver's recorder on the driver's clock.
+
+An actor records its spans in wall-clock seconds (``time.time()``) into a :class:`SpanBuffer`
+and hands them over when asked (its ``drain_spans`` method). On the driver, a
+:class:`SpanCollector` drains every actor it watches (the engine router runs it every few
+seconds and once more at close), estimates each actor's clock offset with pings (the driver
+reads ``t0``, the actor its clock, the driver ``t2``: ``offset = t_actor - (t0 + t2) / 2``,
+keeping the reading with the shortest round trip of a few) and adds the spans to the run's
+:class:`~orchestrator.recorder.Recorder` shifted onto its timeline. Every such span names its
+``node`` (the Ray node id), its ``actor`` and its ``process`` (``node-<id>/<actor>``), and the
+timeline gives each process a track group of its own.
+
+Limits: spans an actor had not handed over when it died are lost with it; an actor's offset is
+measured once per incarnation, so a clock that drifts during a long run drifts on the timeline
+too (NTP keeps machines within milliseconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import ray
+from ray.exceptions import RayActorError
+
+from orchestrator.recorder import Recorder
+
+log = logging.getLogger(__name__)
+
+PINGS = 3  # clock readings per offset estimate; the one with the shortest round trip wins
+
+
+@dataclass(frozen=True)
+class ActorSpan:
+    """A span as an actor recorded it: times are seconds of the actor's own wall clock."""
+
+    stage: str
+    worker: str
+    start: float
+    end: float
+    version: int | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+class SpanBuffer:
+    """An actor's spans until the driver drains them; knows the node and actor they come from."""
+
+    def __init__(self, actor: str) -> None:
+        node = ray.get_runtime_context().get_node_id()
+        self.actor = actor
+        self.where = {"node": node, "actor": actor, "process": f"node-{node[:8]}/{actor}"}
+        self._spans: list[ActorSpan] = []
+
+    def add(self, stage: str, start: float, end: float, version: int | None = None,
+            **attributes: Any) -> None:
+        self._spans.append(ActorSpan(stage, self.actor, start, end, version,
+                                     {**attributes, **self.where}))
+
+    @contextmanager
+    def span(self, stage: str, version: int | None = None, **attributes: Any) -> Iterator[dict[str, Any]]:
+        """Time the body on the wall clock; the yielded dict collects attributes known at the end."""
+        start = time.time()
+        extra = dict(attributes)
+        try:
+            yield extra
+        finally:
+            self.add(stage, start, time.time(), version, **extra)
+
+    def drain(self) -> list[ActorSpan]:
+        spans, self._spans = self._spans, []
+        return spans
+
+
+async def clock_offset(actor: Any) -> float:
+    """The actor's wall clock minus the driver's, from the ping with the shortest round trip
+    (the actor answers ``ping`` with its ``time.time()``)."""
+    best: tuple[float, float] | None = None
+    for _ in range(PINGS):
+        t0 = time.time()
+        reading = await actor.ping.remote()
+        t2 = time.time()
+        if best is None or t2 - t0 < best[0]:
+            best = (t2 - t0, reading - (t0 + t2) / 2)
+    assert best is not None
+    return best[1]
+
+
+class SpanCollector:
+    """Driver side: the actors whose spans go to the run's recorder, and their clock offsets.
+
+    Spans drained before a recorder is attached (:meth:`record_to`) wait here for it.
+    """
+
+    def __init__(self) -> None:
+        self.recorder: Recorder | None = None
+        self._sources: dict[str, tuple[Any, float | None]] = {}
+        self._waiting: list[tuple[ActorSpan, float]] = []
+
+    def record_to(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        waiting, self._waiting = self._waiting, []
+        for span, offset in waiting:
+            self._add(span, offset)
+
+    def watch(self, name: str, actor: Any, offset: float | None = None) -> None:
+        """Drain ``actor`` from now on; its clock offset is measured at the first drain unless
+        given (watch it again after a restart: a new process, a new offset)."""
+        self._sources[name] = (actor, offset)
+
+    async def drain(self, name: str) -> None:
+        actor, offset = self._sources[name]
+        try:
+            if offset is None:
+                offset = await clock_offset(actor)
+                self._sources[name] = (actor, offset)
+            spans: list[ActorSpan] = await actor.drain_spans.remote()
+        except RayActorError:  # died or restarting: what it held is lost, its keeper knows
+            return
+        for span in spans:
+            self._add(span, offset)
+
+    async def drain_all(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for name in list(self._sources):
+                tg.start_soon(self.drain, name)
+
+    async def run(self, period: float) -> None:
+        """Drain every ``period`` seconds until cancelled."""
+        while True:
+            await anyio.sleep(period)
+            await self.drain_all()
+
+    def _add(self, span: ActorSpan, offset: float) -> None:
+        if self.recorder is None:
+            self._waiting.append((span, offset))
+            return
+        # actor wall clock -> driver wall clock -> the recorder's timeline
+        shift = offset + self.recorder.wall_origin
+        self.recorder.add(span.stage, span.worker, span.start - shift, span.end - shift,
+                          span.version, **span.attributes)

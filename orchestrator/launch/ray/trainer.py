@@ -1,0 +1,82 @@
+"""The driver's proxy for the trainer in a Ray actor: a :class:`Trainer` like any other.
+
+Every call goes to the :class:`~.actors.TrainerActor` (placed on its own bundle: a GPU node,
+say); the pipeline awaits them as it awaits an in-process trainer. :meth:`RayTrainer.weights`
+returns an object-store :class:`~orchestrator.weights.WeightUpdate`: the actor put the new
+weights once and every engine actor pulls them from there. ``state_dict`` and
+``load_state_dict`` are blocking (the interface is synchronous): call them outside the run's
+event loop, as checkpoints do.
+
+A trainer actor is not restarted: when it dies the run ends with :class:`TrainerLost` (resuming
+a run from a checkpoint is its own feature).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import PolyRLError
+from orchestrator.launch.ray.actors import ActorInfo, StepResult
+from orchestrator.launch.ray.remote import RayActorError, first_line, result, result_now
+from orchestrator.trainer.base import Trainer, TrainStats
+from orchestrator.types import Group
+from orchestrator.weights import WeightUpdate
+
+
+class TrainerLost(PolyRLError):
+    """The trainer's actor died; ``launcher=ray`` does not restart a trainer."""
+
+
+class RayTrainer(Trainer):
+    def __init__(self, actor: Any, info: ActorInfo) -> None:
+        self.actor = actor
+        self.info = info
+        self.version = info.version
+
+    def _lost(self, doing: str, error: RayActorError) -> TrainerLost:
+        return TrainerLost(
+            f"the trainer actor (pid {self.info.pid} on Ray node {self.info.node[:8]}, "
+            f"{self.info.ip}) died during {doing} ({first_line(error)}); launcher=ray does not "
+            f"restart a trainer, so the run ends here")
+
+    async def _call(self, doing: str, ref: Any) -> Any:
+        try:
+            return await result(ref)
+        except RayActorError as error:
+            raise self._lost(doing, error) from error
+
+    def _call_now(self, doing: str, ref: Any) -> Any:
+        try:
+            return result_now(ref)
+        except RayActorError as error:
+            raise self._lost(doing, error) from error
+
+    async def step(self, groups: Sequence[Group]) -> TrainStats:
+        done: StepResult = await self._call("a train step", self.actor.step.remote(list(groups)))
+        self.version = done.version
+        return done.metrics
+
+    async def weights(self) -> WeightUpdate:
+        update: WeightUpdate = await self._call("a weight update", self.actor.weights.remote())
+        return update
+
+    async def supervised_step(self, sequences: Sequence[Sequence[int]],
+                              masks: Sequence[Sequence[bool]], lr: float) -> float:
+        loss: float = await self._call("a warm-start step", self.actor.supervised_step.remote(
+            [list(s) for s in sequences], [list(m) for m in masks], lr))
+        return loss
+
+    def state_dict(self) -> Mapping[str, Any]:
+        state: Mapping[str, Any] = self._call_now("state_dict", self.actor.state_dict.remote())
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.version = self._call_now("load_state_dict",
+                                      self.actor.load_state_dict.remote(dict(state)))
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Write the checkpoint on the trainer's node (its file system: shared storage on a
+        cluster, or the same machine)."""
+        self._call_now("a checkpoint", self.actor.save_checkpoint.remote(str(directory)))
