@@ -1,7 +1,7 @@
 """``WeightUpdate``: a versioned handle on a set of weights, and how its tensors travel.
 
 A trainer publishes one after every step (``await trainer.weights()``) and the pipeline hands
-it to the engines (``await engine.update_weights(update)``). Three transports, one type:
+it to the engines (``await engine.update_weights(update)``). Four transports, one type:
 
 * **by reference** (:meth:`WeightUpdate.by_reference`): the trainer's own tensors, no copy,
   for an engine in the same process. The trainer must not change them while an engine reads
@@ -100,10 +100,11 @@ class WeightUpdate:
         """The same weights put once into the Ray object store; releases the lease."""
         import ray
 
-        arrays = _to_arrays(self.tensors())
+        arrays = _to_arrays(self.tensors())  # views of CPU tensors: put before the release
+        ref = ray.put(arrays)
         self.release()
-        nbytes = sum(a.nbytes for _, _, a in arrays.values())
-        return WeightUpdate.from_object_ref(self.version, ray.put(arrays), nbytes)
+        return WeightUpdate.from_object_ref(self.version, ref,
+                                            sum(a.nbytes for _, _, a in arrays.values()))
 
     def detached(self) -> WeightUpdate:
         """A private copy in this process; releases the lease at once."""
