@@ -18,7 +18,7 @@ from hydra.errors import HydraException, InstantiationException, MissingConfigEx
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, RunAborted
 from sandboxes.api import EngineUnavailable, ImageMissing, SandboxError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -37,7 +37,8 @@ def _entry(cfg: DictConfig) -> float | None:
 
     try:
         result = run(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except (ConfigError, InstantiationException, OmegaConfBaseException, BaseExceptionGroup) as error:
+    except (ConfigError, RunAborted, InstantiationException, OmegaConfBaseException,
+            BaseExceptionGroup) as error:
         # Exit from inside the job: Hydra would otherwise print its own line first.
         message = explain(error)
         if message is None:
@@ -70,7 +71,7 @@ def explain(error: BaseException) -> str | None:
             todo.extend(e.exceptions)
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
     for e in chain:
-        if isinstance(e, (ConfigError, EngineUnavailable, ImageMissing)):  # set-up, not a bug
+        if isinstance(e, (ConfigError, RunAborted, EngineUnavailable, ImageMissing)):  # not a bug
             return str(e)
         if isinstance(e, MissingMandatoryValue):
             key = getattr(e, "full_key", None) or "a required key"
@@ -104,8 +105,8 @@ def main() -> None:
     register_plugins()
     try:
         _entry()
-    except (ConfigError, HydraException, OmegaConfBaseException, ValueError, TypeError,
-            SandboxError, BaseExceptionGroup) as error:
+    except (ConfigError, RunAborted, HydraException, OmegaConfBaseException, ValueError,
+            TypeError, SandboxError, BaseExceptionGroup) as error:
         message = explain(error)
         if message is None:
             raise

@@ -15,3 +15,8 @@ class ConfigError(PolyRLError, ValueError):
 
 class EngineClosed(PolyRLError):
     """A request reached an engine that has been shut down."""
+
+
+class RunAborted(PolyRLError):
+    """The run cannot go on (its trainer died, every engine is gone): the message says why in
+    one line, and the entry point prints it without a traceback."""

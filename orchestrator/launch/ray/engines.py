@@ -41,7 +41,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.errors import EngineClosed, PolyRLError
+from orchestrator.errors import EngineClosed, RunAborted
 from orchestrator.gate import Gate
 from orchestrator.launch.ray.actors import ActorInfo
 from orchestrator.launch.ray.remote import RayActorError, first_line, result
@@ -57,11 +57,11 @@ PING_INTERVAL_S = 0.2  # between pings of an actor that Ray is restarting
 STOP_TIMEOUT_S = 10.0  # at close: for the last spans and the engines' shutdown
 
 
-class EngineActorLost(PolyRLError):
+class EngineActorLost(RunAborted):
     """An engine actor could not be reached (dead, restarting, or cut off)."""
 
 
-class EnginesLost(PolyRLError):
+class EnginesLost(RunAborted):
     """No engine actor came back within the restart timeout."""
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import PolyRLError
+from orchestrator.errors import RunAborted
 from orchestrator.launch.ray.actors import ActorInfo, StepResult
 from orchestrator.launch.ray.remote import RayActorError, first_line, result, result_now
 from orchestrator.trainer.base import Trainer, TrainStats
@@ -25,7 +25,7 @@ from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
 
-class TrainerLost(PolyRLError):
+class TrainerLost(RunAborted):
     """The trainer's actor died; ``launcher=ray`` does not restart a trainer."""
 
 
