@@ -34,12 +34,15 @@ class RayTrainer(Trainer):
         self.actor = actor
         self.info = info
         self.version = info.version
+        self._death: str | None = None  # what the first failed call found: later ones repeat it
 
     def _lost(self, doing: str, error: RayActorError) -> TrainerLost:
-        return TrainerLost(
-            f"the trainer actor (pid {self.info.pid} on Ray node {self.info.node[:8]}, "
-            f"{self.info.ip}) died during {doing} ({first_line(error)}); launcher=ray does not "
-            f"restart a trainer, so the run ends here")
+        if self._death is None:
+            self._death = (
+                f"the trainer actor (pid {self.info.pid} on Ray node {self.info.node[:8]}, "
+                f"{self.info.ip}) died during {doing} ({first_line(error)}); launcher=ray does "
+                f"not restart a trainer, so the run ends here")
+        return TrainerLost(self._death)
 
     async def _call(self, doing: str, ref: Any) -> Any:
         try:

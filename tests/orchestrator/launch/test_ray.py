@@ -212,7 +212,9 @@ def test_a_dead_trainer_ends_the_run_with_one_line(cluster: Cluster, tmp_path: P
     lost = find(info.value, TrainerLost)
     assert lost is not None, info.value
     message = str(lost)
-    assert "\n" not in message and "trainer actor" in message and "died" in message
+    assert "\n" not in message and "trainer actor" in message and "died during" in message
+    assert explain(info.value) == message  # what the command line prints, and nothing else
+    assert "during a checkpoint" not in message  # the call that found it dead, not a later one
 
 
 def find(error: BaseException, kind: type[BaseException]) -> BaseException | None:
