@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,14 +26,31 @@ from typing import Any
 import anyio
 import ray
 import torch
+from ray.exceptions import ObjectLostError
 
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.errors import ConfigError, EngineClosed
+from orchestrator.errors import ConfigError, EngineClosed, RunAborted
 from orchestrator.launch.base import EngineRecipe, TrainerRecipe
 from orchestrator.launch.ray.spans import ActorSpan, SpanBuffer
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.types import Generation, Group, SamplingParams
 from orchestrator.weights import WeightUpdate
+
+
+class WeightsLost(RunAborted):
+    """An engine could not pull weights from the object store: their owner, the trainer actor,
+    died (a trainer is not restarted)."""
+
+
+@contextmanager
+def _pulling(update: WeightUpdate) -> Iterator[None]:
+    try:
+        yield
+    except ObjectLostError as error:
+        raise WeightsLost(
+            f"the weights of version {update.version} are gone from the object store "
+            f"({type(error).__name__}): the trainer actor that put them died; launcher=ray does "
+            f"not restart a trainer, so the run ends here") from error
 
 
 @dataclass(frozen=True)
@@ -87,7 +105,7 @@ class EngineActor:
             return
         self._serving = True
         try:
-            with self._spans.span("engine_start", weights.version) as attrs:
+            with self._spans.span("engine_start", weights.version) as attrs, _pulling(weights):
                 local = await anyio.to_thread.run_sync(weights.detached)  # the pull, off the loop
                 engine = self._recipe.build(local)
                 attrs.update(bytes=weights.nbytes, transport=weights.transport)
@@ -133,7 +151,7 @@ class EngineActor:
     async def update_weights(self, update: WeightUpdate) -> None:
         engine = self._running()
         started = time.time()
-        with self._spans.span("weight_sync", update.version) as attrs:
+        with self._spans.span("weight_sync", update.version) as attrs, _pulling(update):
             await engine.update_weights(update)  # the torch engine pulls and loads in a thread
             attrs.update(bytes=update.nbytes, seconds=time.time() - started,
                          transport=update.transport)

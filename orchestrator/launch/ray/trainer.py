@@ -40,8 +40,8 @@ class RayTrainer(Trainer):
         if self._death is None:
             self._death = (
                 f"the trainer actor (pid {self.info.pid} on Ray node {self.info.node[:8]}, "
-                f"{self.info.ip}) died during {doing} ({first_line(error)}); launcher=ray does "
-                f"not restart a trainer, so the run ends here")
+                f"{self.info.ip}) died (found by {doing}: {first_line(error)}); launcher=ray "
+                f"does not restart a trainer, so the run ends here")
         return TrainerLost(self._death)
 
     async def _call(self, doing: str, ref: Any) -> Any:
