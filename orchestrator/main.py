@@ -123,8 +123,8 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     tokenizer = _tokenizer(trainer, model_cfg)
     engine_recipe = EngineRecipe(engine=section(cfg, "engine"), model=model_cfg)
 
-    def make_engine(weights: WeightUpdate) -> InferenceEngine:
-        return launcher.engine(engine_recipe, weights)
+    def make_engine(weights: WeightUpdate, recorder: Recorder) -> InferenceEngine:
+        return launcher.engine(engine_recipe, weights, recorder)
 
     async def warm_up(engine: InferenceEngine, recorder: Recorder) -> int:
         check_tasks = list(spec.tasks("train"))[: warm.check_tasks]

@@ -44,7 +44,8 @@ class RunParts:
     spec: EnvSpec
     tokenizer: Tokenizer
     trainer: Trainer
-    make_engine: Callable[[WeightUpdate], InferenceEngine]  # called once, in the event loop
+    # (starting weights, the run's recorder) -> the engine; called once, in the event loop
+    make_engine: Callable[[WeightUpdate, Recorder], InferenceEngine]
     sampler: TaskSampler
     pipeline: PipelineConfig
     rollout: RolloutConfig
@@ -89,7 +90,7 @@ async def run_session(parts: RunParts, result: RunResult,
     parts.spec.use_clock(recorder.clock)
     async with parts.spec.running():
         update = await parts.trainer.weights()
-        engine = parts.make_engine(update)
+        engine = parts.make_engine(update, recorder)
         update.release()
         started = recorder.now()
         async with engine:

@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.recorder import Recorder
 from orchestrator.trainer.base import Trainer
 from orchestrator.weights import WeightUpdate
 
@@ -70,9 +71,11 @@ class Launcher(ABC):
         """The run's trainer (built now: its starting weights are the engines')."""
 
     @abstractmethod
-    def engine(self, recipe: EngineRecipe, weights: WeightUpdate) -> InferenceEngine:
+    def engine(self, recipe: EngineRecipe, weights: WeightUpdate,
+               recorder: Recorder | None = None) -> InferenceEngine:
         """The run's engine (one, or several behind one interface), starting from ``weights``;
-        called once, in the run's event loop."""
+        called once, in the run's event loop. Spans recorded elsewhere (in actors) go to
+        ``recorder``."""
 
     @abstractmethod
     def save_checkpoint(self, trainer: Trainer, directory: Path) -> None:

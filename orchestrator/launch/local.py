@@ -8,6 +8,7 @@ from orchestrator.checkpoint import save_checkpoint
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
+from orchestrator.recorder import Recorder
 from orchestrator.trainer import TorchTrainer
 from orchestrator.trainer.base import Trainer
 from orchestrator.weights import WeightUpdate
@@ -17,7 +18,8 @@ class LocalLauncher(Launcher):
     def trainer(self, recipe: TrainerRecipe) -> Trainer:
         return recipe.build()
 
-    def engine(self, recipe: EngineRecipe, weights: WeightUpdate) -> InferenceEngine:
+    def engine(self, recipe: EngineRecipe, weights: WeightUpdate,
+               recorder: Recorder | None = None) -> InferenceEngine:
         return recipe.build(weights)
 
     def save_checkpoint(self, trainer: Trainer, directory: Path) -> None:

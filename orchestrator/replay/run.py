@@ -187,7 +187,7 @@ def replay_session(
     trainer = fit.trainer(rollout_share)
     engines: list[ReplayEngine] = []
 
-    def make_engine(update: WeightUpdate) -> ReplayEngine:
+    def make_engine(update: WeightUpdate, recorder: Recorder) -> ReplayEngine:
         engines.append(ReplayEngine(spec.plans, fit.server, sync_seconds=sync_seconds,
                                     version=update.version))
         return engines[-1]

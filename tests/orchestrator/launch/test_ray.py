@@ -163,8 +163,6 @@ def test_a_run_spreads_engines_over_worker_nodes_and_the_trainer_on_the_head(
     assert "train/loss" in metrics[0]
 
 
-@pytest.mark.xfail(reason="needs the run's recorder handed to Launcher.engine (runloop/main)",
-                   strict=False)
 def test_spans_come_from_every_node_onto_the_driver_timeline(
         cluster: Cluster, smoke_run: tuple[RunResult, Path]) -> None:
     _, run_dir = smoke_run
