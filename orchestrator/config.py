@@ -28,7 +28,7 @@ def section(cfg: DictConfig, key: str) -> dict[str, Any]:
     node = OmegaConf.select(cfg, key)
     if node is None:
         raise ConfigError(f"the config has no '{key}' section")
-    return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+    return OmegaConf.to_container(node, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
 
 
 def _check(key: str, value: Any, annotation: Any) -> Any:

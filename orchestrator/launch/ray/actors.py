@@ -108,6 +108,7 @@ class EngineActor:
             with self._spans.span("engine_start", weights.version) as attrs, _pulling(weights):
                 local = await anyio.to_thread.run_sync(weights.detached)  # the pull, off the loop
                 engine = self._recipe.build(local)
+                del local  # the engine copied them: do not pin the starting weights in the store
                 attrs.update(bytes=weights.nbytes, transport=weights.transport)
             async with engine:
                 self._engine = engine

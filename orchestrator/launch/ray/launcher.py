@@ -29,7 +29,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Self
 
@@ -268,7 +268,7 @@ class RayLauncher(Launcher):
             actor = ray.remote(EngineActor).options(
                 name=f"{self.run_id}-{name}", max_restarts=-1, max_task_retries=0,
                 scheduling_strategy=self._bundle(1 + i), **spec.options(),
-            ).remote(recipe, name, spec.threads)
+            ).remote(_seeded(recipe, i), name, spec.threads)
             self._actors.append(actor)
             engines.append(RayEngine(actor, name))
         if weights.transport != "object_store":
@@ -335,3 +335,12 @@ def _gcs_wait(seconds: float) -> Iterator[None]:
 def _describe(resources: Mapping[str, float]) -> str:
     shown = {k: v for k, v in sorted(resources.items()) if not k.startswith(_HIDDEN)}
     return "{" + ", ".join(f"'{k}': {v:g}" for k, v in shown.items()) + "}"
+
+
+def _seeded(recipe: EngineRecipe, index: int) -> EngineRecipe:
+    """Engine ``index``'s recipe: its sampling seed offset, so two engines serving one group
+    never draw the same random stream."""
+    seed = recipe.engine.get("seed")
+    if not isinstance(seed, int):
+        return recipe
+    return replace(recipe, engine={**recipe.engine, "seed": seed + index})
