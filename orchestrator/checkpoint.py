@@ -12,12 +12,17 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.trainer import TorchTrainer
+from orchestrator.errors import ConfigError
+from orchestrator.trainer import TorchTrainer, Trainer
 
 
-def save_checkpoint(trainer: TorchTrainer, directory: Path) -> Path:
+def save_checkpoint(trainer: Trainer, directory: Path) -> Path:
+    """Write ``trainer``'s checkpoint (a :class:`TorchTrainer`'s: others have no model here)."""
     from transformers.utils import logging as hf_logging
 
+    if not isinstance(trainer, TorchTrainer):
+        raise ConfigError(f"cannot checkpoint a {type(trainer).__name__}: only a TorchTrainer "
+                          f"has a model to save")
     hf_logging.disable_progress_bar()  # the run has its own progress display
     directory.mkdir(parents=True, exist_ok=True)
     trainer.model.save_pretrained(directory / "model", safe_serialization=True)

@@ -104,15 +104,6 @@ def check_target(cfg: DictConfig, key: str) -> None:
     check_arguments(fn, values, key)
 
 
-def build(cfg: DictConfig, key: str, **objects: Any) -> Any:
-    """Call ``cfg.<key>._target_`` with the node's values plus ``objects`` (live arguments such
-    as a WeightUpdate, passed as they are: Hydra's instantiate would turn dataclasses into
-    configs). Nested nodes stay plain mappings."""
-    check_target(cfg, key)
-    values = section(cfg, key)
-    return get_object(values.pop("_target_"))(**values, **objects)
-
-
 def scalar(cfg: DictConfig, key: str, annotation: Any) -> Any:
     """A top-level value, type-checked."""
     return _check(key, OmegaConf.select(cfg, key), annotation)

@@ -87,7 +87,6 @@ async def run_session(parts: RunParts, result: RunResult,
     """Run ``parts``, filling ``result`` as it goes (so a failed run still reports)."""
     recorder = Recorder(clock=parts.clock)
     result.recorder = recorder
-    parts.spec.use_clock(recorder.clock)
     async with parts.spec.running():
         update = await parts.trainer.weights()
         engine = parts.make_engine(update, recorder)

@@ -6,10 +6,8 @@ from pathlib import Path
 
 from orchestrator.checkpoint import save_checkpoint
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.errors import ConfigError
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
 from orchestrator.recorder import Recorder
-from orchestrator.trainer import TorchTrainer
 from orchestrator.trainer.base import Trainer
 from orchestrator.weights import WeightUpdate
 
@@ -23,6 +21,4 @@ class LocalLauncher(Launcher):
         return recipe.build(weights)
 
     def save_checkpoint(self, trainer: Trainer, directory: Path) -> None:
-        if not isinstance(trainer, TorchTrainer):
-            raise ConfigError(f"launcher=local cannot checkpoint a {type(trainer).__name__}")
         save_checkpoint(trainer, directory)

@@ -15,17 +15,18 @@ from omegaconf import DictConfig, OmegaConf
 from envs.base import EnvSpec
 from orchestrator.__main__ import explain
 from orchestrator.algo.base import Algorithm
-from orchestrator.config import build, build_env, typed
+from orchestrator.config import build_env, typed
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
+from orchestrator.launch import EngineRecipe
 from orchestrator.loggers.base import Logger
 from orchestrator.main import check_sizes
 from orchestrator.models.policy import Policy
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.rollout import RolloutConfig
 from orchestrator.trainer import Trainer
-from orchestrator.weights import WeightUpdate
 from orchestrator.warmstart import WarmStartConfig
+from orchestrator.weights import WeightUpdate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -90,8 +91,9 @@ def test_every_group_option_composes_and_instantiates(group: str, option: str) -
     trainer = instantiate(cfg.trainer, policy=policy, algorithm=algorithm,
                           temperature=rollout.temperature)
     assert isinstance(trainer, Trainer)
-    engine = build(cfg, "engine", model=OmegaConf.to_container(cfg.model, resolve=True),
-                   weights=WeightUpdate.of_module(0, policy.model))
+    recipe = EngineRecipe(engine=OmegaConf.to_container(cfg.engine, resolve=True),
+                          model=OmegaConf.to_container(cfg.model, resolve=True))
+    engine = recipe.build(WeightUpdate.of_module(0, policy.model))
     assert isinstance(engine, InferenceEngine) and engine.version == 0
 
     async def start_and_stop() -> None:

@@ -29,9 +29,10 @@ import torch
 from ray.exceptions import ObjectLostError
 
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.errors import ConfigError, EngineClosed, RunAborted
+from orchestrator.errors import EngineClosed, RunAborted
 from orchestrator.launch.base import EngineRecipe, TrainerRecipe
-from orchestrator.launch.ray.spans import ActorSpan, SpanBuffer
+from orchestrator.launch.ray.spans import SpanBuffer
+from orchestrator.recorder import Span
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.types import Generation, Group, SamplingParams
 from orchestrator.weights import WeightUpdate
@@ -75,7 +76,23 @@ def _info(name: str, version: int) -> ActorInfo:
                      ray.util.get_node_ip_address(), version)
 
 
-class EngineActor:
+class _Reporting:
+    """What the driver asks of every actor: its clock (for the offset), its pid (to tell a
+    restart) and the spans it recorded since the last drain."""
+
+    _spans: SpanBuffer
+
+    async def ping(self) -> float:
+        return time.time()
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def drain_spans(self) -> list[Span]:
+        return self._spans.drain()
+
+
+class EngineActor(_Reporting):
     """One engine (any ``InferenceEngine`` its recipe names) in a Ray actor."""
 
     def __init__(self, recipe: EngineRecipe, name: str, threads: int) -> None:
@@ -168,20 +185,11 @@ class EngineActor:
 
     # -- for the driver ------------------------------------------------------------------
 
-    async def ping(self) -> float:
-        return time.time()
-
-    async def pid(self) -> int:
-        return os.getpid()
-
     async def inflight(self) -> int:
         return self._inflight
 
-    async def drain_spans(self) -> list[ActorSpan]:
-        return self._spans.drain()
 
-
-class TrainerActor:
+class TrainerActor(_Reporting):
     """The trainer its recipe names, in a Ray actor; hands out weights through the object store."""
 
     def __init__(self, recipe: TrainerRecipe, name: str, threads: int) -> None:
@@ -238,21 +246,7 @@ class TrainerActor:
     async def save_checkpoint(self, directory: str) -> None:
         """A checkpoint written on this actor's node (its file system, not the driver's)."""
         from orchestrator.checkpoint import save_checkpoint
-        from orchestrator.trainer import TorchTrainer
-
-        trainer = self._built()
-        if not isinstance(trainer, TorchTrainer):
-            raise ConfigError(f"launcher=ray cannot checkpoint a {type(trainer).__name__}")
-        await anyio.to_thread.run_sync(save_checkpoint, trainer, Path(directory))
+        await anyio.to_thread.run_sync(save_checkpoint, self._built(), Path(directory))
 
     async def version(self) -> int:
         return self._built().version
-
-    async def ping(self) -> float:
-        return time.time()
-
-    async def pid(self) -> int:
-        return os.getpid()
-
-    async def drain_spans(self) -> list[ActorSpan]:
-        return self._spans.drain()

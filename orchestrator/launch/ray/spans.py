@@ -21,30 +21,17 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import ray
 from ray.exceptions import RayActorError
 
-from orchestrator.recorder import Recorder
+from orchestrator.recorder import Recorder, Span
 
 log = logging.getLogger(__name__)
 
 PINGS = 3  # clock readings per offset estimate; the one with the shortest round trip wins
-
-
-@dataclass(frozen=True)
-class ActorSpan:
-    """A span as an actor recorded it: times are seconds of the actor's own wall clock."""
-
-    stage: str
-    worker: str
-    start: float
-    end: float
-    version: int | None = None
-    attributes: dict[str, Any] = field(default_factory=dict)
 
 
 class SpanBuffer:
@@ -54,12 +41,12 @@ class SpanBuffer:
         node = ray.get_runtime_context().get_node_id()
         self.actor = actor
         self.where = {"node": node, "actor": actor, "process": f"node-{node[:8]}/{actor}"}
-        self._spans: list[ActorSpan] = []
+        self._spans: list[Span] = []  # times: seconds of this actor's own wall clock
 
     def add(self, stage: str, start: float, end: float, version: int | None = None,
             **attributes: Any) -> None:
-        self._spans.append(ActorSpan(stage, self.actor, start, end, version,
-                                     {**attributes, **self.where}))
+        self._spans.append(Span(stage, self.actor, start, end, version,
+                                {**attributes, **self.where}))
 
     @contextmanager
     def span(self, stage: str, version: int | None = None, **attributes: Any) -> Iterator[dict[str, Any]]:
@@ -71,7 +58,7 @@ class SpanBuffer:
         finally:
             self.add(stage, start, time.time(), version, **extra)
 
-    def drain(self) -> list[ActorSpan]:
+    def drain(self) -> list[Span]:
         spans, self._spans = self._spans, []
         return spans
 
@@ -99,7 +86,7 @@ class SpanCollector:
     def __init__(self) -> None:
         self.recorder: Recorder | None = None
         self._sources: dict[str, tuple[Any, float | None]] = {}
-        self._waiting: list[tuple[ActorSpan, float]] = []
+        self._waiting: list[tuple[Span, float]] = []
 
     def record_to(self, recorder: Recorder) -> None:
         self.recorder = recorder
@@ -118,7 +105,7 @@ class SpanCollector:
             if offset is None:
                 offset = await clock_offset(actor)
                 self._sources[name] = (actor, offset)
-            spans: list[ActorSpan] = await actor.drain_spans.remote()
+            spans: list[Span] = await actor.drain_spans.remote()
         except RayActorError:  # died or restarting: what it held is lost, its keeper knows
             return
         for span in spans:
@@ -135,7 +122,7 @@ class SpanCollector:
             await anyio.sleep(period)
             await self.drain_all()
 
-    def _add(self, span: ActorSpan, offset: float) -> None:
+    def _add(self, span: Span, offset: float) -> None:
         if self.recorder is None:
             self._waiting.append((span, offset))
             return
