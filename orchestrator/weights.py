@@ -80,9 +80,15 @@ class WeightUpdate:
 
         if self.transport == "bytes":
             return self
-        data = save({k: v.detach().contiguous().cpu() for k, v in self.tensors().items()})
+        data = save(_savable(self.tensors()))
         self.release()
         return WeightUpdate.from_bytes(self.version, data)
+
+    def to_bytes(self) -> bytes:
+        """The weights as safetensors bytes; releases the lease."""
+        data = self.serialised()._data
+        assert data is not None
+        return data
 
     def to_file(self, path: Path | str) -> WeightUpdate:
         """The same weights written to a safetensors file at ``path``; releases the lease."""
@@ -91,7 +97,7 @@ class WeightUpdate:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.tensors().items()}, str(tmp))
+        save_file(_savable(self.tensors()), str(tmp))
         tmp.replace(path)
         self.release()
         return WeightUpdate.from_file(self.version, path)
@@ -133,6 +139,11 @@ class WeightUpdate:
         return load_file(str(self._path))
 
     @property
+    def path(self) -> Path | None:
+        """The safetensors file a file update names (None for other transports)."""
+        return self._path
+
+    @property
     def nbytes(self) -> int:
         """Bytes a transfer of this update moves (the payload's size for bytes and files)."""
         if self._data is not None:
@@ -159,6 +170,19 @@ class WeightUpdate:
         """Return once :meth:`release` was called (in the event loop that made the update)."""
         if self._lease is not None:
             await self._lease.wait()
+
+
+def _savable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU tensors safetensors can write: tied weights (one storage under two names, as a
+    tied embedding and LM head are) become separate tensors."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        t = tensor.detach().contiguous().cpu()
+        ptr = t.untyped_storage().data_ptr()
+        out[name] = t.clone() if ptr in seen else t
+        seen.add(ptr)
+    return out
 
 
 def _copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 # Set up if needed, check the import contracts, then run the whole test suite:
 #   bash scripts/test.sh [pytest args …]
+# The tests marked `vllm` run a second time in .venv-vllm, where vLLM is installed
+# (scripts/setup_vllm.sh says why it is a separate environment); in .venv they skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup_vllm.sh
 bash scripts/docker_setup.sh  # Docker engine + sandbox image for tests/sandboxes/docker
 .venv/bin/lint-imports  # the import contracts in pyproject.toml (ARCHITECTURE.md's dependency rule)
-exec .venv/bin/python -m pytest "$@"
+status=0
+.venv/bin/python -m pytest "$@" || status=$?
+echo "test: engine=vllm's tests in .venv-vllm" >&2
+vllm_status=0
+.venv-vllm/bin/python -m pytest -m vllm "$@" || vllm_status=$?
+if [ "$vllm_status" -ne 0 ] && [ "$vllm_status" -ne 5 ]; then  # 5: none selected by "$@"
+  status=$vllm_status
+fi
+exit "$status"

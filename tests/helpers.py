@@ -64,3 +64,36 @@ def quick_config(experiment: str, *overrides: str) -> DictConfig:
             "pipeline.num_steps=2", "pipeline.batch_size=8", "pipeline.num_workers=2",
             "warmstart.steps=2", "warmstart.target_accuracy=null", "eval.num_tasks=4",
             "env.train_size=32", "env.eval_size=4", *overrides])
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_hf_checkpoint(path: Path, hidden_size: int = 32, num_heads: int = 2,
+                        intermediate_size: int = 64, num_layers: int = 1) -> Path:
+    """A tiny Qwen2 checkpoint with a byte-level BPE tokenizer and a chat template, built
+    offline into ``path`` (the tokenizer is trained on a few lines of arithmetic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [f"{a:02d}+{b:02d}={a + b}" for a in range(0, 100, 7) for b in range(0, 100, 9)]
+    bpe.train_from_iterator(corpus + ["user assistant system"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+        max_position_embeddings=128, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path

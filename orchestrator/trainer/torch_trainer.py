@@ -15,6 +15,7 @@ the whole minibatch so token-level aggregation does not depend on how it is spli
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class PackedBatch:
@@ -41,6 +44,7 @@ class PackedBatch:
     mask: torch.Tensor  # float: 1.0 where the target token is trained
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
+    fresh: torch.Tensor  # float: 1.0 where a trained token was sampled by the current weights
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
@@ -48,7 +52,7 @@ class PackedBatch:
     def slice(self, rows: slice) -> PackedBatch:
         return PackedBatch(*(t[rows] for t in (
             self.inputs, self.targets, self.attention, self.mask,
-            self.behaviour_logprobs, self.advantages,
+            self.behaviour_logprobs, self.advantages, self.fresh,
         )))
 
 
@@ -58,12 +62,14 @@ def pack(
     pad_id: int,
     behaviour: Sequence[Sequence[float]] | None = None,
     advantages: Sequence[float] | None = None,
+    fresh: Sequence[Sequence[bool]] | None = None,
 ) -> PackedBatch:
     width = max(len(s) for s in sequences) - 1
     n = len(sequences)
     ids = torch.full((n, width + 1), pad_id, dtype=torch.long)
     mask = torch.zeros((n, width + 1))
     behav = torch.zeros((n, width + 1))
+    current = torch.zeros((n, width + 1))
     attention = torch.zeros((n, width), dtype=torch.long)
     for i, seq in enumerate(sequences):
         ids[i, : len(seq)] = torch.tensor(seq)
@@ -71,6 +77,8 @@ def pack(
         attention[i, : len(seq) - 1] = 1
         if behaviour is not None:
             behav[i, : len(seq)] = torch.tensor(behaviour[i])
+        if fresh is not None:
+            current[i, : len(seq)] = torch.tensor(fresh[i], dtype=torch.float32)
     adv = torch.tensor(advantages if advantages is not None else [0.0] * n, dtype=torch.float32)
     return PackedBatch(
         inputs=ids[:, :-1],
@@ -79,7 +87,41 @@ def pack(
         mask=mask[:, 1:],
         behaviour_logprobs=behav[:, 1:],
         advantages=adv[:, None].expand(n, width).contiguous(),
+        fresh=current[:, 1:] * mask[:, 1:],
     )
+
+
+class LogprobAgreement:
+    """How far the engine's behaviour log-probs are from the trainer's, on the same weights.
+
+    Tokens sampled by the weights the trainer holds at the start of a step (their version is
+    the trainer's) must get the same log-prob from both; a gap means the engine and trainer
+    disagree (dtype, kernels, a tokenisation or weight-sync bug) and makes every importance
+    ratio wrong. Reported as ``engine/logprob_diff`` (mean absolute difference) and
+    ``engine/logprob_diff_max``; a mean above ``trainer.logprob_diff_warn`` is logged.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0.0
+        self.max = 0.0
+
+    def add(self, trainer_logprobs: torch.Tensor, batch: PackedBatch) -> None:
+        fresh = batch.fresh.to(trainer_logprobs.device)
+        gap = (trainer_logprobs.detach() - batch.behaviour_logprobs.to(fresh.device)).abs() * fresh
+        self.total += float(gap.sum())
+        self.count += float(fresh.sum())
+        self.max = max(self.max, float(gap.max())) if gap.numel() else self.max
+
+    def metrics(self, warn_above: float) -> dict[str, float]:
+        if not self.count:
+            return {}
+        mean = self.total / self.count
+        if mean > warn_above:
+            log.warning("engine and trainer log-probs differ by %.3g on average on the same "
+                        "weights (trainer.logprob_diff_warn=%g): check dtypes and weight sync",
+                        mean, warn_above)
+        return {"engine/logprob_diff": mean, "engine/logprob_diff_max": self.max}
 
 
 class TorchTrainer(Trainer):
@@ -95,6 +137,7 @@ class TorchTrainer(Trainer):
         num_minibatches: int = 1,
         warmup_steps: int = 0,
         temperature: float = 1.0,
+        logprob_diff_warn: float = 0.05,
     ) -> None:
         if micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -112,6 +155,7 @@ class TorchTrainer(Trainer):
         self.micro_batch_size = micro_batch_size
         self.num_minibatches = num_minibatches
         self.temperature = temperature if temperature > 0 else 1.0
+        self.logprob_diff_warn = logprob_diff_warn
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=tuple(betas)
         )
@@ -162,15 +206,18 @@ class TorchTrainer(Trainer):
             self.policy.tokenizer.pad_id,
             behaviour=[t.logprobs for t in trajectories],
             advantages=[a for group in advantages for a in group],
+            fresh=[[v == self.version for v in t.versions] for t in trajectories],
         )
         # Eval mode (no dropout): the engine samples without it, and the importance weight and
         # the clip ratio compare log-probs that must be deterministic. Gradients still flow.
         self.model.eval()
         minibatch = math.ceil(len(batch) / self.num_minibatches)
         proximal = None
+        agreement = LogprobAgreement()
         if self.num_minibatches > 1:
             with torch.no_grad():
                 proximal = torch.cat([self._logprobs(mb)[0] for mb in self._micro_batches(batch)])
+            agreement.add(proximal, batch)
 
         sums: dict[str, float] = {}
         counts = 0
@@ -186,6 +233,8 @@ class TorchTrainer(Trainer):
                 mask = mb.mask.to(self.device)
                 if proximal is None:
                     prox = logp.detach()
+                    if start == 0:  # before any update: the weights that sampled fresh tokens
+                        agreement.add(prox, mb)
                 else:
                     prox = proximal[start + offset : start + offset + len(mb)].to(self.device)
                 offset += len(mb)
@@ -214,6 +263,7 @@ class TorchTrainer(Trainer):
         metrics["grad_norm"] = grad_norm
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         metrics["trained_tokens"] = float(counts)
+        metrics.update(agreement.metrics(self.logprob_diff_warn))
         return metrics
 
     # -- supervised warm start ---------------------------------------------------------

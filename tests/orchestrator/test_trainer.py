@@ -118,6 +118,32 @@ def test_on_policy_step_has_unit_ratio_and_weight_and_bumps_the_version(tiny: An
     assert trainer.version == 2
 
 
+@pytest.mark.parametrize("num_minibatches", [1, 2])
+def test_engine_and_trainer_logprobs_agree_on_the_same_weights(tiny: Any, num_minibatches: int,
+                                                               caplog: Any) -> None:
+    """``engine/logprob_diff``: the torch engine's behaviour log-probs against the trainer's
+    recomputed ones, on the tokens the trainer's current weights sampled."""
+    groups = [with_rewards(g, [1.0, 0.0, 0.0, 1.0]) for g in rollout_groups(tiny, seed=6)]
+    trainer = TorchTrainer(tiny, GRPO(), lr=1e-3, num_minibatches=num_minibatches)
+    metrics = trainer.train_step(groups)
+    print(f"torch engine logprob |diff|: mean={metrics['engine/logprob_diff']:.2e} "
+          f"max={metrics['engine/logprob_diff_max']:.2e}")
+    assert 0.0 <= metrics["engine/logprob_diff"] <= metrics["engine/logprob_diff_max"] < 1e-4
+    assert "differ" not in caplog.text
+    # A second step on the same (now one version old) samples has no fresh token to compare.
+    assert "engine/logprob_diff" not in trainer.train_step(groups)
+
+
+def test_a_logprob_mismatch_is_reported_and_logged(tiny: Any, caplog: Any) -> None:
+    groups = [with_rewards(g, [1.0, 0.0, 0.0, 1.0]) for g in rollout_groups(tiny, seed=6)]
+    shifted = [dataclasses.replace(g, trajectories=tuple(
+        dataclasses.replace(t, logprobs=tuple(x - 0.3 for x in t.logprobs)) for t in g.trajectories
+    )) for g in groups]
+    metrics = TorchTrainer(tiny, GRPO(), lr=1e-3).train_step(shifted)
+    assert metrics["engine/logprob_diff"] == pytest.approx(0.3, abs=1e-3)
+    assert "engine and trainer log-probs differ" in caplog.text
+
+
 def test_equal_rewards_leave_the_weights_unchanged(tiny: Any) -> None:
     groups = [with_rewards(g, [1.0] * 4) for g in rollout_groups(tiny, seed=1)]
     trainer = TorchTrainer(tiny, GRPO(), lr=1e-2, weight_decay=0.0)
@@ -203,6 +229,10 @@ def test_weight_update_transports_carry_the_same_tensors(tiny: Any, tmp_path: An
         got = other.tensors()
         assert set(got) == set(update.tensors())
         assert all(torch.equal(got[k], v) for k, v in update.tensors().items())
+    # The trainer's own tensors, tied embedding and LM head sharing one storage, serialise too.
+    live = WeightUpdate.by_reference(4, tiny.model.state_dict(), leased=False)
+    assert set(live.serialised().tensors()) == set(live.tensors())
+    assert set(live.to_file(tmp_path / "live.safetensors").tensors()) == set(live.tensors())
 
 
 def test_state_dict_round_trips_weights_optimiser_and_version(make_policy: Any) -> None:

@@ -1,0 +1,247 @@
+"""vLLM behind the ``InferenceEngine`` interface (``engine=vllm``; the ``vllm`` extra).
+
+vLLM's asynchronous engine (``AsyncLLM``) runs in this process's event loop, or in a Ray
+actor's through ``launcher=ray``; its scheduler and model run in vLLM's own worker
+processes. What it does for the pipeline:
+
+* **Token in, token out.** Prompts go in as token ids and tokens come back as ids: vLLM's
+  tokenizer is never loaded (``skip_tokenizer_init``), so nothing is re-tokenised. Each
+  token's behaviour log-probability is taken after temperature scaling
+  (``logprobs_mode="processed_logprobs"``), the distribution it was sampled from.
+* **Versions.** Every weight load labels vLLM's weights with the policy version
+  (``update_weight_version``); vLLM reports, per request, which output tokens each label
+  produced, so each token carries the version that produced it, across updates mid-request.
+* **Pause and resume at a token boundary, keeping requests.** :meth:`pause` is
+  ``pause_generation(mode="keep", clear_cache=True)``: requests in flight are frozen, not
+  aborted, and their KV cache and the prefix cache are dropped, so after :meth:`resume`
+  they are recomputed (prompt plus the tokens so far) under the new weights and no cached
+  prefix from the old weights is reused. Both ``pipeline.inflight_update`` modes work on it.
+* **Weight updates** through vLLM's documented route for RL: a worker extension
+  (:mod:`orchestrator.engines.vllm_worker`) called with ``collective_rpc`` reloads the
+  weights in place through the model's own weight loaders. A file update is read by the
+  workers from its path; any other transport travels as safetensors bytes.
+
+The model is the run's ``conf/model`` node: a Hugging Face directory (``model=hf``) is
+served from its path; a model built from config (``model=tiny``) is written once to a
+temporary directory with the starting weights. vLLM's CPU build needs a head size of at
+least 32 (64 is safest); the tiny default (128 / 4 heads) qualifies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import anyio
+
+from orchestrator.engines.base import InferenceEngine
+from orchestrator.errors import ConfigError, EngineClosed
+from orchestrator.types import FinishReason, Generation, SamplingParams
+from orchestrator.weights import WeightUpdate
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+def _check_options(gpu_memory_utilization: float, max_num_seqs: int, max_model_len: int | None,
+                   tensor_parallel_size: int, dtype: str) -> None:
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ConfigError(
+            f"engine.gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1] (on CPU: "
+            "the share of memory for the KV cache; about 0.3 or less on a small machine)")
+    if max_num_seqs < 1:
+        raise ConfigError(f"engine.max_num_seqs must be >= 1, got {max_num_seqs}")
+    if max_model_len is not None and max_model_len < 2:
+        raise ConfigError(f"engine.max_model_len must be >= 2 or null (the model's), got {max_model_len}")
+    if tensor_parallel_size < 1:
+        raise ConfigError(f"engine.tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"engine.dtype={dtype} is not one of {', '.join(DTYPES)}")
+
+
+class VLLMEngine(InferenceEngine):
+    def __init__(
+        self,
+        model: Mapping[str, Any],
+        weights: WeightUpdate | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
+        seed: int = 0,
+    ) -> None:
+        _check_options(gpu_memory_utilization, max_num_seqs, max_model_len, tensor_parallel_size,
+                       dtype)
+        try:
+            import vllm  # noqa: F401 - fail here, with the fix, rather than at the first request
+        except ImportError as e:
+            raise ConfigError(
+                "engine=vllm needs vLLM: pip install -e '.[vllm]' on a GPU machine, or "
+                "bash scripts/setup_vllm.sh for the CPU build in .venv-vllm") from e
+        self._model = dict(model)
+        self._weights = weights
+        self._options: dict[str, Any] = {
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "max_num_seqs": max_num_seqs,
+            "max_model_len": max_model_len,
+            "tensor_parallel_size": tensor_parallel_size,
+            "dtype": self._model.get("dtype", "auto") if dtype == "auto" else dtype,
+            "enable_prefix_caching": enable_prefix_caching,
+            "enforce_eager": enforce_eager,
+            "seed": seed,
+        }
+        self.version = weights.version if weights is not None else 0
+        self.max_model_len = 0  # known once started
+        self._llm: Any = None
+        self._workdir: Path | None = None
+        self._paused = False
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise ConfigError("engine=vllm runs on asyncio; this run's event loop is not asyncio") from None
+        try:
+            self._llm = await anyio.to_thread.run_sync(self._start)
+            self.max_model_len = int(self._llm.model_config.max_model_len)
+            await self._llm.update_weight_version(str(self.version))
+            if self._weights is not None and "path" in self._model:
+                # A checkpoint directory was served as it is on disk; the run may start
+                # elsewhere (a warm start, a resume): load the weights it was given.
+                await self._load(self._weights)
+        except BaseException:
+            await self.aclose()
+            raise
+        self._weights = None
+        return self
+
+    def _start(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=self._model_dir(),
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="orchestrator.engines.vllm_worker.WeightLoader",
+            **self._options,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    def _model_dir(self) -> str:
+        """A directory vLLM can load: the checkpoint's own, or one written from config."""
+        if "path" in self._model:
+            return str(self._model["path"])
+        from orchestrator.models.policy import build_policy
+
+        policy = build_policy({**self._model, "device": "cpu"})
+        self._workdir = Path(tempfile.mkdtemp(prefix="polyrl-vllm-"))
+        state = dict(self._weights.tensors()) if self._weights is not None else None
+        policy.model.save_pretrained(self._workdir, state_dict=state)
+        if self._weights is not None:
+            self._weights.release()
+        return str(self._workdir)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._llm is not None:
+            self._llm.shutdown()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+
+    # -- InferenceEngine -------------------------------------------------------------
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
+        if self._llm is None or self._closed:
+            raise EngineClosed("the vLLM engine is not running; use it as `async with engine:`")
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        start_version = self.version
+        budget = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
+        if budget <= 0:
+            return Generation((), (), (), FinishReason.LENGTH, start_version)
+        final = None
+        async for output in self._llm.generate(
+            {"prompt_token_ids": list(prompt_ids)}, self._sampling(sampling, budget),
+            request_id=uuid.uuid4().hex,
+        ):
+            final = output
+        if final is None or not final.finished:
+            raise EngineClosed("the vLLM engine stopped before the request finished")
+        completion = final.outputs[0]
+        if completion.finish_reason not in _FINISH:
+            raise EngineClosed(f"vLLM ended the request: {completion.finish_reason}")
+        tokens = tuple(completion.token_ids)
+        logprobs = tuple(float(step[t].logprob) for step, t in zip(completion.logprobs, tokens,
+                                                                      strict=True))
+        return Generation(
+            token_ids=tokens,
+            logprobs=logprobs,
+            versions=_versions(completion.weight_versions, len(tokens)),
+            finish_reason=_FINISH[completion.finish_reason],
+            start_version=start_version,
+            cached_tokens=final.num_cached_tokens or 0,  # the prefix cache's hits: PolyTrace's
+        )
+
+    def _sampling(self, sampling: SamplingParams, budget: int) -> Any:
+        from vllm import SamplingParams as VLLMSampling
+        from vllm.sampling_params import RequestOutputKind
+
+        return VLLMSampling(
+            max_tokens=budget,
+            temperature=max(sampling.temperature, 0.0),
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=True,  # the environment's stop tokens are the only ones
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def update_weights(self, update: WeightUpdate) -> None:
+        if not self._paused:
+            raise RuntimeError("update_weights must be called between pause() and resume()")
+        await self._load(update)
+
+    async def _load(self, update: WeightUpdate) -> None:
+        if update.path is not None:
+            await self._llm.collective_rpc("polyrl_load_file", args=(str(update.path),))
+        else:
+            data = await anyio.to_thread.run_sync(update.to_bytes)
+            await self._llm.collective_rpc("polyrl_load_bytes", args=(data,))
+        await self._llm.update_weight_version(str(update.version))
+        self.version = update.version
+
+    async def pause(self) -> None:
+        if not self._paused:
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            self._paused = True
+
+    async def resume(self) -> None:
+        if self._paused:
+            await self._llm.resume_generation()
+            self._paused = False
+
+
+def _versions(spans: Sequence[Any] | None, count: int) -> tuple[int, ...]:
+    """Per-token versions from vLLM's ``WeightVersionSpan`` list (``[start, end)`` per label)."""
+    versions = [-1] * count
+    for span in spans or ():
+        versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+    if -1 in versions:
+        raise RuntimeError("vLLM returned tokens without a weight version label")
+    return tuple(versions)
+

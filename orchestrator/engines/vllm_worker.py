@@ -1,0 +1,37 @@
+"""The worker extension the vLLM engine installs in vLLM's workers (``worker_extension_cls``).
+
+vLLM runs its model in worker processes; ``AsyncLLM.collective_rpc(name, args)`` calls a
+method of that name on every worker. These methods load a safetensors payload through the
+model runner's in-place reload (``reload_weights``: each parameter's own weight loader, so
+fused and sharded layers, tensor parallelism included, are filled the way vLLM fills them
+from a checkpoint). Imported only inside vLLM's worker processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+class WeightLoader:
+    """Mixed into vLLM's worker class; ``self.model_runner`` is the worker's."""
+
+    model_runner: Any
+
+    def polyrl_load_bytes(self, data: bytes) -> int:
+        """Load safetensors ``data``; returns the number of tensors loaded."""
+        from safetensors.torch import load
+
+        return self._polyrl_reload(load(data))
+
+    def polyrl_load_file(self, path: str) -> int:
+        """Load the safetensors file at ``path`` (on this host); returns the tensor count."""
+        from safetensors.torch import load_file
+
+        return self._polyrl_reload(load_file(path))
+
+    def _polyrl_reload(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        self.model_runner.reload_weights(weights_iterator=iter(list(tensors.items())))
+        return len(tensors)

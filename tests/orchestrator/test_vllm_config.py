@@ -1,0 +1,40 @@
+"""``engine=vllm``'s options are checked before vLLM is touched, each with one line naming the
+key; without vLLM installed, the engine says how to install it (runs in .venv, no vLLM)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from orchestrator.engines.vllm_engine import VLLMEngine
+from orchestrator.errors import ConfigError
+from helpers import TINY_MODEL, quick_config
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ({"gpu_memory_utilization": 1.5}, "engine.gpu_memory_utilization=1.5 must be in (0, 1]"),
+    ({"gpu_memory_utilization": 0}, "engine.gpu_memory_utilization=0 must be in (0, 1]"),
+    ({"max_num_seqs": 0}, "engine.max_num_seqs must be >= 1"),
+    ({"max_model_len": 1}, "engine.max_model_len must be >= 2 or null"),
+    ({"tensor_parallel_size": 0}, "engine.tensor_parallel_size must be >= 1"),
+    ({"dtype": "float8"}, "engine.dtype=float8 is not one of auto, float32, bfloat16, float16"),
+])
+def test_a_bad_option_is_named_in_one_line(option: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        VLLMEngine(TINY_MODEL, **option)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_the_config_group_composes_with_every_option() -> None:
+    engine = quick_config("smoke", "engine=vllm").engine
+    assert engine._target_ == "orchestrator.engines.vllm_engine.VLLMEngine"
+    for key in ("gpu_memory_utilization", "max_num_seqs", "max_model_len", "tensor_parallel_size",
+                "dtype", "enable_prefix_caching"):
+        assert key in engine, key
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_without_vllm_the_error_says_how_to_install_it() -> None:
+    with pytest.raises(ConfigError, match=r"engine=vllm needs vLLM: pip install -e '\.\[vllm\]'"):
+        VLLMEngine(TINY_MODEL)

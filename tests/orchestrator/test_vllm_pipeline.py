@@ -1,0 +1,63 @@
+"""``python -m orchestrator experiment=smoke engine=vllm model=hf model.path=<checkpoint>`` as a
+user runs it (vLLM's engine processes are spawned from the command line's main module): the
+run trains, the engine's log-probs agree with the trainer's, and the run directory holds
+complete metrics, spans (weight syncs with their bytes) and PolyTrace files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.trace.reader import TraceDir
+from helpers import REPO, build_hf_checkpoint
+
+pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
+
+pytestmark = pytest.mark.vllm
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: Path) -> None:
+    # head size 64 (vLLM's CPU attention rejects 16)
+    checkpoint = build_hf_checkpoint(tmp_path / "ckpt", hidden_size=128, num_heads=2,
+                                     intermediate_size=128)
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "experiment=smoke", "engine=vllm", "model=hf",
+         f"model.path={checkpoint}", "model.dtype=float32", "model.device=cpu", "logger=none",
+         "progress=false", "engine.gpu_memory_utilization=0.05", "engine.enforce_eager=true",
+         f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=280, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "steps=4" in result.stdout, result.stdout
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")[:-1]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert [m["policy/version"] for m in metrics] == [0, 1, 2, 3]
+    for m in metrics:
+        assert m["reward/mean"] >= 0.0 and m["train/loss"] == m["train/loss"]
+    diffs = [m["engine/logprob_diff"] for m in metrics if "engine/logprob_diff" in m]
+    assert diffs and max(diffs) < 1e-3, diffs
+    print(f"engine/logprob_diff over the run: {diffs}")
+
+    spans = read_jsonl(run_dir / "spans.jsonl")
+    assert {"generate", "reward", "train_step", "weight_sync"} <= {s["stage"] for s in spans}
+    syncs = [s for s in spans if s["stage"] == "weight_sync" and "bytes" in s["attributes"]]
+    assert len(syncs) >= 3 and all(s["attributes"]["bytes"] > 0 for s in syncs)
+    assert all(s["attributes"]["load_seconds"] > 0 for s in syncs)
+
+    trace = TraceDir.open(run_dir)
+    assert trace.steps() == [0, 1, 2, 3]
+    for step in trace.steps():
+        assert len(list(trace.workload(step))) == 16  # experiment=smoke's batch
+        assert list(trace.packed_lengths(step)) and list(trace.reward_timings(step))
