@@ -1,5 +1,6 @@
 """``python -m orchestrator experiment=smoke engine=vllm model=hf model.path=<checkpoint>`` as a
-user runs it (vLLM's engine processes are spawned from the command line's main module): the
+user runs it (vLLM's engine processes are spawned from the command line's main module, or
+from a Ray actor with ``launcher=ray``): the
 run trains, the engine's log-probs agree with the trainer's, and the run directory holds
 complete metrics, spans (weight syncs with their bytes) and PolyTrace files."""
 
@@ -25,7 +26,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: Path,
+                                                                     launcher: str) -> None:
+    """launcher=ray puts the vLLM engine in a Ray actor (a local Ray started for the run)."""
+    if launcher == "ray":
+        pytest.importorskip("ray")
     # head size 64 (vLLM's CPU attention rejects 16)
     checkpoint = build_hf_checkpoint(tmp_path / "ckpt", hidden_size=128, num_heads=2,
                                      intermediate_size=128)
@@ -33,6 +39,7 @@ def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
     result = subprocess.run(
         [sys.executable, "-m", "orchestrator", "experiment=smoke", "engine=vllm", "model=hf",
+         f"launcher={launcher}",
          f"model.path={checkpoint}", "model.dtype=float32", "model.device=cpu", "logger=none",
          "progress=false", "engine.gpu_memory_utilization=0.05", "engine.enforce_eager=true",
          f"hydra.run.dir={run_dir}"],
@@ -52,9 +59,10 @@ def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: 
 
     spans = read_jsonl(run_dir / "spans.jsonl")
     assert {"generate", "reward", "train_step", "weight_sync"} <= {s["stage"] for s in spans}
-    syncs = [s for s in spans if s["stage"] == "weight_sync" and "bytes" in s["attributes"]]
-    assert len(syncs) >= 3 and all(s["attributes"]["bytes"] > 0 for s in syncs)
-    assert all(s["attributes"]["load_seconds"] > 0 for s in syncs)
+    # the pipeline's weight syncs (with launcher=ray the actors add spans of their own)
+    syncs = [s["attributes"] for s in spans
+             if s["stage"] == "weight_sync" and "load_seconds" in s["attributes"]]
+    assert len(syncs) >= 3 and all(a["bytes"] > 0 and a["load_seconds"] > 0 for a in syncs)
 
     trace = TraceDir.open(run_dir)
     assert trace.steps() == [0, 1, 2, 3]
