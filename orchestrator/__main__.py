@@ -3,10 +3,17 @@
 A thin ``@hydra.main`` around :func:`orchestrator.main.run`. Configuration mistakes (an
 unknown experiment, key or value) end the process with one line naming what to change;
 anything else is a bug and keeps its traceback.
+
+``resume=<run_dir>`` continues that run from its latest valid checkpoint, in the same
+directory, with the config it was started with: only keys that cannot change the maths may
+be overridden (:data:`RESUMABLE`); any other override is refused in one line.
+``resume=auto`` with ``hydra.run.dir=<run_dir>`` resumes when that directory has a
+checkpoint and starts the run there otherwise (for a job scheduler that restarts a job).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -31,12 +38,20 @@ def register_plugins() -> None:
     register_hydra_configs({p.stem for p in (CONF / "env").glob("*.yaml")})
 
 
+# Keys a resumed run may change: how long it runs, what it logs, how it checkpoints.
+RESUMABLE = ("pipeline.num_steps", "progress", "logger", "checkpoint")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def _entry(cfg: DictConfig) -> float | None:
+    return _run_and_report(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def _run_and_report(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> float | None:
     from orchestrator.main import run
 
     try:
-        result = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        result = run(cfg, run_dir, resume_from)
     except (ConfigError, RunAborted, InstantiationException, OmegaConfBaseException,
             BaseExceptionGroup) as error:
         # Exit from inside the job: Hydra would otherwise print its own line first.
@@ -100,10 +115,105 @@ def explain(error: BaseException) -> str | None:
     return None
 
 
+def resume_target(args: list[str]) -> tuple[Path | None, bool]:
+    """The run directory ``resume=`` names (``auto``: ``hydra.run.dir`` when it holds a
+    checkpoint) and whether it came from ``resume=auto``; (None, …) for a fresh run."""
+    value = next((a.split("=", 1)[1] for a in args if a.startswith("resume=")), None)
+    if value in (None, "null"):
+        return None, False
+    if value != "auto":
+        return Path(value), False
+    args.remove("resume=auto")
+    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")), None)
+    if run_dir is None:
+        raise ConfigError("resume=auto needs the run directory: add hydra.run.dir=<run_dir>")
+    from orchestrator.checkpoint import CheckpointStore
+
+    if CheckpointStore(Path(run_dir) / "checkpoints").latest_valid() is None:
+        return None, True  # nothing to resume yet: a fresh run in that directory
+    return Path(run_dir), True
+
+
+def resumed_config(run_dir: Path, overrides: list[str]) -> DictConfig:
+    """``run_dir``'s own config with ``overrides`` of :data:`RESUMABLE` keys applied."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    assert isinstance(cfg, DictConfig)
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if key == "resume" or key.startswith("hydra."):
+            continue
+        if not any(key == k or key.startswith(k + ".") for k in RESUMABLE):
+            raise ConfigError(
+                f"{key} cannot change when resuming (the run's maths depend on it); only "
+                f"{', '.join(RESUMABLE)} can: start a new run to change it")
+        if key == "logger":  # a config group: its option's file
+            cfg.logger = OmegaConf.load(CONF / "logger" / f"{value}.yaml")
+        else:
+            OmegaConf.update(cfg, key, yaml_value(value), force_add=False)
+    return cfg
+
+
+def same_command_config(run_dir: Path, overrides: list[str]) -> DictConfig:
+    """``resume=auto``: the command line is the one that started the run, so it is composed
+    as it was then and must give the run's config again, but for :data:`RESUMABLE` keys."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        now = compose("config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+    now_flat = _flat(OmegaConf.to_container(now, resolve=True))
+    changed = [k for k, v in _flat(OmegaConf.to_container(saved)).items()
+               if now_flat.get(k) != v and not _resumable(k)]
+    if changed:
+        raise ConfigError(f"{changed[0]} differs from the run being resumed in {run_dir} (the "
+                          f"run's maths depend on it); only {', '.join(RESUMABLE)} can change")
+    return now
+
+
+def _resumable(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in RESUMABLE)
+
+
+def _flat(tree: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        out: dict[str, object] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def yaml_value(text: str) -> object:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def resume(run_dir: Path, overrides: list[str], auto: bool = False) -> None:
+    from orchestrator.resume import find_checkpoint
+
+    checkpoint = find_checkpoint(run_dir)
+    cfg = same_command_config(run_dir, overrides) if auto else resumed_config(run_dir, overrides)
+    logging.basicConfig(
+        level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
+        handlers=[logging.StreamHandler(), logging.FileHandler(run_dir / "train.log")])
+    logging.getLogger(__name__).info("resume=%s: from %s", run_dir, checkpoint)
+    _run_and_report(cfg, run_dir, checkpoint)
+
+
 def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach explain() instead of Hydra's printer
     register_plugins()
     try:
+        args = sys.argv[1:]
+        target, auto = resume_target(args)
+        if target is not None:
+            resume(target, args, auto)
+            return
+        sys.argv[1:] = args
         _entry()
     except (ConfigError, RunAborted, HydraException, OmegaConfBaseException, ValueError,
             TypeError, SandboxError, BaseExceptionGroup) as error:

@@ -1,19 +1,42 @@
-"""Checkpoints: the policy in Hugging Face format plus the rest of the trainer's state.
+"""Checkpoints: the trainer's state, and the run's periodic, atomic checkpoints to resume from.
 
-``<dir>/model/`` is a ``save_pretrained`` directory (safetensors), loadable by
-``model=hf model.path=<dir>/model`` when the tokenizer is a Hugging Face one; the character
-tokenizer needs nothing saved. ``<dir>/trainer.pt`` holds the rest of
-:meth:`TorchTrainer.state_dict`: optimiser, learning-rate schedule and version.
+One checkpoint directory holds:
+
+* ``model/``: a ``save_pretrained`` directory (safetensors), loadable by
+  ``model=hf model.path=<dir>/model`` when the tokenizer is a Hugging Face one;
+* ``trainer.pt``: the rest of :meth:`TorchTrainer.state_dict` (optimiser, learning-rate
+  schedule and its warm-up position, version);
+* in a run's periodic checkpoints, ``run_state.json`` and ``rng.pt`` too (see
+  :mod:`orchestrator.resume`);
+* ``MANIFEST.json``, written last: every other file with its size and SHA-256.
+
+:class:`CheckpointStore` writes ``<run_dir>/checkpoints/step-<N>/`` atomically: into a
+temporary directory, every file fsynced, the manifest last, then renamed into place. A
+directory without a manifest (a crash mid-write) is never loaded, and one whose files do not
+match their manifest is reported in one line and skipped for the previous one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from orchestrator.errors import ConfigError
+from orchestrator.faults import kill_point
 from orchestrator.trainer import TorchTrainer, Trainer
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def save_checkpoint(trainer: Trainer, directory: Path) -> Path:
@@ -41,3 +64,116 @@ def load_checkpoint(trainer: TorchTrainer, directory: Path) -> None:
     trainer.model.load_state_dict(weights, strict=False)  # tied weights are saved once
     state = torch.load(directory / "trainer.pt", weights_only=True)
     trainer.load_state_dict({**state, "model": trainer.model.state_dict()})
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint directory whose files do not match its manifest."""
+
+
+class CheckpointStore:
+    """``<run_dir>/checkpoints/step-<N>/``: written atomically, the last ``keep`` kept."""
+
+    def __init__(self, root: Path, keep: int = 2) -> None:
+        if keep < 1:
+            raise ConfigError(f"checkpoint.keep must be >= 1, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def save(self, step: int, write: Callable[[Path], None]) -> Path:
+        """``write(tmp_dir)`` fills a temporary directory; it becomes ``step-<step>`` once every
+        file is on disk and the manifest, written last, lists them."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-step-{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write(tmp)
+        kill_point("checkpoint", step)
+        files = {str(p.relative_to(tmp)): _describe(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        for name in files:
+            _fsync(tmp / name)
+        _write_synced(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+        final = self.path(step)
+        if final.exists():  # a resumed run writing the same step again
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(self.root)
+        self._prune()
+        return final
+
+    def steps(self) -> list[int]:
+        """Steps with a complete (manifested) checkpoint directory, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [int(m.group(1)) for p in self.root.iterdir()
+                 if (m := _STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
+        return sorted(found)
+
+    def latest_valid(self) -> Path | None:
+        """The newest checkpoint whose files match its manifest; corrupt ones are reported in
+        one line each and skipped."""
+        for step in reversed(self.steps()):
+            path = self.path(step)
+            try:
+                verify(path)
+            except CorruptCheckpoint as e:
+                log.warning("skipping checkpoint %s: %s", path, e)
+                continue
+            return path
+        return None
+
+    def _prune(self) -> None:
+        for step in self.steps()[: -self.keep]:
+            shutil.rmtree(self.path(step), ignore_errors=True)
+        for stale in self.root.glob(".tmp-step-*"):  # left by a crash mid-write
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def verify(path: Path) -> None:
+    """Raise :class:`CorruptCheckpoint` unless every file matches ``path``'s manifest."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"unreadable {MANIFEST} ({e})") from None
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CorruptCheckpoint(f"{name} is missing")
+        if file.stat().st_size != expected["bytes"]:
+            raise CorruptCheckpoint(
+                f"{name} has {file.stat().st_size} bytes, the manifest says {expected['bytes']}")
+        if _sha256(file) != expected["sha256"]:
+            raise CorruptCheckpoint(f"{name} does not match its checksum")
+
+
+def _describe(path: Path) -> dict[str, object]:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    _fsync(path)  # the rename itself is durable once the directory is synced

@@ -5,9 +5,14 @@ A training run builds the policy, environment, algorithm and trainer the config 
 (:func:`orchestrator.replay.replay_parts`). Either way the parts go through the one run loop
 (:func:`orchestrator.runloop.run_session`) and the one run-directory writer
 (:class:`orchestrator.rundir.RunDir`): ``config.yaml``, ``metrics.jsonl``, the PolyTrace
-files, ``samples.jsonl``, ``spans.jsonl``, ``timeline.json``, ``summary.json`` and
-``checkpoints/final/`` (``checkpoints/interrupted/`` when a run fails after training
-something). Everything but the final checkpoint is written even when the run fails part-way.
+files, ``samples.jsonl``, ``spans.jsonl``, ``timeline.json``, ``summary.json``, periodic
+checkpoints ``checkpoints/step-<N>/`` to resume from (every ``checkpoint.every`` steps, when a
+signal stops the run, and after a crash when the trainer still holds the last step's
+weights) and ``checkpoints/final/``. Everything but the final checkpoint is written even when
+the run fails part-way.
+
+``run(cfg, run_dir, resume_from=<checkpoint>)`` continues a run in its own directory (see
+:mod:`orchestrator.resume`; the command line's ``resume=`` is in :mod:`orchestrator.__main__`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from envs.base import EnvSpec
+from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import build_env, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
@@ -34,9 +40,18 @@ from orchestrator.models.policy import build_policy
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
+from orchestrator.resume import RunState, restore_rng, truncate_after
 from orchestrator.rollout import RolloutConfig
 from orchestrator.rundir import RunDir
-from orchestrator.runloop import RunParts, RunResult, load_into, run_session, summarise
+from orchestrator.runloop import (
+    CheckpointConfig,
+    Checkpointer,
+    RunParts,
+    RunResult,
+    load_into,
+    run_session,
+    summarise,
+)
 from orchestrator.trainer import TorchTrainer, Trainer
 from orchestrator.warmstart import WarmStartConfig, warm_start
 from orchestrator.weights import WeightUpdate
@@ -53,42 +68,56 @@ class EvalConfig:
             raise ConfigError(f"eval.num_tasks must be >= 0, got {self.num_tasks}")
 
 
-def run(cfg: DictConfig, run_dir: Path) -> RunResult:
-    """Run the experiment ``cfg`` describes; raises :class:`ConfigError` on bad input."""
+def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> RunResult:
+    """Run the experiment ``cfg`` describes, or go on from the checkpoint ``resume_from`` of
+    ``run_dir``; raises :class:`ConfigError` on bad input."""
     with ExitStack() as resources:  # the launcher's actors live as long as the run
         if OmegaConf.select(cfg, "replay") is not None:
+            if resume_from is not None:
+                raise ConfigError("a replay has nothing to resume: it runs in virtual time")
             from orchestrator.replay import replay_parts
 
             parts = replay_parts(cfg)
         else:
             check_target(cfg, "launcher")
             launcher: Launcher = resources.enter_context(instantiate(cfg.launcher))
-            parts = training_parts(cfg, launcher)
+            parts = training_parts(cfg, launcher, resume_from)
         return _run(cfg, parts, run_dir)
 
 
 def _run(cfg: DictConfig, parts: RunParts, run_dir: Path) -> RunResult:
     check_target(cfg, "logger")
     logger: Logger = instantiate(cfg.logger)
+    if parts.resume is not None:
+        truncate_after(run_dir, parts.resume.step)  # steps past the checkpoint are redone
+        logger.resume_id = parts.resume.logger_run_id
     out = RunDir(run_dir, OmegaConf.to_container(cfg, resolve=True), [logger],  # type: ignore[arg-type]
                  parts.rollout.max_total_tokens)
+    checkpointer = None
+    if parts.checkpoint is not None and parts.save_checkpoint is not None:
+        every = parts.checkpoint.every or parts.pipeline.num_steps + 1  # 0: only on a signal
+        checkpointer = Checkpointer(
+            CheckpointStore(out.path / "checkpoints", parts.checkpoint.keep), every,
+            parts.save_checkpoint, parts.trainer, logger_run_id=lambda: logger.run_id,
+            last_saved=parts.resume.step if parts.resume is not None else -1)
     result = RunResult(run_dir=run_dir)
     failed = True
     try:
         try:
             anyio.run(partial(run_session, parts, result,
-                              lambda report: out.write_step(report, parts.tokenizer)),
+                              lambda report: out.write_step(report, parts.tokenizer), checkpointer,
+                              out.open_recorder),
                       backend=parts.anyio_backend, backend_options=dict(parts.backend_options))
         except BaseException:
-            if parts.save_checkpoint and (result.reports or result.warm_start_steps):
-                parts.save_checkpoint(out.checkpoint_dir("interrupted"))  # keep what was trained
+            if checkpointer is not None:
+                saved = checkpointer.save_last()  # keep what was trained, if consistent
+                if saved is not None:
+                    log.warning("the run failed; checkpoint of its last step at %s", saved)
             raise
         if parts.save_checkpoint:
             parts.save_checkpoint(out.checkpoint_dir("final"))
         failed = False
     finally:
-        if result.recorder is not None:
-            out.record(result.recorder)
         result.summary = summarise(result)
         if parts.describe is not None and result.reports:
             result.summary.update(parts.describe(result))
@@ -96,9 +125,10 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path) -> RunResult:
     return result
 
 
-def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunParts:
+def training_parts(cfg: DictConfig, launcher: Launcher | None = None,
+                   resume_from: Path | None = None) -> RunParts:
     """The parts of a training run: trainer and engine placed by ``launcher`` (in this process
-    by default), environment, warm start, evals."""
+    by default), environment, warm start, evals; restored from ``resume_from`` if given."""
     launcher = launcher or LocalLauncher()
     seed: int = scalar(cfg, "seed", int)
     threads: int | None = scalar(cfg, "torch_threads", int | None)
@@ -108,6 +138,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     rollout_cfg = typed(RolloutConfig, cfg, "rollout")
     warm = typed(WarmStartConfig, cfg, "warmstart")
     eval_cfg = typed(EvalConfig, cfg, "eval")
+    checkpoint_cfg = typed(CheckpointConfig, cfg, "checkpoint")
     for key in ("model", "engine", "algo", "trainer"):
         check_target(cfg, key)
     spec = build_env(cfg)
@@ -120,6 +151,11 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     trainer = launcher.trainer(TrainerRecipe(
         trainer=section(cfg, "trainer"), model=model_cfg, algo=section(cfg, "algo"),
         temperature=rollout_cfg.temperature, seed=seed, torch_threads=threads))
+    resume = None
+    if resume_from is not None:
+        launcher.load_checkpoint(trainer, resume_from)
+        resume = RunState.read(resume_from)
+        log.info("resuming at step %d (version %d) from %s", resume.step, resume.version, resume_from)
     tokenizer = _tokenizer(trainer, model_cfg)
     engine_recipe = EngineRecipe(engine=section(cfg, "engine"), model=model_cfg)
 
@@ -145,13 +181,17 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
             log.info("warm start: %d steps, final loss %.3f", len(losses), losses[-1])
         return len(losses)
 
+    sampler = TaskSampler(spec.tasks("train"), seed=seed)
+    if resume is not None:
+        sampler.load_state_dict(resume.sampler)
+        restore_rng(resume_from)  # type: ignore[arg-type]
     return RunParts(
         spec=spec, tokenizer=tokenizer, trainer=trainer, make_engine=make_engine,
-        sampler=TaskSampler(spec.tasks("train"), seed=seed), pipeline=pipeline_cfg,
+        sampler=sampler, pipeline=pipeline_cfg, checkpoint=checkpoint_cfg, resume=resume,
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
         eval_tasks=list(spec.tasks("eval"))[: eval_cfg.num_tasks],
         progress=scalar(cfg, "progress", bool),
-        save_checkpoint=lambda directory: launcher.save_checkpoint(trainer, directory),
+        save_checkpoint=partial(launcher.save_checkpoint, trainer),
     )
 
 

@@ -40,6 +40,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from envs.base import EnvSpec, Task
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
+from orchestrator.faults import kill_point
 from orchestrator.gate import Gate
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
@@ -104,7 +105,12 @@ class StepReport:
 
 
 class TaskSampler:
-    """Endless shuffled passes over a task list, shared by every worker."""
+    """Endless shuffled passes over a task list, shared by every worker.
+
+    It remembers the tasks it handed out that have not been settled yet (trained, or dropped
+    as stale): a checkpoint saves them (:meth:`state_dict`), and a resumed run hands them out
+    again first, so no prompt is skipped and none is repeated within a pass.
+    """
 
     def __init__(self, tasks: Sequence[Task], seed: int = 0) -> None:
         if not tasks:
@@ -112,12 +118,39 @@ class TaskSampler:
         self._tasks = tasks
         self._rng = random.Random(seed)
         self._order: list[int] = []
+        self._index = {task.id: i for i, task in enumerate(tasks)}
+        self._outstanding: list[int] = []  # handed out, not settled, oldest first
+        self._again: list[int] = []  # outstanding at the checkpoint a run resumed from
+        self.passes = 0
 
     def next(self) -> Task:
-        if not self._order:
-            self._order = list(range(len(self._tasks)))
-            self._rng.shuffle(self._order)
-        return self._tasks[self._order.pop()]
+        if self._again:
+            i = self._again.pop(0)
+        else:
+            if not self._order:
+                self._order = list(range(len(self._tasks)))
+                self._rng.shuffle(self._order)
+                self.passes += 1
+            i = self._order.pop()
+        self._outstanding.append(i)
+        return self._tasks[i]
+
+    def settle(self, task_id: int) -> None:
+        """The group of ``task_id`` was trained or dropped: its task is done with."""
+        self._outstanding.remove(self._index[task_id])
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self._rng.getstate()
+        return {"rng": [version, list(internal), gauss], "order": list(self._order),
+                "again": self._again + self._outstanding, "passes": self.passes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self._order = list(state["order"])
+        self._again = list(state["again"])
+        self._outstanding = []
+        self.passes = int(state["passes"])
 
 
 OnStep = Callable[[StepReport], Awaitable[None] | None]
@@ -135,6 +168,8 @@ class Pipeline:
         sampler: TaskSampler,
         recorder: Recorder | None = None,
         on_step: OnStep | None = None,
+        start_step: int = 0,
+        dropped: int = 0,
     ) -> None:
         config.check_group_size(rollout.group_size)
         self.config = config
@@ -150,8 +185,12 @@ class Pipeline:
         self.staleness = StalenessController(
             config.batch_size, config.max_staleness, version=trainer.version
         )
+        self.staleness.dropped = dropped  # a resumed run's count goes on
         self.gate = Gate()  # held by episodes when inflight_update='finish'
         self.reports: list[StepReport] = []
+        self.start_step = start_step
+        self.stopped = False  # request_stop() ended the run before num_steps
+        self._waiting: anyio.CancelScope | None = None  # the trainer waiting for a batch
 
     async def run(self) -> list[StepReport]:
         groups_per_batch = self.config.batch_size // self.rollout.group_size
@@ -171,6 +210,13 @@ class Pipeline:
             tg.cancel_scope.cancel()
         return self.reports
 
+    def request_stop(self) -> None:
+        """End the run after the step in progress (at once if the trainer is only waiting for
+        a batch); :meth:`run` returns with :attr:`stopped` set."""
+        self.stopped = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
     # -- rollout -------------------------------------------------------------------------
 
     async def _worker(self, name: str, send: ObjectSendStream[Group]) -> None:
@@ -187,6 +233,7 @@ class Pipeline:
                 )
                 try:
                     async with episode_scope:
+                        kill_point("generate", self.engine.version)
                         with self.recorder.span("rollout", name, self.engine.version,
                                                 prompt_id=task.id) as attrs:
                             group = await run_group(
@@ -213,10 +260,18 @@ class Pipeline:
         last_report = self.recorder.now()
         async with send_weights:  # closing it lets weight sync finish; receive stays open
             # until the workers are cancelled, so none of them fails on a closed stream.
-            for step in range(self.config.num_steps):
+            for step in range(self.start_step, self.config.num_steps):
+                if self.stopped:
+                    break
                 version = self.trainer.version
-                with self.recorder.span("wait_batch", "trainer", version):
+                with self.recorder.span("wait_batch", "trainer", version), \
+                        anyio.CancelScope() as self._waiting:
                     batch = await self._next_batch(receive, pending, groups_per_batch, version)
+                self._waiting = None
+                if self.stopped:
+                    break
+                for group in batch:
+                    self.sampler.settle(group.prompt_id)
                 with self.recorder.span("train_step", "trainer", version) as attrs:
                     metrics = await self.trainer.step(batch)
                     attrs["samples"] = sum(len(g) for g in batch)
@@ -243,6 +298,7 @@ class Pipeline:
                 if self.staleness.is_fresh(group.start_version, version):
                     fresh.append(group)
                 else:
+                    self.sampler.settle(group.prompt_id)
                     await self.staleness.release(len(group), dropped=True)
             # Oldest first: a slow group overtaken by later ones is trained before it ages
             # past k (the sort is stable, so equal versions keep arrival order).
@@ -268,6 +324,7 @@ class Pipeline:
                         started = self.recorder.now()
                         await self.engine.pause()
                         try:
+                            kill_point("weight_sync", version)
                             await self.engine.update_weights(update)
                         finally:
                             await self.engine.resume()

@@ -8,25 +8,35 @@ turns a config into :class:`RunParts`; :func:`run_session` runs them in one even
 3. the warm start, if the parts have one (it checks greedy accuracy on that same engine);
 4. a greedy evaluation, the RL pipeline with its progress bar, a second evaluation.
 
-Every trained step goes to ``on_step`` (the run directory's writer) as it is reported.
+Every trained step goes to ``on_step`` (the run directory's writer) as it is reported, and
+every ``checkpoint.every`` steps to a periodic checkpoint (:class:`Checkpointer`). A resumed
+run (``parts.resume``) skips the warm start and the first evaluation, which were done, and
+goes on from the checkpoint's step. SIGTERM or SIGINT ends the run after the step in
+progress, with a checkpoint of it, in :class:`~orchestrator.errors.RunAborted`'s one line.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from envs.base import Clock, EnvSpec, Task
+from orchestrator.checkpoint import CheckpointStore
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.errors import ConfigError, RunAborted
 from orchestrator.evaluate import evaluate
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import Pipeline, PipelineConfig, StepReport, TaskSampler
 from orchestrator.recorder import Recorder
+from orchestrator.resume import RunState, capture_rng
 from orchestrator.rollout import RolloutConfig
 from orchestrator.trainer.base import Trainer
 from orchestrator.weights import WeightUpdate
@@ -35,6 +45,79 @@ log = logging.getLogger(__name__)
 
 # (engine, recorder) -> supervised steps taken; runs before RL with the run's one engine
 WarmStart = Callable[[InferenceEngine, Recorder], Awaitable[int]]
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10  # steps between periodic checkpoints (0: none; a signal still writes one)
+    keep: int = 2  # the newest periodic checkpoints kept
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every must be >= 0, got {self.every}")
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep must be >= 1, got {self.keep}")
+
+
+@dataclass
+class Checkpointer:
+    """The run's periodic checkpoints: every ``every`` steps, and when the run stops early.
+
+    :meth:`capture` snapshots the run's state at the end of each step (cheap: the sampler's
+    lists, the RNG states); :meth:`save` writes the trainer and that snapshot atomically.
+    After a crash, :meth:`save_last` writes the last snapshot if the trainer still holds the
+    weights it describes (a step that was cut short leaves them changed: then the previous
+    periodic checkpoint is the one to resume from).
+    """
+
+    store: CheckpointStore
+    every: int
+    save_trainer: Callable[[Path], None]
+    trainer: Trainer
+    logger_run_id: Callable[[], str | None] = lambda: None
+    last_saved: int = -1  # the step (``RunState.step``) of the newest checkpoint written
+    _state: RunState | None = None
+    _rng: dict[str, Any] = field(default_factory=dict)
+
+    def capture(self, pipeline: Pipeline, result: RunResult, step: int) -> None:
+        self._state = RunState(
+            step=step, version=self.trainer.version, sampler=pipeline.sampler.state_dict(),
+            dropped=pipeline.staleness.dropped, warm_start_steps=result.warm_start_steps,
+            eval_before=result.eval_before, logger_run_id=self.logger_run_id())
+        self._rng = capture_rng()
+
+    def due(self) -> bool:
+        return self._state is not None and self._state.step % self.every == 0
+
+    async def save(self) -> Path | None:
+        state = self._state
+        if state is None or state.step == self.last_saved:
+            return None
+        rng = self._rng
+
+        def write(directory: Path) -> None:
+            self.save_trainer(directory)
+            state.write(directory, rng)
+
+        path = await anyio.to_thread.run_sync(self.store.save, state.step, write)
+        self.last_saved = state.step
+        log.info("checkpoint: step %d at %s", state.step, path)
+        return path
+
+    def save_last(self) -> Path | None:
+        """After a crash: the last snapshot, when the trainer is still at its version."""
+        state = self._state
+        if state is None or state.step == self.last_saved or self.trainer.version != state.version:
+            return None
+        rng = self._rng
+
+        def write(directory: Path) -> None:
+            self.save_trainer(directory)
+            state.write(directory, rng)
+
+        path = self.store.save(state.step, write)
+        self.last_saved = state.step
+        return path
 
 
 @dataclass
@@ -58,6 +141,8 @@ class RunParts:
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     # (result) -> extra summary entries: replay adds its virtual-time figures
     describe: Callable[[RunResult], dict[str, Any]] | None = None
+    checkpoint: CheckpointConfig | None = None  # periodic checkpoints (with save_checkpoint)
+    resume: RunState | None = None  # the checkpoint a resumed run goes on from
 
 
 @dataclass
@@ -70,6 +155,7 @@ class RunResult:
     recorder: Recorder | None = None
     wall: float = 0.0  # seconds on the run's clock, engine start to the last step
     summary: dict[str, Any] = field(default_factory=dict)
+    stopped_by: str | None = None  # the signal that ended the run early
 
 
 async def load_into(engine: InferenceEngine, update: WeightUpdate) -> None:
@@ -83,37 +169,82 @@ async def load_into(engine: InferenceEngine, update: WeightUpdate) -> None:
 
 
 async def run_session(parts: RunParts, result: RunResult,
-                      on_step: Callable[[StepReport], None] | None = None) -> None:
-    """Run ``parts``, filling ``result`` as it goes (so a failed run still reports)."""
-    recorder = Recorder(clock=parts.clock)
+                      on_step: Callable[[StepReport], None] | None = None,
+                      checkpointer: Checkpointer | None = None,
+                      make_recorder: Callable[[Clock], Recorder] = Recorder) -> None:
+    """Run ``parts``, filling ``result`` as it goes (so a failed run still reports); the
+    recorder is ``make_recorder(parts.clock)`` (a run directory's streams to its spans file)."""
+    recorder = make_recorder(parts.clock)
     result.recorder = recorder
+    resume = parts.resume
     async with parts.spec.running():
         update = await parts.trainer.weights()
         engine = parts.make_engine(update, recorder)
         update.release()
         started = recorder.now()
         async with engine:
-            if parts.warm_start is not None:
-                result.warm_start_steps = await parts.warm_start(engine, recorder)
-                await load_into(engine, await parts.trainer.weights())
-            if parts.eval_tasks:
-                result.eval_before = await _evaluate(engine, parts, recorder)
-                log.info("eval before RL: %.3f", result.eval_before)
-
-            def step_done(report: StepReport) -> None:
+            if resume is not None:
+                result.warm_start_steps, result.eval_before = resume.warm_start_steps, resume.eval_before
+            else:
+                if parts.warm_start is not None:
+                    result.warm_start_steps = await parts.warm_start(engine, recorder)
+                    await load_into(engine, await parts.trainer.weights())
+                if parts.eval_tasks:
+                    result.eval_before = await _evaluate(engine, parts, recorder)
+                    log.info("eval before RL: %.3f", result.eval_before)
+            async def step_done(report: StepReport) -> None:
                 result.reports.append(report)
                 if on_step is not None:
                     on_step(report)
                 progress.update(report)
+                if checkpointer is not None:
+                    checkpointer.capture(pipeline, result, report.step + 1)
+                    if checkpointer.due():
+                        await checkpointer.save()
 
-            with StepProgress(parts.pipeline.num_steps, enabled=parts.progress) as progress:
+            start = resume.step if resume is not None else 0
+            with StepProgress(parts.pipeline.num_steps, enabled=parts.progress,
+                              completed=start) as progress:
                 pipeline = Pipeline(parts.pipeline, parts.rollout, engine, parts.trainer,
-                                    parts.tokenizer, parts.spec, parts.sampler, recorder, step_done)
-                await pipeline.run()
+                                    parts.tokenizer, parts.spec, parts.sampler, recorder, step_done,
+                                    start_step=start, dropped=resume.dropped if resume else 0)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(_stop_on_signal, pipeline, result, tg.cancel_scope)
+                    await pipeline.run()
+                    tg.cancel_scope.cancel()
             result.wall = recorder.now() - started
+            if pipeline.stopped:
+                saved = await checkpointer.save() if checkpointer is not None else None
+                where = saved or (checkpointer.store.path(checkpointer.last_saved)
+                                  if checkpointer is not None and checkpointer.last_saved >= 0
+                                  else None)
+                done = resume.step if resume is not None else 0
+                done += len(result.reports)
+                raise RunAborted(
+                    f"stopped by {result.stopped_by} after {done} steps"
+                    + (f"; resume from {where} with: python -m orchestrator "
+                       f"resume={where.parent.parent}" if where is not None else
+                       "; no checkpoint was written (checkpoint.every=0)"))
             if parts.eval_tasks:
                 result.eval_after = await _evaluate(engine, parts, recorder)
                 log.info("eval after RL: %.3f", result.eval_after)
+
+
+async def _stop_on_signal(pipeline: Pipeline, result: RunResult, scope: anyio.CancelScope) -> None:
+    """The first SIGTERM/SIGINT ends the run after the step in progress; a second at once."""
+    try:
+        signals = anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
+    except (NotImplementedError, ValueError):  # not the main thread: no signal handlers here
+        return
+    with signals as received:
+        async for signum in received:
+            if result.stopped_by is not None:
+                scope.cancel()
+                return
+            result.stopped_by = signal.Signals(signum).name
+            log.warning("%s: stopping after the step in progress (again to stop at once)",
+                        result.stopped_by)
+            pipeline.request_stop()
 
 
 async def _evaluate(engine: InferenceEngine, parts: RunParts, recorder: Recorder) -> float:

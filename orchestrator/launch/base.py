@@ -81,6 +81,10 @@ class Launcher(ABC):
     def save_checkpoint(self, trainer: Trainer, directory: Path) -> None:
         """Write ``trainer``'s checkpoint to ``directory``."""
 
+    @abstractmethod
+    def load_checkpoint(self, trainer: Trainer, directory: Path) -> None:
+        """Load the checkpoint in ``directory`` into ``trainer`` (a resumed run)."""
+
     def close(self) -> None:  # noqa: B027 - the local launcher holds nothing
         pass
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.checkpoint import save_checkpoint
+from orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
 from orchestrator.recorder import Recorder
+from orchestrator.errors import ConfigError
+from orchestrator.trainer import TorchTrainer
 from orchestrator.trainer.base import Trainer
 from orchestrator.weights import WeightUpdate
 
@@ -22,3 +24,8 @@ class LocalLauncher(Launcher):
 
     def save_checkpoint(self, trainer: Trainer, directory: Path) -> None:
         save_checkpoint(trainer, directory)
+
+    def load_checkpoint(self, trainer: Trainer, directory: Path) -> None:
+        if not isinstance(trainer, TorchTrainer):
+            raise ConfigError(f"cannot load a checkpoint into a {type(trainer).__name__}")
+        load_checkpoint(trainer, directory)

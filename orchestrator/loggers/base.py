@@ -51,8 +51,16 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 
 class Logger(ABC):
+    # A resumed run's logger continues the run it logged before (``run_id`` from then).
+    resume_id: str | None = None
+
     def start(self, config: dict[str, Any], run_dir: Path) -> None:  # noqa: B027
         pass
+
+    @property
+    def run_id(self) -> str | None:
+        """The id a resumed run hands back as :attr:`resume_id` (None: nothing to continue)."""
+        return None
 
     @abstractmethod
     def log_step(self, report: StepReport) -> None: ...

@@ -18,7 +18,8 @@ from orchestrator.pipeline import StepReport
 
 
 class StepProgress:
-    def __init__(self, total: int, enabled: bool = True, description: str = "RL") -> None:
+    def __init__(self, total: int, enabled: bool = True, description: str = "RL",
+                 completed: int = 0) -> None:
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -32,7 +33,7 @@ class StepProgress:
             disable=not enabled,
         )
         self._task = self._progress.add_task(
-            description, total=total, reward=0.0, samples_per_s=0.0, tokens_per_s=0.0, dropped=0
+            description, total=total, completed=completed, reward=0.0, samples_per_s=0.0, tokens_per_s=0.0, dropped=0
         )
         self._reward_ema: float | None = None
 

@@ -60,8 +60,14 @@ class WandbLogger(Logger):
             mode=mode,
             tags=self.tags,
             reinit="finish_previous",
+            id=self.resume_id,
+            resume="allow" if self.resume_id else None,
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
+
+    @property
+    def run_id(self) -> str | None:
+        return self._run.id if self._run is not None else None
 
     def log_step(self, report: StepReport) -> None:
         import wandb

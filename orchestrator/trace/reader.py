@@ -36,7 +36,7 @@ KINDS: dict[str, type[Record]] = {
     "reward_timings": RewardTimingRecord,
 }
 TASK_DISTRIBUTION = "task_distribution_parameters.json"
-_STEP_FILE = re.compile(r"^(multiturn_workload|packed_lengths|reward_timings)_step_(\d+)\.jsonl$")
+STEP_FILE = re.compile(r"^(multiturn_workload|packed_lengths|reward_timings)_step_(\d+)\.jsonl$")
 SHIPPED_SAMPLE = Path(__file__).parent / "data" / "search_r1"
 
 R = TypeVar("R", bound=Record)
@@ -54,7 +54,7 @@ def iter_records(path: Path, record: type[R] | None = None) -> Iterator[R]:
     """Typed records of one ``*_step_N.jsonl`` file, one line at a time (blank lines skipped)."""
     path = Path(path)
     if record is None:
-        match = _STEP_FILE.match(path.name)
+        match = STEP_FILE.match(path.name)
         if match is None:
             raise TraceFormatError(
                 f"{path}: not a PolyTrace step file (expected <kind>_step_<N>.jsonl with kind "
@@ -104,7 +104,7 @@ class TraceDir:
             raise FileNotFoundError(f"trace directory {path} does not exist")
         files: dict[str, dict[int, Path]] = {k: {} for k in KINDS}
         for p in path.iterdir():
-            match = _STEP_FILE.match(p.name)
+            match = STEP_FILE.match(p.name)
             if match:
                 files[match.group(1)][int(match.group(2))] = p
         files = {k: dict(sorted(v.items())) for k, v in files.items()}

@@ -26,6 +26,7 @@ import torch
 
 from orchestrator.algo.base import Algorithm, LossInputs
 from orchestrator.errors import ConfigError
+from orchestrator.faults import kill_point
 from orchestrator.models.policy import Policy
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.types import Group
@@ -256,6 +257,7 @@ class TorchTrainer(Trainer):
                     sums[k] = sums.get(k, 0.0) + v
                 counts += int(tokens)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+            kill_point("train_step", self.version)
             self.optimizer.step()
         self.scheduler.step()
         self.version += 1

@@ -248,5 +248,12 @@ class TrainerActor(_Reporting):
         from orchestrator.checkpoint import save_checkpoint
         await anyio.to_thread.run_sync(save_checkpoint, self._built(), Path(directory))
 
+    async def load_checkpoint(self, directory: str) -> int:
+        """Load a checkpoint from this actor's node; returns the restored version."""
+        from orchestrator.checkpoint import load_checkpoint
+        trainer = self._built()
+        await anyio.to_thread.run_sync(load_checkpoint, trainer, Path(directory))
+        return trainer.version
+
     async def version(self) -> int:
         return self._built().version

@@ -287,6 +287,11 @@ class RayLauncher(Launcher):
             raise ConfigError(f"launcher=ray cannot checkpoint a {type(trainer).__name__}")
         trainer.save_checkpoint(directory)
 
+    def load_checkpoint(self, trainer: Trainer, directory: Path) -> None:
+        if not isinstance(trainer, RayTrainer):
+            raise ConfigError(f"launcher=ray cannot load a checkpoint into a {type(trainer).__name__}")
+        trainer.load_checkpoint(directory)
+
     def close(self) -> None:
         for actor in self._actors:
             ray.kill(actor, no_restart=True)

@@ -83,3 +83,7 @@ class RayTrainer(Trainer):
         """Write the checkpoint on the trainer's node (its file system: shared storage on a
         cluster, or the same machine)."""
         self._call_now("a checkpoint", self.actor.save_checkpoint.remote(str(directory)))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        self.version = self._call_now("a checkpoint load",
+                                      self.actor.load_checkpoint.remote(str(directory)))

@@ -1,0 +1,218 @@
+"""Crash and resume, with real processes and real signals: a short run is SIGKILLed at a chosen
+point (``POLYRL_KILL_AT``, orchestrator/faults.py) or sent SIGTERM, then resumed with
+``python -m orchestrator resume=<run_dir>`` to its end. Also the atomic checkpoint store, the
+task sampler's state, and the refusal of overrides that would change a resumed run's maths."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from envs.base import Task
+from orchestrator.__main__ import resumed_config
+from orchestrator.checkpoint import CheckpointStore
+from orchestrator.errors import ConfigError
+from orchestrator.pipeline import TaskSampler
+from orchestrator.resume import RunState, find_checkpoint
+from orchestrator.trace.reader import TraceDir
+from helpers import REPO
+
+STEPS = 6
+# experiment=smoke made smaller still: a one-layer model, two warm-start steps, a small eval
+RUN = ["experiment=smoke", "logger=none", "progress=false", "model.device=cpu",
+       "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
+       "warmstart.steps=2", "eval.num_tasks=8", f"pipeline.num_steps={STEPS}",
+       "checkpoint.every=1", "checkpoint.keep=3"]
+
+
+def orchestrator(*args: str, kill_at: str | None = None, wait: bool = True
+                 ) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    if kill_at:
+        env["POLYRL_KILL_AT"] = kill_at
+    command = [sys.executable, "-m", "orchestrator", *args]
+    if not wait:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=280, check=False)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def trained_prompts(run_dir: Path) -> list[int]:
+    trace = TraceDir.open(run_dir)
+    return [r.prompt_group_id for step in trace.steps() for r in trace.workload(step)
+            if r.sample_id == 0]
+
+
+def check_finished(run_dir: Path, again: set[int]) -> None:
+    """Steps and versions go on with no gap or repeat; no prompt is trained twice; the prompts
+    in flight at the checkpoint resumed from were rolled out again; no container is left."""
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    steps = [m for m in metrics if "summary/steps" not in m]
+    assert [m["step"] for m in steps] == list(range(STEPS))
+    assert [m["policy/version"] for m in steps] == list(range(STEPS))
+    assert all(m["staleness/max"] <= 1 for m in steps)  # k = 1 across the resume
+    prompts = trained_prompts(run_dir)
+    assert len(prompts) == len(set(prompts)), "a prompt was trained twice"
+    dropped = steps[-1]["staleness/dropped_total"]
+    assert len(prompts) == STEPS * 4  # 4 groups of 4 per step
+    if not dropped:
+        assert again <= set(prompts), f"prompts in flight at the crash were lost: {again - set(prompts)}"
+    trace = TraceDir.open(run_dir)
+    assert trace.steps() == list(range(STEPS))
+    for step in trace.steps():
+        assert len(list(trace.workload(step))) == 16
+    assert read_jsonl(run_dir / "spans.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] > 0 and summary["eval_after"] is not None
+
+
+@pytest.mark.parametrize("kill_at", ["generate@2", "train_step@2", "weight_sync@3", "checkpoint@3"])
+def test_a_run_killed_at_any_point_resumes_to_the_end(tmp_path: Path, kill_at: str) -> None:
+    run_dir = tmp_path / "run"
+    killed = orchestrator(*RUN, f"hydra.run.dir={run_dir}", kill_at=kill_at)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    checkpoint = find_checkpoint(run_dir)
+    state = RunState.read(checkpoint)
+    assert 1 <= state.step < STEPS and state.version == state.step
+    if kill_at.startswith("checkpoint"):  # the half-written one is not the one resumed from
+        assert list((run_dir / "checkpoints").glob(".tmp-step-*"))
+    resumed = orchestrator(f"resume={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"steps={STEPS - state.step}" in resumed.stdout
+    assert "Traceback" not in resumed.stderr
+    check_finished(run_dir, set(state.sampler["again"]))
+    assert not list((run_dir / "checkpoints").glob(".tmp-step-*"))
+
+
+def test_sigterm_checkpoints_the_step_in_progress_and_exits_with_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = orchestrator(*RUN, "checkpoint.every=0", f"hydra.run.dir={run_dir}", wait=False)
+    assert isinstance(proc, subprocess.Popen)
+    deadline = time.monotonic() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, stderr[-2000:]
+    assert "stopped by SIGTERM after" in errors[0] and f"resume={run_dir}" in errors[0]
+    assert "Traceback" not in stderr
+    state = RunState.read(find_checkpoint(run_dir))
+    assert state.step == len([m for m in read_jsonl(metrics) if "summary/steps" not in m])
+    resumed = orchestrator(f"resume={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    check_finished(run_dir, set(state.sampler["again"]))
+
+
+def test_resume_auto_starts_a_run_then_resumes_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = orchestrator(*RUN, "resume=auto", f"hydra.run.dir={run_dir}", kill_at="train_step@3")
+    assert first.returncode == -signal.SIGKILL
+    again = orchestrator(*RUN, "resume=auto", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    check_finished(run_dir, set())
+
+
+def test_resume_refuses_a_directory_without_a_checkpoint_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    result = orchestrator(f"resume={tmp_path}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: resume={tmp_path}: the run directory has no complete checkpoint to resume from")
+
+
+def test_resume_allows_only_keys_that_cannot_change_the_maths(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(
+        "pipeline: {num_steps: 4, batch_size: 16}\nprogress: true\nlogger: {_target_: x}\n")
+    cfg = resumed_config(tmp_path, ["pipeline.num_steps=9", "progress=false", "logger=none",
+                                    "hydra.run.dir=/elsewhere"])
+    assert cfg.pipeline.num_steps == 9 and cfg.progress is False
+    assert cfg.logger._target_ == "orchestrator.loggers.base.NullLogger"
+    with pytest.raises(ConfigError, match=r"^pipeline.batch_size cannot change when resuming"):
+        resumed_config(tmp_path, ["pipeline.batch_size=32"])
+
+
+# -- the checkpoint store ----------------------------------------------------------------------
+
+
+def write_files(directory: Path, size: int = 100) -> None:
+    (directory / "model").mkdir()
+    (directory / "model" / "weights.bin").write_bytes(bytes(size))
+    (directory / "state.json").write_text("{}")
+
+
+def test_the_store_keeps_the_newest_and_ignores_an_unfinished_one(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        store.save(step, write_files)
+    assert store.steps() == [2, 3]
+    (tmp_path / "step-4").mkdir()  # a crash before the manifest: never a candidate
+    write_files(tmp_path / "step-4")
+    assert store.steps() == [2, 3] and store.latest_valid() == tmp_path / "step-3"
+
+
+def test_a_corrupt_checkpoint_is_skipped_with_one_line(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(1, write_files)
+    store.save(2, write_files)
+    weights = tmp_path / "step-2" / "model" / "weights.bin"
+    weights.write_bytes(bytes(50))  # truncated
+    assert store.latest_valid() == tmp_path / "step-1"
+    assert "skipping checkpoint" in caplog.text and "weights.bin has 50 bytes" in caplog.text
+    (tmp_path / "step-1" / "state.json").unlink()
+    assert store.latest_valid() is None
+    assert "state.json is missing" in caplog.text
+
+
+# -- the task sampler --------------------------------------------------------------------------
+
+
+def tasks(n: int) -> list[Task]:
+    return [Task(id=i, messages=({"role": "user", "content": str(i)},), answer="") for i in range(n)]
+
+
+def test_prompts_in_flight_at_a_checkpoint_are_handed_out_again_first() -> None:
+    sampler = TaskSampler(tasks(20), seed=3)
+    taken = [sampler.next().id for _ in range(6)]
+    for task_id in taken[:4]:
+        sampler.settle(task_id)  # trained; taken[4:] are in flight
+    state = json.loads(json.dumps(sampler.state_dict()))  # it goes through JSON
+    rest = [sampler.next().id for _ in range(14)]
+
+    restored = TaskSampler(tasks(20), seed=999)
+    restored.load_state_dict(state)
+    again = [restored.next().id for _ in range(16)]
+    assert again[:2] == taken[4:]  # in flight: rolled out again
+    assert again[2:] == rest  # then the pass goes on where it was
+    assert sorted(taken[:4] + again) == list(range(20))  # none skipped, none repeated
+    assert restored.passes == 1
+
+
+def test_rng_state_round_trips(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    from orchestrator.resume import capture_rng, restore_rng
+
+    RunState(step=1, version=1, sampler={}).write(tmp_path, capture_rng())
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    restore_rng(tmp_path)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
