@@ -49,7 +49,7 @@ WarmStart = Callable[[InferenceEngine, Recorder], Awaitable[int]]
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 10  # steps between periodic checkpoints (0: none; a signal still writes one)
+    every: int = 20  # steps between periodic checkpoints (0: none; a signal still writes one)
     keep: int = 2  # the newest periodic checkpoints kept
 
     def __post_init__(self) -> None:

@@ -216,3 +216,16 @@ def test_rng_state_round_trips(tmp_path: Path) -> None:
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     restore_rng(tmp_path)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+
+
+def test_a_resumed_run_continues_the_same_offline_wandb_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [a for a in RUN if not a.startswith("logger=")] + ["logger=wandb", "logger.mode=offline"]
+    killed = orchestrator(*args, f"hydra.run.dir={run_dir}", kill_at="train_step@3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    state = RunState.read(find_checkpoint(run_dir))
+    assert state.logger_run_id
+    resumed = orchestrator(f"resume={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{state.logger_run_id}") for r in runs)
