@@ -229,3 +229,23 @@ def test_a_resumed_run_continues_the_same_offline_wandb_run(tmp_path: Path) -> N
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith(f"-{state.logger_run_id}") for r in runs)
+
+
+def test_killed_and_resumed_ends_within_noise_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Same seed, same config: one run straight through, one SIGKILLed mid-step and resumed.
+    One-digit sums and a longer warm start make the held-out accuracy informative (~0.6)."""
+    args = [*RUN, "warmstart.steps=80", "env.digits=1", "env.train_size=70", "env.eval_size=30",
+            "eval.num_tasks=30", "model.hidden_size=128", "model.num_layers=4",
+            "model.intermediate_size=512"]
+    straight = orchestrator(*args, f"hydra.run.dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    killed = orchestrator(*args, f"hydra.run.dir={tmp_path / 'killed'}", kill_at="train_step@3")
+    assert killed.returncode == -signal.SIGKILL
+    resumed = orchestrator(f"resume={tmp_path / 'killed'}")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = json.loads((tmp_path / "straight" / "summary.json").read_text())["eval_after"]
+    b = json.loads((tmp_path / "killed" / "summary.json").read_text())["eval_after"]
+    print(f"held-out accuracy: uninterrupted {a:.3f}, killed and resumed {b:.3f}")
+    p = max((a + b) / 2, 0.05)
+    noise = 3 * (2 * p * (1 - p) / 30) ** 0.5  # three standard errors of a difference
+    assert abs(a - b) <= noise, (a, b, noise)
