@@ -40,6 +40,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 
 from envs.base import Clock
+from sandboxes.api import EngineUnavailable
 
 T = TypeVar("T")
 
@@ -139,6 +140,8 @@ class Tool(ABC):
         except TimeoutError:
             return ToolResult(ToolStatus.TIMEOUT, f"{self.name} timed out after {self.timeout:g} s",
                               start, clock() - start, {"error_kind": "timeout"})
+        except EngineUnavailable:
+            raise  # the backend itself is gone: the run ends (with a checkpoint), not the call
         except Exception as e:  # noqa: BLE001 - a failing tool is recorded, never raised into the episode
             if isinstance(e, ToolError):  # the tool's own account of what went wrong
                 message, metadata = f"{self.name}: {e}", {"error_kind": "tool_failed", **e.metadata}

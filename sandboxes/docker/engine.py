@@ -7,6 +7,10 @@ owner process on this host is gone (also after a SIGKILL, when no cleanup code r
 calls it at start-up, periodically and at shutdown; ``python -m sandboxes.docker reap`` by hand.
 Independently, each container's PID 1 is ``sleep <lifetime>`` under an init, with auto-remove,
 so a container nobody reaps still disappears by itself.
+
+An engine that stops answering mid-run (its socket gone, a refused or cut connection, no answer
+in time) is :class:`EngineUnavailable` with one sentence naming its URL and the fix
+(:func:`stopped_answering`); an answer, even an error (:class:`docker.errors.APIError`), is not.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ LABEL_START = "polyrl.owner_start"
 LABEL_EXPIRES = "polyrl.expires"
 DEFAULT_HOST = "unix:///var/run/docker.sock"
 SETUP_HINT = "start one with `bash scripts/docker_setup.sh`"
+RESUME_HINT = ("start it with `bash scripts/docker_setup.sh`, then resume the run from its last "
+               "checkpoint with `python -m orchestrator resume=<run_dir>`")
+PING_TIMEOUT_S = 10.0
+# what a call to a slow, restarting or vanished engine raises besides an API error
+ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
 
 def engine_url(docker_host: str | None = None) -> str:
@@ -39,7 +48,7 @@ def engine_url(docker_host: str | None = None) -> str:
 def connect(docker_host: str | None = None, max_pool_size: int = 32) -> docker.DockerClient:
     """A client of an engine that answers, or :class:`EngineUnavailable` in one line."""
     url = engine_url(docker_host)
-    if url.startswith("unix://") and not _socket_answers(url[len("unix://"):]):
+    if url.startswith("unix://") and _socket_error(url[len("unix://"):]) is not None:
         raise EngineUnavailable(f"no Docker engine at {url}; {SETUP_HINT}")
     client = None
     try:
@@ -53,15 +62,55 @@ def connect(docker_host: str | None = None, max_pool_size: int = 32) -> docker.D
     return client
 
 
-def _socket_answers(path: str) -> bool:
-    # checked here because docker-py leaks the socket of a failed first connection
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(5)
+def unanswered(error: BaseException) -> bool:
+    """Whether a failed SDK call means the engine did not answer (an API error is an answer)."""
+    return isinstance(error, requests.exceptions.RequestException | OSError)
+
+
+def probe(client: docker.DockerClient, url: str,
+          timeout: float = PING_TIMEOUT_S) -> BaseException | None:
+    """None when the engine at ``url`` (``client``'s) answers a ping within ``timeout``, else
+    the error (blocking)."""
+    if url.startswith("unix://") and (error := _socket_error(url[len("unix://"):])) is not None:
+        return error
+    try:
+        client.api.get(f"{client.api.base_url}/_ping", timeout=timeout)
+    except (requests.exceptions.RequestException, OSError) as e:
+        return e
+    return None
+
+
+def stopped_answering(url: str, error: BaseException) -> str:
+    """One sentence for an engine that went away mid-run: its URL, why, and the fix."""
+    return f"the Docker engine at {url} stopped answering ({_reason(error)}); {RESUME_HINT}"
+
+
+def _reason(error: BaseException) -> str:
+    # the OS-level cause buried in requests' and urllib3's wrappers: "connection refused"
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror[:1].lower() + e.strerror[1:]
+        todo += [a for a in (*e.args, e.__cause__, e.__context__, getattr(e, "reason", None))
+                 if isinstance(a, BaseException)]
+    if isinstance(error, requests.exceptions.Timeout):
+        return "no answer in time"
+    return str(error) or type(error).__name__
+
+
+def _socket_error(path: str) -> OSError | None:
+    # checked before docker-py connects, because it leaks the socket of a failed connection
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
         try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True
+            sock.connect(path)
+        except OSError as e:
+            return e
+    return None
 
 
 def require_image(client: docker.DockerClient, image: str) -> None:

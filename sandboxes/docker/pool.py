@@ -17,6 +17,13 @@ killing an exec's client leaves its process running, so the container is the uni
 OOM kills of exec'd processes do not set Docker's ``OOMKilled``; the runner reads the memory
 cgroup's ``oom_kill`` counter inside, and the host reads the container's cgroup when the
 runner itself was lost.
+
+The engine going away mid-run is the operator's problem, not the model's: a call whose runner
+stream ends or misses its host deadline pings the engine, and an engine that does not answer
+(or any container create, exec or remove that gets no answer) makes the pool lost: the call
+and every later one raise :class:`~sandboxes.api.EngineUnavailable` with one sentence naming
+the engine's URL and the fix, nothing is retried, and shutdown leaves the containers to the
+reaper of the next start (and to their own lifetime) instead of waiting on a dead engine.
 """
 
 from __future__ import annotations
@@ -37,11 +44,11 @@ import anyio
 import anyio.lowlevel
 import docker
 import docker.errors
-import requests
 from docker.types import Ulimit
 
 from sandboxes import protocol
 from sandboxes.api import (
+    EngineUnavailable,
     ExecLimits,
     ExecResult,
     Language,
@@ -56,8 +63,7 @@ from sandboxes.docker.image import DEFAULT_IMAGE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# what a call to a slow, restarting or vanished engine raises besides an API error
-ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
+ENGINE_ERRORS = engine.ENGINE_ERRORS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,11 +159,12 @@ class DockerSandbox(Sandbox):
             start = time.perf_counter()
             request = protocol.exec_request(code, language, timeout_s, max_output)
             frame: bytes | None = None
+            gone: RunnerGone | None = None
             try:
                 with anyio.move_on_after(timeout_s + self._pool.config.host_grace_s) as scope:
                     frame = await box.channel.roundtrip(request)
-            except RunnerGone:
-                frame = None
+            except RunnerGone as e:
+                gone = e
             except BaseException:
                 # cancelled mid-call: the stream is out of step, so the container goes and
                 # the session's next call starts in a fresh one
@@ -171,7 +178,10 @@ class DockerSandbox(Sandbox):
             # lost: the host deadline passed or the runner died; the container goes
             box.broken = True
             self._container = None
-            self._pool._release_soon(box)
+            try:  # ... unless the engine itself went away: then it is not the code's doing
+                await self._pool._require_engine(gone)
+            finally:
+                self._pool._release_soon(box)
             if scope.cancelled_caught:
                 status = "timeout"
             else:
@@ -204,6 +214,8 @@ class DockerSandboxPool(SandboxPool):
         self._stack = AsyncExitStack()
         self._tg: anyio.abc.TaskGroup | None = None
         self._closed = False
+        self._lost: str | None = None  # why the engine is gone (then nothing calls it again)
+        self.url = engine.engine_url(self.config.docker_host)
         self.stats = {"created": 0, "reused": 0, "destroyed": 0, "reaped": 0}
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -212,8 +224,8 @@ class DockerSandboxPool(SandboxPool):
         self.client = await self._thread(engine.connect, cfg.docker_host,
                                          max(32, cfg.docker_call_concurrency * 2))
         try:
-            await self._thread(engine.require_image, self.client, cfg.image)
-            self.stats["reaped"] += await self._thread(engine.reap, self.client)
+            await self._call(engine.require_image, self.client, cfg.image)
+            self.stats["reaped"] += await self._call(engine.reap, self.client)
         except BaseException:
             self.client.close()
             self._closed = True
@@ -242,15 +254,25 @@ class DockerSandboxPool(SandboxPool):
             for box in list(self._live):
                 tg.start_soon(self._destroy, box)
         self._ready.clear()
-        self.stats["reaped"] += await self._thread(engine.reap, self.client, self.run_id)
+        if self._lost is None:
+            try:
+                self.stats["reaped"] += await self._call(engine.reap, self.client, self.run_id)
+            except (SandboxError, *ENGINE_ERRORS) as e:
+                log.warning("sandbox pool: %s", e)
+        if self._lost is not None:
+            log.warning("sandbox pool: the Docker engine at %s is gone; this run's containers "
+                        "are left to the next pool's start-up reaper (or `python -m "
+                        "sandboxes.docker reap`) and to their lifetime", self.url)
         self.client.close()
 
     async def _reap_periodically(self) -> None:
-        while True:
+        while self._lost is None:
             await anyio.sleep(self.config.reap_interval_s)
             try:
-                self.stats["reaped"] += await self._thread(engine.reap, self.client)
-            except ENGINE_ERRORS as e:  # the engine hiccuped: try next time
+                self.stats["reaped"] += await self._call(engine.reap, self.client)
+            except EngineUnavailable:
+                return  # the pool is lost: the next call says so
+            except ENGINE_ERRORS as e:  # an API error: try next time
                 log.warning("sandbox reaper: %s", e)
 
     # -- sessions ----------------------------------------------------------------------------
@@ -266,6 +288,8 @@ class DockerSandboxPool(SandboxPool):
 
     async def _acquire(self) -> _Container:
         while True:
+            if self._lost is not None:
+                raise EngineUnavailable(self._lost)
             if self._closed:
                 raise SandboxError("the sandbox pool is closed")
             if self._ready:
@@ -291,7 +315,7 @@ class DockerSandboxPool(SandboxPool):
         """Start creating containers until ``pool_size`` exist (ready, in use or on their way;
         those in use come back after a reset, so an episode costs no new container)."""
         cfg = self.config
-        while (self._tg is not None and not self._closed
+        while (self._tg is not None and not self._closed and self._lost is None
                and len(self._live) + self._pending < min(cfg.pool_size, cfg.max_containers)):
             self._pending += 1
             self._tg.start_soon(self._create_ready)
@@ -302,7 +326,8 @@ class DockerSandboxPool(SandboxPool):
         except SandboxError as e:
             # a warm spare failed; an episode asking for a container creates its own and
             # gets the error itself if the engine is really broken
-            log.warning("sandbox pool: %s", e)
+            if not isinstance(e, EngineUnavailable):  # that one is logged once, by _lose
+                log.warning("sandbox pool: %s", e)
             return
         finally:
             self._pending -= 1
@@ -335,11 +360,39 @@ class DockerSandboxPool(SandboxPool):
                 return
         await self._destroy(box)
 
-    # -- containers --------------------------------------------------------------------------
+    # -- the engine --------------------------------------------------------------------------
     async def _thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs),
                                               limiter=self._limiter)
 
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """An SDK call in a worker thread; no answer is :class:`EngineUnavailable` (the pool
+        is then lost), an answer that is an error stays a :class:`docker.errors.APIError`."""
+        if self._lost is not None:
+            raise EngineUnavailable(self._lost)
+        try:
+            return await self._thread(fn, *args, **kwargs)
+        except ENGINE_ERRORS as e:
+            if engine.unanswered(e):
+                raise self._lose(e) from e
+            raise
+
+    def _lose(self, error: BaseException) -> EngineUnavailable:
+        if self._lost is None:
+            self._lost = engine.stopped_answering(self.url, error)
+            log.error("sandbox pool: %s", self._lost)
+            self._notify()  # episodes waiting for a container hear it now
+        return EngineUnavailable(self._lost)
+
+    async def _require_engine(self, error: BaseException | None) -> None:
+        """After a lost runner stream: :class:`EngineUnavailable` unless the engine answers."""
+        if self._lost is not None:
+            raise EngineUnavailable(self._lost) from error
+        failed = await self._thread(engine.probe, self.client, self.url)  # bounded in time
+        if failed is not None:
+            raise self._lose(failed) from error
+
+    # -- containers --------------------------------------------------------------------------
     def _run_kwargs(self) -> dict[str, Any]:
         cfg = self.config
         uid, _, gid = cfg.user.partition(":")
@@ -380,16 +433,16 @@ class DockerSandboxPool(SandboxPool):
     async def _create(self) -> _Container:
         try:
             with anyio.CancelScope(shield=True):  # a cancel must not lose a started container
-                container = await self._thread(self._start_container)
+                container = await self._call(self._start_container)
         except docker.errors.APIError as e:
             raise SandboxError(f"could not start a sandbox container: {e.explanation or e}") from e
-        except ENGINE_ERRORS as e:  # a slow or restarting engine: the same for the caller
+        except ENGINE_ERRORS as e:  # an error of the SDK itself
             raise SandboxError(f"could not start a sandbox container: {e}") from e
         self.stats["created"] += 1
         channel: RunnerChannel | None = None
         try:
             await anyio.lowlevel.checkpoint()  # a pending cancel lands here, with cleanup
-            channel = RunnerChannel(await self._thread(self._attach_runner, container.id))
+            channel = RunnerChannel(await self._call(self._attach_runner, container.id))
             with anyio.fail_after(30):
                 frame = await channel.roundtrip(protocol.request(protocol.OP_PING))
             if protocol.parse_response(frame)[0] != 0:
@@ -398,7 +451,11 @@ class DockerSandboxPool(SandboxPool):
             with anyio.CancelScope(shield=True):
                 if channel is not None:
                     channel.close()
-                await self._remove(container)
+                try:
+                    if isinstance(e, RunnerGone | TimeoutError):  # the engine, or the image?
+                        await self._require_engine(e)
+                finally:
+                    await self._remove(container)
             if isinstance(e, docker.errors.APIError | RunnerGone | TimeoutError):
                 raise SandboxError(f"the sandbox runner did not start in {self.config.image}: "
                                    f"{e}") from e
@@ -408,8 +465,12 @@ class DockerSandboxPool(SandboxPool):
         return box
 
     async def _remove(self, container: Any) -> None:
+        if self._lost is not None:
+            return  # left to the next start's reaper and to its lifetime
         try:
-            await self._thread(engine.remove, self.client, container.id)
+            await self._call(engine.remove, self.client, container.id)
+        except EngineUnavailable:
+            return  # the pool is lost now: the next call says so
         except ENGINE_ERRORS as e:  # the reaper and the lifetime catch it later
             log.warning("sandbox pool: could not remove %s: %s", container.name, e)
         self.stats["destroyed"] += 1

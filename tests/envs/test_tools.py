@@ -86,6 +86,19 @@ def test_argument_checks_name_the_problem(arguments: dict, fragment: str) -> Non
 
 
 @pytest.mark.anyio
+async def test_a_backend_that_is_gone_ends_the_run_instead_of_the_call() -> None:
+    from sandboxes.api import EngineUnavailable
+
+    @tool
+    async def sandboxed() -> str:
+        """Runs in a sandbox whose engine died."""
+        raise EngineUnavailable("the Docker engine stopped answering")
+
+    with pytest.raises(EngineUnavailable):
+        await sandboxed({}, clock=time.perf_counter)
+
+
+@pytest.mark.anyio
 async def test_tool_results_are_typed_and_never_raise() -> None:
     clock = time.perf_counter
     ok = await add({"a": 2, "b": 3}, clock=clock)
