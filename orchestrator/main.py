@@ -106,7 +106,7 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path) -> RunResult:
         try:
             anyio.run(partial(run_session, parts, result,
                               lambda report: out.write_step(report, parts.tokenizer), checkpointer,
-                              out.open_recorder),
+                              partial(out.open_recorder, append=parts.resume is not None)),
                       backend=parts.anyio_backend, backend_options=dict(parts.backend_options))
         except BaseException:
             if checkpointer is not None:

@@ -118,7 +118,6 @@ class TaskSampler:
         self._tasks = tasks
         self._rng = random.Random(seed)
         self._order: list[int] = []
-        self._index = {task.id: i for i, task in enumerate(tasks)}
         self._outstanding: list[int] = []  # handed out, not settled, oldest first
         self._again: list[int] = []  # outstanding at the checkpoint a run resumed from
         self.passes = 0
@@ -136,8 +135,12 @@ class TaskSampler:
         return self._tasks[i]
 
     def settle(self, task_id: int) -> None:
-        """The group of ``task_id`` was trained or dropped: its task is done with."""
-        self._outstanding.remove(self._index[task_id])
+        """The group of ``task_id`` was trained or dropped: its task is done with. (Groups
+        that did not come from this sampler, as in tests, settle nothing.)"""
+        for n, i in enumerate(self._outstanding):
+            if self._tasks[i].id == task_id:
+                del self._outstanding[n]
+                return
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = self._rng.getstate()
@@ -279,7 +282,8 @@ class Pipeline:
                 now = self.recorder.now()
                 report = self._report(step, version, batch, metrics, last_report, now)
                 last_report = now
-                self.reports.append(report)
+                # Kept without its batch: a long run must not hold every trajectory it trained.
+                self.reports.append(replace(report, groups=()))
                 if self.on_step is not None:
                     result = self.on_step(report)
                     if result is not None:

@@ -11,19 +11,34 @@ reports (``ToolCallRecord.started``) is a reading of the same clock, and :meth:`
 puts it on the timeline. A time read from any other clock would land on the timeline wrong,
 by however far the two clocks' origins differ; nothing here can detect that.
 
-The recorder is plain data; writers (JSONL here, PolyTrace and Perfetto in
-:mod:`orchestrator.trace`) read :attr:`spans`.
+Memory. A recorder without a file keeps every span in :attr:`~Recorder.spans` (tests,
+benchmarks). A recorder with a file (a run directory's ``spans.jsonl``) appends each span to
+it as it is recorded, one JSON object a line, and keeps in memory only the spans recorded
+since its last :meth:`~Recorder.flush`: the run directory flushes once per train step, right
+after the step's report has summed them, so a run of any length holds one step's spans, and a
+crash (even SIGKILL) loses at most the step in progress. Whole-run totals per stage stay
+available (:meth:`~Recorder.seconds`).
+
+The file is read back by :func:`read_spans`. A line counts once its newline is written: a
+process killed mid-write leaves a last line without one, which the reader skips and which
+appending (``append=True``, a resumed run) cuts off first. An appending recorder starts its
+clock at the latest span end already in the file, so the resumed part of a run follows the
+earlier part on the timeline instead of overlapping it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+_TAIL_BLOCK = 1 << 16  # bytes read at a time when looking for the last complete line
 
 
 @dataclass(frozen=True)
@@ -40,12 +55,39 @@ class Span:
         return self.end - self.start
 
 
+def span_line(span: Span) -> str:
+    """``span`` as one JSONL line; an attribute JSON cannot hold is written as its ``str``."""
+    return json.dumps({"stage": span.stage, "worker": span.worker, "start": span.start,
+                       "end": span.end, "version": span.version,
+                       "attributes": span.attributes}, default=str) + "\n"
+
+
+def read_spans(path: Path) -> Iterator[Span]:
+    """The spans of a JSONL file, streamed in file order; a last line cut short is skipped."""
+    with path.open() as f:
+        for line in f:
+            if not line.endswith("\n"):  # the write a crash interrupted
+                return
+            yield Span(**json.loads(line))
+
+
 class Recorder:
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, path: Path | None = None,
+                 append: bool = False) -> None:
+        """Spans go to ``path`` as they are recorded if it is given (overwriting it, or with
+        ``append`` after its spans, on a clock that starts where they end), else stay here."""
+        if append and path is None:
+            raise ValueError("Recorder(append=True) needs the path of the spans to append to")
+        start = _resume_point(path) if append and path is not None else 0.0
         self._clock = clock
-        self._origin = clock()
-        self.wall_origin = time.time()
-        self.spans: list[Span] = []
+        self._origin = clock() - start
+        self.wall_origin = time.time() - start  # the wall-clock time of timeline time 0
+        self.spans: list[Span] = []  # every span, or those since the last flush() with a file
+        self._seconds: Counter[str] = Counter()
+        self._file: IO[str] | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a" if append else "w")
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -63,6 +105,9 @@ class Recorder:
             version: int | None = None, **attributes: Any) -> Span:
         span = Span(stage, worker, start, end, version, attributes)
         self.spans.append(span)
+        self._seconds[stage] += span.duration
+        if self._file is not None:
+            self._file.write(span_line(span))
         return span
 
     @contextmanager
@@ -77,10 +122,51 @@ class Recorder:
             self.add(stage, worker, start, self.now(), version, **extra)
 
     def of(self, stage: str) -> list[Span]:
+        """The spans of ``stage`` still in memory (all of them without a file)."""
         return [s for s in self.spans if s.stage == stage]
 
-    def write_jsonl(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as f:
-            for span in self.spans:
-                f.write(json.dumps(asdict(span)) + "\n")
+    def seconds(self, stage: str) -> float:
+        """Total seconds of every span of ``stage`` this recorder recorded, flushed or not."""
+        return self._seconds[stage]
+
+    def flush(self) -> None:
+        """Push the spans recorded so far to the file and let go of them (no file: a no-op).
+
+        Once per train step: the pipeline's step report reads the spans since the previous
+        report from :attr:`spans`, so flushing right after a report keeps what the next one
+        needs. The data reaches the operating system, which keeps it if the process dies.
+        """
+        if self._file is not None:
+            self._file.flush()
+            self.spans = []
+
+    def close(self) -> None:
+        """Flush and close the file; recording after this is an error."""
+        if self._file is not None:
+            self.flush()
+            self._file.close()
+
+
+def _resume_point(path: Path) -> float:
+    """Where an appending recorder's clock starts: the latest end among the spans already in
+    ``path`` (0 for none), after cutting off a line a crash left without its newline."""
+    if not path.is_file():
+        return 0.0
+    _drop_partial_line(path)
+    return max((span.end for span in read_spans(path)), default=0.0)
+
+
+def _drop_partial_line(path: Path) -> None:
+    """Truncate ``path`` after its last newline: a span appended after a partial line would be
+    glued onto it."""
+    with path.open("rb+") as f:
+        pos = f.seek(0, os.SEEK_END)
+        while pos > 0:
+            size = min(_TAIL_BLOCK, pos)
+            f.seek(pos - size)
+            newline = f.read(size).rfind(b"\n")
+            if newline >= 0:
+                pos += newline + 1 - size
+                break
+            pos -= size
+        f.truncate(pos)

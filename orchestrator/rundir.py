@@ -3,11 +3,13 @@
 Every file of a run is written through :class:`RunDir`: ``config.yaml`` (the resolved config),
 ``metrics.jsonl`` (one line per step, :func:`~orchestrator.loggers.base.step_metrics`), the
 PolyTrace files of every trained step (see :mod:`orchestrator.trace.writer`),
-``samples.jsonl`` (a few trained episodes per step as text), and at the end ``spans.jsonl``,
-``timeline.json`` (Perfetto) and ``summary.json``; checkpoints go under ``checkpoints/``.
-The run's loggers (W&B) get the same metrics. Training and replay both write through it, so
-their run directories have one layout and one metrics schema. Steps are written as they are
-reported and the rest on :meth:`close`, which also runs for a failed run.
+``samples.jsonl`` (a few trained episodes per step as text), ``spans.jsonl`` (the run's
+recorder, :meth:`RunDir.open_recorder`, streams its spans there, flushed with every step) and
+at the end ``timeline.json`` (Perfetto, built from ``spans.jsonl``) and ``summary.json``;
+checkpoints go under ``checkpoints/``. The run's loggers (W&B) get the same metrics. Training
+and replay both write through it, so their run directories have one layout and one metrics
+schema. Steps are written as they are reported and the rest on :meth:`close`, which also runs
+for a failed run; memory stays flat however long the run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from envs.base import Clock
 from orchestrator.loggers.base import JsonlMetrics, Logger
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import StepReport
@@ -25,6 +28,7 @@ from orchestrator.trace.timeline import write_timeline
 from orchestrator.trace.writer import TraceWriter
 
 SAMPLES_PER_STEP = 4
+SPANS = "spans.jsonl"
 
 
 class RunDir:
@@ -42,9 +46,11 @@ class RunDir:
         self.recorder: Recorder | None = None
         self.steps = 0
 
-    def record(self, recorder: Recorder) -> None:
-        """The recorder whose spans :meth:`close` writes out."""
-        self.recorder = recorder
+    def open_recorder(self, clock: Clock, append: bool = False) -> Recorder:
+        """The run's recorder on ``clock``, streaming to ``spans.jsonl`` (after the spans
+        already there, on a clock that goes on from them, with ``append``: a resumed run)."""
+        self.recorder = Recorder(clock, self.path / SPANS, append=append)
+        return self.recorder
 
     def checkpoint_dir(self, name: str) -> Path:
         return self.path / "checkpoints" / name
@@ -59,13 +65,15 @@ class RunDir:
         self._samples.flush()
         for sink in self._sinks:
             sink.log_step(report)
+        if self.recorder is not None:
+            self.recorder.flush()  # after the step's report, which read its spans
         self.steps += 1
 
     def close(self, summary: Mapping[str, Any], failed: bool) -> None:
         self._samples.close()
         if self.recorder is not None:
-            self.recorder.write_jsonl(self.path / "spans.jsonl")
-            write_timeline(self.recorder.spans, self.path / "timeline.json", process=self.path.name)
+            self.recorder.close()
+            write_timeline(self.path / SPANS, self.path / "timeline.json", process=self.path.name)
         (self.path / "summary.json").write_text(json.dumps(dict(summary), indent=2) + "\n")
         scalars = {f"summary/{k}": v for k, v in summary.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}

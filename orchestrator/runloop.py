@@ -21,7 +21,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,7 @@ class RunParts:
     # (result) -> extra summary entries: replay adds its virtual-time figures
     describe: Callable[[RunResult], dict[str, Any]] | None = None
     checkpoint: CheckpointConfig | None = None  # periodic checkpoints (with save_checkpoint)
+    keep_batches: bool = False  # keep each report's trained groups in RunResult.reports
     resume: RunState | None = None  # the checkpoint a resumed run goes on from
 
 
@@ -193,7 +194,9 @@ async def run_session(parts: RunParts, result: RunResult,
                     result.eval_before = await _evaluate(engine, parts, recorder)
                     log.info("eval before RL: %.3f", result.eval_before)
             async def step_done(report: StepReport) -> None:
-                result.reports.append(report)
+                # The batch goes to on_step (the run directory) and is dropped here, unless the
+                # parts need it afterwards (a replay's fidelity figures): memory stays bounded.
+                result.reports.append(report if parts.keep_batches else replace(report, groups=()))
                 if on_step is not None:
                     on_step(report)
                 progress.update(report)

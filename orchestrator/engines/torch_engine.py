@@ -1,23 +1,47 @@
-"""In-process torch inference engine: batched sampling with a KV cache, on CPU or CUDA.
+"""In-process torch inference engine: continuous batching over a KV cache, on CPU or CUDA.
 
-Requests queue on a stream; one scheduler loop takes every request waiting at that moment
-(up to ``max_batch_size``) as a wave, left-pads the prompts into one batch, runs a prefill
-and then one decode step per token with the model's KV cache until every sequence in the
-wave has stopped. Forward passes run in a worker thread so the event loop stays free.
+Requests queue on a stream; one scheduler loop owns the resident batch. At every token
+boundary it admits waiting requests (while fewer than ``max_batch_size`` are resident),
+runs one decode step for the sequences already resident, and prefills the newcomers and
+adds them to the batch's cache: a request that arrives mid-generation (an episode back from
+a tool call) joins at the next token instead of waiting for the batch to drain. A sequence
+that stops is handed out at once and leaves: a resident row takes its place in the cache
+and the leading columns left holding only padding are trimmed, so the cache is never wider
+than its longest resident sequence. Newcomers of different lengths are prefilled in
+length buckets (as many forward passes as keep padding plus ``PREFILL_CALL_TOKENS`` per
+pass lowest). Forward passes and sampling run in a worker thread so the event loop stays
+free.
+
+``batching="waves"`` keeps static batching for comparison (``bench/engine.py``), through
+the same steps: the scheduler admits only while nothing decodes, so the requests waiting
+at that moment form a wave and later ones wait until the whole wave has stopped, and a
+wave's results are handed out together when it ends. (A finished sequence leaves the cache
+at once in both modes: no compute is spent on it.)
+
+KV cache (:class:`SlotCache`): a ``transformers`` ``DynamicCache`` whose layers' ``keys``
+and ``values`` are views of preallocated buffers ``[slots, heads, capacity, head_dim]``,
+written in place: a decode step writes one column instead of copying the whole cache, as
+``DynamicCache`` does. Every sequence's cached tokens are right-aligned (left padding); its
+position ids count its own tokens and the attention mask hides the padding, so its logits
+are those of an unpadded forward pass. A sequence's last sampled token is not in the cache
+yet: the next decode step feeds it.
 
 Built from config: the model's ``conf/model`` node (the engine makes its own copy of the
 architecture) and a :class:`~orchestrator.weights.WeightUpdate` with the starting weights.
 
-Weight updates: each decode step holds the :class:`~orchestrator.gate.Gate` shared and
+Weight updates: each step holds the :class:`~orchestrator.gate.Gate` shared and
 :meth:`pause` takes it exclusively, so it returns only at a token boundary (and any task may
-call :meth:`resume`). One controller (the pipeline's weight sync) pauses and resumes.
-When a wave next takes the lock and finds a newer version, it discards its KV cache and
-re-runs the prefill over prompt + tokens generated so far under the new weights; later
-tokens carry the new version. This is the "continue under new weights" behaviour.
+call :meth:`resume`). One controller (the pipeline's weight sync) pauses and resumes. When
+the next step finds a newer version it discards the KV cache and re-prefills every resident
+sequence over prompt + tokens generated so far under the new weights; every token carries
+the version that produced it. This is the "continue under new weights" behaviour.
 
-Limits: a wave is static (requests arriving mid-wave wait for the next wave), and finished
-sequences stay in the batch until the wave ends. Good enough for small models; vLLM is the
-engine for throughput.
+Limits: no prefix cache (an episode's next turn re-prefills its whole conversation);
+prefills are not chunked nor fused with the decode step (a step with newcomers runs two
+or more forward passes); attention is over the padded window (its padding is at most the
+longest resident sequence minus each one's length); sliding-window layers are cached in
+full, and models whose cache is not plain key/value layers (recurrent or linear attention)
+are not supported. Good enough for small models; vLLM is the engine for throughput.
 """
 
 from __future__ import annotations
@@ -29,6 +53,7 @@ from typing import Any, Self
 import anyio
 import torch
 from anyio.abc import TaskGroup
+from transformers import DynamicCache, DynamicLayer
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError, EngineClosed
@@ -37,11 +62,18 @@ from orchestrator.models.policy import build_policy
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 
+BATCHING = ("continuous", "waves")
+# Newcomers are prefilled in length buckets, split to minimise the padded tokens plus this
+# many per forward pass: a pass's fixed cost in tokens of compute (~64 for the tiny model on
+# one CPU thread, where a pass costs ~3 ms and a token ~45 us).
+PREFILL_CALL_TOKENS = 64
+
 
 @dataclass
 class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
+    budget: int = 0  # tokens it may generate: max_tokens, capped by the context
     start_version: int = 0
     done: anyio.Event = field(default_factory=anyio.Event)
     token_ids: list[int] = field(default_factory=list)
@@ -52,6 +84,27 @@ class _Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.token_ids)
+
+    def add(self, token: int, logprob: float, version: int) -> None:
+        """Record one sampled token; it stops on a stop token or at its budget."""
+        if not self.token_ids:
+            self.start_version = version
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if token in self.sampling.stop_token_ids:
+            self.finish_reason = FinishReason.STOP
+        elif len(self.token_ids) >= self.budget:
+            self.finish_reason = FinishReason.LENGTH
+
+    def finish(self, reason: FinishReason) -> None:
+        """End it and hand it out now."""
+        self.finish_reason = reason
+        self.done.set()
 
     def result(self) -> Generation:
         assert self.finish_reason is not None
@@ -64,6 +117,27 @@ class _Request:
         )
 
 
+@dataclass
+class _Batch:
+    """The resident sequences in cache row order, their KV cache, and the admitted ones
+    waiting for their prefill. Row ``i`` holds its first ``rows[i].length - 1`` tokens in the
+    last columns of the cache's window; its last sampled token is the next decode's input."""
+
+    cache: SlotCache
+    rows: list[_Request] = field(default_factory=list)
+    version: int = -1  # the weights that filled the cache
+    joining: list[_Request] = field(default_factory=list)
+    stopped: list[_Request] = field(default_factory=list)  # finished, not handed out yet
+
+    @property
+    def decoding(self) -> bool:
+        return any(not r.finished for r in self.rows)
+
+    @property
+    def active(self) -> int:
+        return sum(not r.finished for r in self.rows) + len(self.joining)
+
+
 class TorchEngine(InferenceEngine):
     def __init__(
         self,
@@ -72,16 +146,20 @@ class TorchEngine(InferenceEngine):
         max_batch_size: int = 64,
         seed: int = 0,
         queue_size: int = 1024,
+        batching: str = "continuous",
     ) -> None:
         if max_batch_size < 1:
             raise ConfigError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
         if queue_size < 1:
             raise ConfigError(f"engine.queue_size must be >= 1, got {queue_size}")
+        if batching not in BATCHING:
+            raise ConfigError(f"engine.batching must be one of {', '.join(BATCHING)}, got {batching!r}")
         policy = build_policy(model)  # the engine's own copy: the trainer updates its own
         self.model = policy.model.eval()
         self.device = policy.device
         self.pad_id = policy.tokenizer.pad_id
         self.max_batch_size = max_batch_size
+        self.batching = batching
         self.max_positions: int = getattr(self.model.config, "max_position_embeddings", 1 << 30)
         self.version = 0
         if weights is not None:
@@ -150,111 +228,140 @@ class TorchEngine(InferenceEngine):
             await self._step_gate.release_exclusive()
             self._paused = False
 
-    # -- scheduling ----------------------------------------------------------------------
+    # -- scheduling (event loop) -------------------------------------------------------
 
     async def _scheduler(self) -> None:
+        batch = _Batch(SlotCache(self.max_batch_size))
         async with self._receive:
             try:
-                async for first in self._receive:
-                    wave = [first]
-                    while len(wave) < self.max_batch_size:
-                        try:
-                            wave.append(self._receive.receive_nowait())
-                        except anyio.WouldBlock:
-                            break
-                    await self._run_wave(wave)
+                async for request in self._receive:  # idle until a request comes
+                    self._join(batch, request)
+                    while batch.active:
+                        await self._step(batch)
+                    batch = _Batch(SlotCache(self.max_batch_size))  # drained: free its cache
             finally:
-                self._abort_waiting()
+                self._abort(batch)
 
-    def _abort_waiting(self) -> None:
-        while True:
+    async def _step(self, batch: _Batch) -> None:
+        """One token for every resident sequence, under the gate so a pause waits for it."""
+        async with self._step_gate:
+            self._admit(batch)  # after the gate: requests that came while paused join now
+            version = self.version
+            tokens, logprobs = await anyio.to_thread.run_sync(self._advance, batch)
+        for request, token, logprob in zip(batch.rows, tokens, logprobs, strict=True):
+            request.add(token, logprob, version)
+            if request.finished:
+                batch.stopped.append(request)
+        self._hand_out(batch)
+
+    def _hand_out(self, batch: _Batch) -> None:
+        """Results go out as soon as their sequence stops (waves: once the whole wave has)."""
+        if self.batching == "waves" and batch.decoding:
+            return
+        for request in batch.stopped:
+            request.done.set()
+        batch.stopped.clear()
+
+    def _admit(self, batch: _Batch) -> None:
+        """Move waiting requests into the batch while it has room (waves: only between waves)."""
+        if self.batching == "waves" and batch.decoding:
+            return
+        while batch.active < self.max_batch_size:
             try:
                 request = self._receive.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            except (anyio.WouldBlock, anyio.EndOfStream):
                 return
-            request.finish_reason = FinishReason.ABORTED
+            self._join(batch, request)
+
+    def _join(self, batch: _Batch, request: _Request) -> None:
+        room = self.max_positions - len(request.prompt_ids)
+        request.budget = max(0, min(request.sampling.max_tokens, room))
+        if request.budget == 0:  # no room to generate: done before it starts
+            request.start_version = self.version
+            request.finish(FinishReason.LENGTH)
+        else:
+            batch.joining.append(request)
+
+    def _abort(self, batch: _Batch) -> None:
+        """Fail every unfinished admitted and waiting request (the engine is closing); the
+        finished ones still go out."""
+        cut = [r for r in batch.rows + batch.joining if not r.finished]
+        while True:
+            try:
+                cut.append(self._receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+        for request in cut:
+            request.finish(FinishReason.ABORTED)
+        for request in batch.stopped:
             request.done.set()
 
-    async def _run_wave(self, wave: list[_Request]) -> None:
-        budgets = []
-        for r in wave:
-            room = self.max_positions - len(r.prompt_ids)
-            budgets.append(max(0, min(r.sampling.max_tokens, room)))
-            r.start_version = self.version
-        temperature = torch.tensor([r.sampling.temperature for r in wave], device=self.device)
-        cache: Any = None
-        cache_version = -1
-        attention: torch.Tensor | None = None
-        positions: torch.Tensor | None = None
-        try:
-            for i, r in enumerate(wave):
-                if budgets[i] == 0:
-                    r.finish_reason = FinishReason.LENGTH
-            while not all(r.finished for r in wave):
-                async with self._step_gate:
-                    if cache is None or cache_version != self.version:
-                        # First step, or the weights changed under us: prefill from scratch.
-                        cache, attention, positions, logits = await anyio.to_thread.run_sync(
-                            self._prefill, wave
-                        )
-                        cache_version = self.version
-                    else:
-                        assert attention is not None and positions is not None
-                        last = torch.tensor(
-                            [r.token_ids[-1] if r.token_ids else self.pad_id for r in wave],
-                            device=self.device,
-                        )
-                        attention = torch.cat([attention, attention.new_ones(len(wave), 1)], dim=1)
-                        positions = positions + 1
-                        cache, logits = await anyio.to_thread.run_sync(
-                            self._decode, last, cache, attention, positions
-                        )
-                    tokens, logprobs = self._sample(logits, temperature)
-                for i, r in enumerate(wave):
-                    if r.finished:
-                        continue
-                    token = int(tokens[i])
-                    r.token_ids.append(token)
-                    r.logprobs.append(float(logprobs[i]))
-                    r.versions.append(cache_version)
-                    if token in r.sampling.stop_token_ids:
-                        r.finish_reason = FinishReason.STOP
-                    elif len(r.token_ids) >= budgets[i]:
-                        r.finish_reason = FinishReason.LENGTH
-        finally:
-            for r in wave:
-                if r.finish_reason is None:
-                    r.finish_reason = FinishReason.ABORTED
-                r.done.set()
+    # -- one step (worker thread) ------------------------------------------------------
 
-    def _prefill(self, wave: list[_Request]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-        sequences = [r.prompt_ids + r.token_ids for r in wave]
+    def _advance(self, batch: _Batch) -> tuple[list[int], list[float]]:
+        """Drop finished rows, decode the resident rows, prefill the joining ones and add
+        them; returns one sampled token and its log-prob per row of ``batch.rows``."""
+        with torch.inference_mode():
+            self._drop_finished(batch)
+            if batch.rows and batch.version != self.version:
+                # The weights changed: what is cached is stale; prefill everyone afresh.
+                batch.joining = batch.rows + batch.joining
+                batch.rows = []
+                batch.cache.clear()
+            logits = []
+            if batch.rows:
+                logits.append(self._decode(batch))
+            joining = sorted(batch.joining, key=lambda r: r.length)
+            for bucket in _buckets([r.length for r in joining], PREFILL_CALL_TOKENS):
+                cache, joined = self._prefill(joining[bucket])
+                batch.cache.add(cache)
+                logits.append(joined)
+            batch.rows, batch.joining = batch.rows + joining, []
+            batch.version = self.version
+            temperature = torch.tensor([r.sampling.temperature for r in batch.rows], device=self.device)
+            tokens, logprobs = self._sample(torch.cat(logits), temperature)
+        return tokens.tolist(), logprobs.tolist()
+
+    def _drop_finished(self, batch: _Batch) -> None:
+        keep = [i for i, r in enumerate(batch.rows) if not r.finished]
+        if len(keep) < len(batch.rows):
+            batch.rows = [batch.rows[i] for i in batch.cache.retain(keep)]
+            batch.cache.trim(max((r.length for r in batch.rows), default=1) - 1)
+
+    def _prefill(self, requests: list[_Request]) -> tuple[DynamicCache, torch.Tensor]:
+        """A fresh cache for ``requests`` (prompt + tokens so far, left-padded) and the logits
+        of each one's next token."""
+        sequences = [r.prompt_ids + r.token_ids for r in requests]
         width = max(len(s) for s in sequences)
-        ids = torch.full((len(wave), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(wave), width), dtype=torch.long)
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(requests), width), dtype=torch.long)
         for i, s in enumerate(sequences):  # left padding keeps every sequence's end aligned
             ids[i, width - len(s) :] = torch.tensor(s)
             attention[i, width - len(s) :] = 1
-        ids, attention = ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True
-            )
-        return out.past_key_values, attention, positions[:, -1:], out.logits[:, -1].float()
+        cache = DynamicCache()  # no config: plain full-attention layers, as SlotCache keeps
+        out = self.model(
+            input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+            position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+            logits_to_keep=1,
+        )
+        return cache, out.logits[:, -1].float()
 
-    def _decode(
-        self, last: torch.Tensor, cache: Any, attention: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[Any, torch.Tensor]:
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=last[:, None],
-                attention_mask=attention,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-            )
-        return out.past_key_values, out.logits[:, -1].float()
+    def _decode(self, batch: _Batch) -> torch.Tensor:
+        """Feed every row its last sampled token; the cache's window grows by one column."""
+        cache = batch.cache
+        cache.reserve(cache.rows, 0, 1)
+        lengths = torch.tensor([r.length for r in batch.rows])
+        last = torch.tensor([[r.token_ids[-1]] for r in batch.rows])
+        width = cache.width + 1
+        attention = (torch.arange(width) >= width - lengths[:, None]).long()
+        out = self.model(
+            input_ids=last.to(self.device), attention_mask=attention.to(self.device),
+            position_ids=(lengths - 1)[:, None].to(self.device), past_key_values=cache,
+            use_cache=True,
+        )
+        cache.commit(1)
+        return out.logits[:, -1].float()
 
     def _sample(self, logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         greedy = temperature <= 0
@@ -266,4 +373,131 @@ class TorchEngine(InferenceEngine):
         if not torch.isfinite(chosen).all():  # pragma: no cover - a NaN model is a bug upstream
             raise FloatingPointError("the policy produced non-finite log-probabilities")
         return tokens.cpu(), chosen.cpu()
+
+
+def _buckets(lengths: list[int], call_tokens: int) -> list[slice]:
+    """Split ascending ``lengths`` into runs prefilled together (each padded to its longest),
+    minimising the padded tokens plus ``call_tokens`` per forward pass."""
+    cost = [0] * (len(lengths) + 1)
+    start = [0] * (len(lengths) + 1)
+    for j in range(1, len(lengths) + 1):
+        cost[j], start[j] = min((cost[i] + call_tokens + (j - i) * lengths[j - 1], i) for i in range(j))
+    runs = []
+    j = len(lengths)
+    while j:
+        runs.append(slice(start[j], j))
+        j = start[j]
+    return runs[::-1]
+
+
+# -- the batch's KV cache ----------------------------------------------------------------------
+
+
+class SlotCache(DynamicCache):
+    """A batch KV cache updated in place, for rows that come and go.
+
+    Per layer, keys and values live in buffers ``[slots, heads, capacity, head_dim]``:
+    rows ``[0, rows)`` are the resident sequences and columns ``[start, end)`` the window
+    every layer's ``keys``/``values`` show (views). A row's cached tokens end at column
+    ``end - 1`` (left padding). A decode step writes its column at ``end`` in place
+    (``DynamicCache`` concatenates, copying the whole cache every token); a row that
+    leaves is overwritten by one of the last rows; trimming moves ``start``; a joining
+    prefill is copied into new rows. Buffers are reallocated, with room to spare, only
+    when rows or columns run out.
+    """
+
+    def __init__(self, max_rows: int) -> None:
+        super().__init__()
+        self.max_rows = max_rows
+        self.rows = self.start = self.end = 0
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def width(self) -> int:
+        return self.end - self.start
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's write: the new columns at ``end`` (callers reserve and commit)."""
+        keys, values = self.buffers[layer_idx]
+        n = key_states.shape[-2]
+        keys[: self.rows, :, self.end : self.end + n] = key_states
+        values[: self.rows, :, self.end : self.end + n] = value_states
+        window = (slice(0, self.rows), slice(None), slice(self.start, self.end + n))
+        return keys[window], values[window]
+
+    def commit(self, n: int) -> None:
+        """The last forward pass's ``n`` columns are part of the window now."""
+        self.end += n
+        self._show()
+
+    def reserve(self, rows: int, left: int, right: int) -> None:
+        """Room for ``rows`` rows, ``left`` columns before ``end`` and ``right`` after."""
+        slots, _, capacity, _ = self.buffers[0][0].shape
+        if rows <= slots and left <= self.end and self.end + right <= capacity:
+            return
+        slots = max(rows, min(self.max_rows, 2 * slots))
+        end = max(self.width, left)
+        capacity = end + right + max(64, end)  # spare: reallocate every 64+ tokens at most
+        self.buffers = [(self._moved(k, slots, end, capacity), self._moved(v, slots, end, capacity))
+                        for k, v in self.buffers]
+        self.start, self.end = end - self.width, end
+
+    def _moved(self, old: torch.Tensor, slots: int, end: int, capacity: int) -> torch.Tensor:
+        new = old.new_zeros((slots, old.shape[1], capacity, old.shape[3]))  # finite padding
+        new[: self.rows, :, end - self.width : end] = old[: self.rows, :, self.start : self.end]
+        return new
+
+    def add(self, prefilled: DynamicCache) -> None:
+        """Append the rows of a fresh prefill (its columns end at ``end`` too)."""
+        first = prefilled.layers[0].keys
+        n, width = first.shape[0], first.shape[2]
+        if not self.buffers:  # shapes, dtype and device from the first prefill
+            self.buffers = [(layer.keys.new_zeros((0, *layer.keys.shape[1:])),
+                             layer.values.new_zeros((0, *layer.values.shape[1:])))
+                            for layer in prefilled.layers]
+            self.layers = [DynamicLayer() for _ in prefilled.layers]
+            for mine, theirs in zip(self.layers, prefilled.layers, strict=True):
+                mine.lazy_initialization(theirs.keys, theirs.values)
+        self.reserve(self.rows + n, width, 1)
+        rows = slice(self.rows, self.rows + n)
+        for (keys, values), layer in zip(self.buffers, prefilled.layers, strict=True):
+            keys[rows, :, self.end - width : self.end] = layer.keys
+            values[rows, :, self.end - width : self.end] = layer.values
+        self.rows += n
+        self.start = min(self.start, self.end - width)
+        self._show()
+
+    def retain(self, keep: list[int]) -> list[int]:
+        """Keep rows ``keep``, packed into ``[0, len(keep))`` by moving the last ones
+        into the holes; returns the old row index of each new row."""
+        order = [i for i in keep if i < len(keep)]
+        holes = sorted(set(range(len(keep))) - set(order))
+        movers = [i for i in keep if i >= len(keep)]
+        if movers:
+            device = self.buffers[0][0].device
+            dst, src = torch.tensor(holes, device=device), torch.tensor(movers, device=device)
+            for keys, values in self.buffers:
+                keys[dst, :, self.start : self.end] = keys[src, :, self.start : self.end]
+                values[dst, :, self.start : self.end] = values[src, :, self.start : self.end]
+        new = list(range(len(keep)))
+        for hole, mover in zip(holes, movers, strict=True):
+            new[hole] = mover
+        self.rows = len(keep)
+        self._show()
+        return new
+
+    def trim(self, width: int) -> None:
+        """Narrow the window to its last ``width`` columns (those before hold padding)."""
+        self.start = max(self.start, self.end - width)
+        self._show()
+
+    def clear(self) -> None:
+        self.rows, self.start = 0, self.end
+        self._show()
+
+    def _show(self) -> None:
+        for layer, (keys, values) in zip(self.layers, self.buffers, strict=True):
+            layer.keys = keys[: self.rows, :, self.start : self.end]
+            layer.values = values[: self.rows, :, self.start : self.end]
 

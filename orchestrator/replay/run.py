@@ -104,7 +104,7 @@ class ReplayResult:
 
     @property
     def trainer_wait(self) -> float:
-        return sum(s.duration for s in self.recorder.of("wait_batch")) / self.wall
+        return self.recorder.seconds("wait_batch") / self.wall
 
     def summary(self) -> dict[str, Any]:
         return {"k": self.k, "steps": len(self.reports), "samples": self.samples,
@@ -216,7 +216,7 @@ def replay_session(
                               temperature=1.0, max_turns=max(len(p.turns) for p in plans)),
         clock=anyio.current_time, progress=progress,
         anyio_backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)},
-        describe=describe,
+        describe=describe, keep_batches=True,  # the fidelity figures read the batches
     )
     return parts, measure
 

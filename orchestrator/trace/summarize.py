@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.recorder import read_spans
 from orchestrator.trace.reader import TraceDir, find_trace_dirs
 
 
@@ -116,16 +117,14 @@ def summarize_dir(trace: TraceDir, name: str) -> TaskSummary:
             del s.stages[k]
         s.idle = []
         generating, start, end = [], float("inf"), 0.0
-        with spans.open() as f:
-            for line in f:
-                span = json.loads(line)
-                if span["stage"] in ("warm_start", "rollout"):  # rollout: a group's container span
-                    continue
-                s.stages[span["stage"]] += span["end"] - span["start"]
-                if span["stage"] == "generate":
-                    generating.append((span["start"], span["end"]))
-                if span["stage"] in ("rollout", "train_step", "generate"):
-                    start, end = min(start, span["start"]), max(end, span["end"])
+        for span in read_spans(spans):  # a line cut short by a crash is skipped
+            if span.stage in ("warm_start", "rollout"):  # rollout: a group's container span
+                continue
+            s.stages[span.stage] += span.end - span.start
+            if span.stage == "generate":
+                generating.append((span.start, span.end))
+            if span.stage in ("rollout", "train_step", "generate"):
+                start, end = min(start, span.start), max(end, span.end)
         if generating and end > start:
             s.idle.append(1.0 - union_length(generating) / (end - start))
             s.tail_share.append(tail_share(generating, end - start, start))

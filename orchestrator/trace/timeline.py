@@ -11,19 +11,31 @@ own track; every track's slices then nest, as the format requires. Each span is 
 ``cat``, and its version and attributes under ``args``; metadata events (``"ph": "M"``) name
 the process and the tracks. The file is the JSON object form (``{"traceEvents": [...],
 "displayTimeUnit": "ms"}``) that chrome://tracing and ui.perfetto.dev open.
+
+Events are sorted by start, longest first among equal starts: the viewers nest a slice under
+the one before it, and a parent span is recorded after its children. :func:`write_timeline`
+builds the file from a run's ``spans.jsonl`` without holding the run in memory: one pass
+collects the tracks (memory: one entry per track), a second sorts the spans in chunks of
+:data:`SORT_CHUNK` written to a scratch directory beside the output and merges them, and the
+events are written one at a time. Its file is the same JSON as :func:`trace_events` of the
+same spans (one event a line).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import re
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
-from orchestrator.recorder import Span
+from orchestrator.recorder import Span, read_spans, span_line
 
 PID = 1
+SORT_CHUNK = 20_000  # spans write_timeline sorts in memory at once (about 30 MB)
 
 
 def _track(span: Span) -> str:
@@ -42,49 +54,88 @@ def _track_order(track: str) -> tuple[int, int, int, str]:
     return (2, int(match.group(1)) if match else 0, int(sample) + 1 if sample.isdigit() else 0, track)
 
 
+def _order(span: Span) -> tuple[float, float]:
+    return (span.start, -span.end)
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
 
 
-def trace_events(spans: Iterable[Span], process: str = "polyrl") -> dict[str, Any]:
-    spans = list(spans)
-    others = sorted({str(s.attributes["process"]) for s in spans
-                     if s.attributes.get("process") is not None})
-    names = {PID: process, **{i + PID + 1: name for i, name in enumerate(others)}}
-    pids = {name: pid for pid, name in names.items() if pid != PID}
+class _Tracks:
+    """The processes and tracks of some spans, numbered; built in one pass over them."""
 
-    def pid_of(span: Span) -> int:
-        name = span.attributes.get("process")
-        return PID if name is None else pids[str(name)]
+    def __init__(self, spans: Iterable[Span], process: str) -> None:
+        tracks: dict[str | None, set[str]] = {None: set()}  # process attribute -> tracks
+        for span in spans:
+            name = span.attributes.get("process")
+            tracks.setdefault(None if name is None else str(name), set()).add(_track(span))
+        others = sorted(name for name in tracks if name is not None)
+        self.names = {PID: process, **{i + PID + 1: name for i, name in enumerate(others)}}
+        self._pids: dict[str | None, int] = {None: PID, **{name: PID + 1 + i
+                                                          for i, name in enumerate(others)}}
+        self._tids = {(pid, track): tid
+                      for name, pid in self._pids.items()
+                      for tid, track in enumerate(sorted(tracks[name], key=_track_order), start=1)}
 
-    events: list[dict[str, Any]] = []
-    tids: dict[tuple[int, str], int] = {}
-    for pid, name in names.items():
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                       "args": {"name": name}})
-        workers = sorted({_track(s) for s in spans if pid_of(s) == pid}, key=_track_order)
-        for tid, worker in enumerate(workers, start=1):
-            tids[pid, worker] = tid
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                           "args": {"name": worker}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
-                           "args": {"sort_index": tid}})
-    for span in sorted(spans, key=lambda s: (s.start, -s.end)):
+    def metadata(self) -> Iterator[dict[str, Any]]:
+        """Each process's name, then its tracks' names and order."""
+        for pid, name in self.names.items():
+            yield {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
+            for (owner, track), tid in self._tids.items():
+                if owner != pid:
+                    continue
+                yield {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                       "args": {"name": track}}
+                yield {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
+                       "args": {"sort_index": tid}}
+
+    def event(self, span: Span) -> dict[str, Any]:
+        """``span`` as a complete event on its track."""
         args = {k: _jsonable(v) for k, v in span.attributes.items()}
         if span.version is not None:
             args["version"] = span.version
-        pid = pid_of(span)
-        events.append({
+        name = span.attributes.get("process")
+        pid = self._pids[None if name is None else str(name)]
+        return {
             "name": span.stage, "cat": span.stage, "ph": "X", "pid": pid,
-            "tid": tids[pid, _track(span)],
+            "tid": self._tids[pid, _track(span)],
             "ts": round(span.start * 1e6, 3), "dur": round(max(span.duration, 0.0) * 1e6, 3),
             "args": args,
-        })
+        }
+
+
+def trace_events(spans: Iterable[Span], process: str = "polyrl") -> dict[str, Any]:
+    """The timeline of spans held in memory, as one JSON-able object."""
+    spans = list(spans)
+    tracks = _Tracks(spans, process)
+    events = [*tracks.metadata(), *map(tracks.event, sorted(spans, key=_order))]
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_timeline(spans: Iterable[Span], path: Path, process: str = "polyrl") -> None:
+def write_timeline(spans: Path, path: Path, process: str = "polyrl") -> None:
+    """The timeline of the spans file ``spans`` (JSONL, :func:`read_spans`), written to
+    ``path`` event by event."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(trace_events(spans, process)) + "\n")
+    tracks = _Tracks(read_spans(spans), process)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".timeline-") as scratch, \
+            path.open("w") as f:
+        ordered = _sorted_by_start(read_spans(spans), Path(scratch))
+        events = chain(tracks.metadata(), map(tracks.event, ordered))
+        f.write('{"traceEvents": [\n')
+        for i, event in enumerate(events):
+            f.write((",\n" if i else "") + json.dumps(event))
+        f.write('\n], "displayTimeUnit": "ms"}\n')
+
+
+def _sorted_by_start(spans: Iterator[Span], scratch: Path) -> Iterator[Span]:
+    """``spans`` stably sorted by :func:`_order`, holding :data:`SORT_CHUNK` at a time: each
+    chunk is sorted and written to ``scratch``, then the chunks are merged (a merge sort on
+    disk; equal keys keep their chunk's, then their file's order, as ``sorted`` would)."""
+    chunks: list[Path] = []
+    while chunk := sorted(islice(spans, SORT_CHUNK), key=_order):
+        chunks.append(scratch / f"{len(chunks)}.jsonl")
+        chunks[-1].write_text("".join(map(span_line, chunk)))
+    yield from heapq.merge(*map(read_spans, chunks), key=_order)

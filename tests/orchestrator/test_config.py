@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,10 @@ def test_every_group_option_composes_and_instantiates(group: str, option: str) -
     assert isinstance(trainer, Trainer)
     recipe = EngineRecipe(engine=OmegaConf.to_container(cfg.engine, resolve=True),
                           model=OmegaConf.to_container(cfg.model, resolve=True))
+    if (group, option) == ("engine", "vllm") and importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ConfigError, match="engine=vllm needs vLLM"):  # its tests: .venv-vllm
+            recipe.build(WeightUpdate.of_module(0, policy.model))
+        return
     engine = recipe.build(WeightUpdate.of_module(0, policy.model))
     assert isinstance(engine, InferenceEngine) and engine.version == 0
 

@@ -1,5 +1,6 @@
 """The in-process torch engine (orchestrator/engines/torch_engine.py) on a tiny CPU policy:
-batched sampling, stop tokens, lengths, behaviour log-probs against a full forward pass, and
+batched sampling, stop tokens, lengths, behaviour log-probs against a full forward pass,
+continuous batching (requests joining and leaving a running batch) against static waves, and
 weight updates that land mid-generation."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import anyio
 import pytest
 import torch
 
-from orchestrator.engines.torch_engine import TorchEngine
-from orchestrator.errors import EngineClosed
+from orchestrator.engines.torch_engine import BATCHING, TorchEngine
+from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 from helpers import engine_for
@@ -56,11 +57,73 @@ async def generate_all(engine: TorchEngine, requests: Sequence[tuple[list[int], 
     return results  # type: ignore[return-value]
 
 
-async def test_batched_requests_have_their_lengths_and_teacher_forced_logprobs(tiny: Any) -> None:
+def assert_teacher_forced(model: torch.nn.Module, prompt: Sequence[int], gen: Generation,
+                          temperature: float = 1.0) -> None:
+    expected = full_forward_logprobs(model, prompt, gen.token_ids, temperature)
+    torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=ATOL, rtol=0)
+
+
+class SteppedEngine(TorchEngine):
+    """Records the resident rows of every decode step; with ``stepped`` each decode step
+    waits (in the forward thread, holding the step) until the test lets it run with
+    :meth:`steps`, so a test can place arrivals and pauses at exact tokens."""
+
+    def __init__(self, *args: Any, stepped: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.decodes = 0
+        self.resident: list[int] = []  # rows of each decode step
+        self.allowed = 0 if stepped else 1 << 30
+        self.held = False
+        self.cond = threading.Condition()
+
+    def _decode(self, batch: Any) -> Any:
+        with self.cond:
+            self.held = True
+            self.cond.notify_all()
+            assert self.cond.wait_for(lambda: self.decodes < self.allowed, timeout=30)
+            self.held = False
+        self.resident.append(len(batch.rows))
+        out = super()._decode(batch)
+        with self.cond:
+            self.decodes += 1
+            self.cond.notify_all()
+        return out
+
+    async def steps(self, n: int) -> None:
+        """Let ``n`` more decode steps run; return once they have and the next one is held
+        (its step has admitted what it admits)."""
+        with self.cond:
+            self.allowed += n
+            target = self.allowed
+            self.cond.notify_all()
+
+        def wait() -> None:
+            with self.cond:
+                assert self.cond.wait_for(lambda: self.decodes >= target and self.held, timeout=30)
+
+        await anyio.to_thread.run_sync(wait)
+
+    def run_freely(self) -> None:
+        with self.cond:
+            self.allowed = 1 << 30
+            self.cond.notify_all()
+
+
+async def pause_after_held_step(engine: SteppedEngine) -> None:
+    """Queue a pause behind the held step, let it run, and return once paused."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.pause)
+        await anyio.wait_all_tasks_blocked()
+        engine.run_freely()
+
+
+@pytest.mark.parametrize("batching", BATCHING)
+async def test_batched_requests_have_their_lengths_and_teacher_forced_logprobs(
+        tiny: Any, batching: str) -> None:
     vocab = tiny.tokenizer.vocab_size
     requests = [(p, SamplingParams(max_tokens=4 + i % 9, temperature=1.0))
                 for i, p in enumerate(prompts(12, vocab))]
-    async with engine_for(tiny, max_batch_size=64, seed=0) as engine:
+    async with engine_for(tiny, max_batch_size=64, seed=0, batching=batching) as engine:
         with anyio.fail_after(60):
             gens = await generate_all(engine, requests)
     for (prompt, sampling), gen in zip(requests, gens, strict=True):
@@ -81,16 +144,17 @@ async def test_logprobs_follow_the_sampling_temperature(tiny: Any) -> None:
     torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=ATOL, rtol=0)
 
 
-async def test_max_batch_size_splits_requests_into_waves(tiny: Any) -> None:
+@pytest.mark.parametrize("batching", BATCHING)
+async def test_max_batch_size_caps_the_resident_sequences(tiny: Any, batching: str) -> None:
     vocab = tiny.tokenizer.vocab_size
     requests = [(p, SamplingParams(max_tokens=5)) for p in prompts(7, vocab, seed=3)]
-    async with engine_for(tiny, max_batch_size=2, seed=0) as engine:
+    async with engine_for(tiny, SteppedEngine, max_batch_size=2, seed=0, batching=batching) as engine:
         with anyio.fail_after(60):
             gens = await generate_all(engine, requests)
+    assert max(engine.resident) == 2
     for (prompt, _), gen in zip(requests, gens, strict=True):
         assert len(gen.token_ids) == 5
-        expected = full_forward_logprobs(tiny.model, prompt, gen.token_ids)
-        torch.testing.assert_close(torch.tensor(gen.logprobs), expected, atol=ATOL, rtol=0)
+        assert_teacher_forced(tiny.model, prompt, gen)
 
 
 async def test_greedy_is_deterministic_and_takes_the_argmax(tiny: Any) -> None:
@@ -136,14 +200,15 @@ async def test_stop_token_ends_generation(tiny: Any) -> None:
     assert len(stopped.logprobs) == len(stopped.versions) == cut + 1
 
 
-async def test_stop_and_length_mixed_in_one_batch(tiny: Any) -> None:
+@pytest.mark.parametrize("batching", BATCHING)
+async def test_stop_and_length_mixed_in_one_batch(tiny: Any, batching: str) -> None:
     vocab = tiny.tokenizer.vocab_size
     everything = tuple(range(vocab))
     requests = [
         (p, SamplingParams(max_tokens=10, stop_token_ids=everything if i % 2 else ()))
         for i, p in enumerate(prompts(6, vocab, seed=7))
     ]
-    async with engine_for(tiny, seed=0) as engine:
+    async with engine_for(tiny, seed=0, batching=batching) as engine:
         with anyio.fail_after(60):
             gens = await generate_all(engine, requests)
     for i, gen in enumerate(gens):
@@ -162,6 +227,161 @@ async def test_max_tokens_is_capped_by_the_position_limit(make_policy: Any) -> N
             gen = await engine.generate(prompt, SamplingParams(max_tokens=50))
     assert gen.finish_reason is FinishReason.LENGTH
     assert len(gen.token_ids) == 3
+
+
+# -- continuous batching ------------------------------------------------------------------
+
+
+async def test_batching_mode_is_checked(tiny: Any) -> None:
+    with pytest.raises(ConfigError, match="engine.batching"):
+        engine_for(tiny, batching="static")
+
+
+@pytest.mark.parametrize("batching", BATCHING)
+async def test_a_request_arriving_mid_generation_joins_the_running_batch(
+        tiny: Any, batching: str) -> None:
+    """A short request sent while a long one decodes: continuous batching admits it at the
+    next token and it finishes first; a wave makes it wait for the long one to end."""
+    long_prompt, short_prompt = prompts(2, tiny.tokenizer.vocab_size, seed=11)
+    finished: list[str] = []
+    gens: dict[str, Generation] = {}
+    async with engine_for(tiny, SteppedEngine, stepped=True, batching=batching) as engine:
+
+        async def run(name: str, prompt: list[int], max_tokens: int) -> None:
+            gens[name] = await engine.generate(prompt, SamplingParams(max_tokens=max_tokens))
+            finished.append(name)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "long", long_prompt, 30)
+                await engine.steps(5)  # the long one is 6 tokens in
+                tg.start_soon(run, "short", short_prompt, 4)
+                await anyio.wait_all_tasks_blocked()
+                engine.run_freely()
+    assert [len(gens[n].token_ids) for n in ("long", "short")] == [30, 4]
+    if batching == "continuous":
+        assert finished == ["short", "long"]
+        assert max(engine.resident) == 2
+        assert engine.decodes == 29  # the short one's tokens came with the long one's steps
+    else:
+        assert finished == ["long", "short"]
+        assert max(engine.resident) == 1
+        assert engine.decodes == 29 + 3
+    assert_teacher_forced(tiny.model, long_prompt, gens["long"])
+    assert_teacher_forced(tiny.model, short_prompt, gens["short"])
+
+
+@pytest.mark.parametrize("batching", BATCHING)
+async def test_a_finished_result_is_handed_out_while_others_keep_decoding(
+        tiny: Any, batching: str) -> None:
+    """Two requests decoding together: the short one's result comes back as soon as it stops
+    (continuous) or when the whole wave has (waves)."""
+    short_prompt, long_prompt = prompts(2, tiny.tokenizer.vocab_size, seed=12)
+    decodes_at_result: dict[str, int] = {}
+    async with engine_for(tiny, SteppedEngine, batching=batching) as engine:
+
+        async def run(name: str, prompt: list[int], max_tokens: int) -> None:
+            await engine.generate(prompt, SamplingParams(max_tokens=max_tokens))
+            decodes_at_result[name] = engine.decodes
+
+        with anyio.fail_after(60):
+            await engine.pause()  # both arrive before the first step
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "short", short_prompt, 3)
+                tg.start_soon(run, "long", long_prompt, 30)
+                await anyio.wait_all_tasks_blocked()
+                await engine.resume()
+    assert engine.resident[0] == 2
+    # the prefill gives token 0, decode step i token i: the short one stops at step 2
+    assert decodes_at_result["long"] == 29
+    if batching == "continuous":
+        assert decodes_at_result["short"] < 29
+    else:
+        assert decodes_at_result["short"] == 29
+
+
+async def test_requests_joining_mid_batch_keep_teacher_forced_logprobs(tiny: Any) -> None:
+    """Requests of different prompt lengths and temperatures join a batch at different
+    tokens; every token's log-prob is still what one unpadded forward pass gives."""
+    vocab = tiny.tokenizer.vocab_size
+    ps = prompts(6, vocab, seed=13)  # prompt lengths 3, 8, 13, 18, 6, 11
+    temperatures = [1.0, 0.7, 0.0, 1.3, 1.0, 0.5]
+    lengths = [14, 16, 8, 10, 6, 12]
+    requests = [(p, SamplingParams(max_tokens=n, temperature=t))
+                for p, n, t in zip(ps, lengths, temperatures, strict=True)]
+    gens: dict[int, Generation] = {}
+    async with engine_for(tiny, SteppedEngine, stepped=True, seed=3) as engine:
+
+        async def run(i: int) -> None:
+            gens[i] = await engine.generate(*requests[i])
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, 0)
+                tg.start_soon(run, 1)
+                await engine.steps(2)
+                for i in (2, 3):
+                    tg.start_soon(run, i)
+                await anyio.wait_all_tasks_blocked()
+                await engine.steps(3)
+                for i in (4, 5):
+                    tg.start_soon(run, i)
+                await anyio.wait_all_tasks_blocked()
+                engine.run_freely()
+    assert max(engine.resident) == 6  # all six decoded together at some step
+    for i, (prompt, sampling) in enumerate(requests):
+        assert len(gens[i].token_ids) == sampling.max_tokens
+        temperature = sampling.temperature if sampling.temperature > 0 else 1.0  # greedy: T=1
+        assert_teacher_forced(tiny.model, prompt, gens[i], temperature)
+
+
+async def test_continuous_batching_refills_slots_as_sequences_leave(tiny: Any) -> None:
+    """With room for two, a queued request takes the slot of one that stopped while the
+    other still decodes; waves wait for both: fewer decode steps for the same tokens."""
+    vocab = tiny.tokenizer.vocab_size
+    requests = [(p, SamplingParams(max_tokens=n))
+                for p, n in zip(prompts(5, vocab, seed=15), (12, 3, 3, 8, 5), strict=True)]
+    decodes = {}
+    for batching in BATCHING:
+        async with engine_for(tiny, SteppedEngine, max_batch_size=2, batching=batching) as engine:
+            with anyio.fail_after(60):
+                await engine.pause()  # all five queue before the first step
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(generate_all, engine, requests)
+                    await anyio.wait_all_tasks_blocked()
+                    await engine.resume()
+        assert max(engine.resident) == 2
+        decodes[batching] = engine.decodes
+    assert decodes["continuous"] < decodes["waves"]
+
+
+async def test_requests_sent_while_paused_join_the_running_batch_on_resume(tiny: Any) -> None:
+    vocab = tiny.tokenizer.vocab_size
+    long_prompt, *short_prompts = prompts(3, vocab, seed=16)
+    finished: list[int] = []
+    gens: dict[int, Generation] = {}
+    async with engine_for(tiny, SteppedEngine, stepped=True) as engine:
+
+        async def run(i: int, prompt: list[int], max_tokens: int) -> None:
+            gens[i] = await engine.generate(prompt, SamplingParams(max_tokens=max_tokens))
+            finished.append(i)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, 0, long_prompt, 30)
+                await engine.steps(3)  # decode step 4 is held
+                await pause_after_held_step(engine)
+                for i, prompt in enumerate(short_prompts, 1):
+                    tg.start_soon(run, i, prompt, 5)
+                await anyio.wait_all_tasks_blocked()
+                await anyio.sleep(0.05)
+                assert engine.decodes == 4 and not finished, "a token was produced while paused"
+                await engine.resume()
+    assert finished[-1] == 0  # both joined the long one's batch and finished first
+    assert max(engine.resident) == 3
+    assert_teacher_forced(tiny.model, long_prompt, gens[0])
+    for i, prompt in enumerate(short_prompts, 1):
+        assert_teacher_forced(tiny.model, prompt, gens[i])
 
 
 # -- weight updates in flight --------------------------------------------------------------
@@ -187,7 +407,9 @@ class HoldingEngine(TorchEngine):
         return out
 
 
-async def test_weights_updated_mid_generation_continue_under_the_new_version(make_policy: Any) -> None:
+@pytest.mark.parametrize("batching", BATCHING)
+async def test_weights_updated_mid_generation_continue_under_the_new_version(
+        make_policy: Any, batching: str) -> None:
     old, new = make_policy(0), make_policy(1)
     new_weights = {k: v.clone() for k, v in new.model.state_dict().items()}
     prompt = prompts(1, old.tokenizer.vocab_size, seed=8)[0]
@@ -195,7 +417,7 @@ async def test_weights_updated_mid_generation_continue_under_the_new_version(mak
     at = 10
     result: list[Generation] = []
     paused_at: list[int] = []
-    async with engine_for(old, HoldingEngine, seed=0, at=at) as engine:
+    async with engine_for(old, HoldingEngine, seed=0, at=at, batching=batching) as engine:
 
         async def run() -> None:
             result.append(await engine.generate(prompt, sampling))
@@ -234,6 +456,42 @@ async def test_weights_updated_mid_generation_continue_under_the_new_version(mak
     assert not torch.allclose(logprobs[switch:], stale, atol=1e-2)
 
 
+async def test_a_weight_update_reprefills_every_resident_sequence(make_policy: Any) -> None:
+    """Two sequences at different points when new weights land: both continue under them
+    after a fresh prefill of prompt + tokens so far, each token stamped with its version."""
+    old, new = make_policy(0), make_policy(1)
+    new_weights = {k: v.clone() for k, v in new.model.state_dict().items()}
+    first, second = prompts(2, old.tokenizer.vocab_size, seed=14)
+    gens: dict[str, Generation] = {}
+    async with engine_for(old, SteppedEngine, stepped=True, seed=0) as engine:
+
+        async def run(name: str, prompt: list[int]) -> None:
+            gens[name] = await engine.generate(prompt, SamplingParams(max_tokens=30))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "first", first)
+                await engine.steps(3)  # first: 4 tokens; decode step 4 is held
+                tg.start_soon(run, "second", second)
+                await anyio.wait_all_tasks_blocked()
+                await engine.steps(2)  # step 4; step 5 prefills second; step 6 is held
+                await pause_after_held_step(engine)
+                await engine.update_weights(WeightUpdate.by_reference(1, new_weights, leased=False))
+                await engine.resume()
+    # first: token 0 from its prefill, token i from decode step i; second: token 0 from its
+    # prefill (with decode step 5), token 1 from step 6
+    switches = {"first": 7, "second": 2}
+    for name, prompt in (("first", first), ("second", second)):
+        gen, switch = gens[name], switches[name]
+        assert gen.start_version == 0
+        assert gen.versions == (0,) * switch + (1,) * (30 - switch)
+        logprobs = torch.tensor(gen.logprobs)
+        before = full_forward_logprobs(old.model, prompt, gen.token_ids[:switch])
+        torch.testing.assert_close(logprobs[:switch], before, atol=ATOL, rtol=0)
+        after = full_forward_logprobs(new.model, prompt, gen.token_ids)[switch:]
+        torch.testing.assert_close(logprobs[switch:], after, atol=ATOL, rtol=0)
+
+
 async def test_resume_may_come_from_another_task_than_pause(tiny: Any) -> None:
     """pause() and resume() are separate calls of the engine interface (separate requests
     for a remote engine): the task that resumes need not be the one that paused."""
@@ -256,10 +514,11 @@ async def test_update_weights_outside_pause_is_refused(tiny: Any) -> None:
         assert engine.version == 0
 
 
-async def test_pause_blocks_new_tokens_until_resume(tiny: Any) -> None:
+@pytest.mark.parametrize("batching", BATCHING)
+async def test_pause_blocks_new_tokens_until_resume(tiny: Any, batching: str) -> None:
     prompt = prompts(1, tiny.tokenizer.vocab_size, seed=9)[0]
     result: list[Generation] = []
-    async with engine_for(tiny) as engine:
+    async with engine_for(tiny, batching=batching) as engine:
         await engine.pause()
         await engine.pause()  # idempotent
         with anyio.fail_after(60):

@@ -100,9 +100,11 @@ def test_replay_writes_the_layout_of_a_training_run(tmp_path: Path,
     metrics = read_jsonl(replayed / "metrics.jsonl")
     steps, last = metrics[:-1], metrics[-1]
     assert [m["step"] for m in steps] == [0, 1]
-    # the same step_metrics schema, less what belongs to the torch trainer (train/*), the
-    # environment (reward/<part>) or a stage the replay may not have waited in (time/<stage>)
-    common = {k for k in train_keys if not k.startswith(("train/", "reward/", "time/"))}
+    # the same step_metrics schema, less what belongs to the torch trainer (train/*, its
+    # engine/logprob_diff check), the environment (reward/<part>) or a stage the replay may
+    # not have waited in (time/<stage>)
+    common = {k for k in train_keys
+              if not k.startswith(("train/", "reward/", "time/", "engine/logprob_diff"))}
     assert {"staleness/max", "policy/version", "episode/turns"} <= common
     for m in steps:
         assert common | {"reward/mean", "time/step", "time/generate", "time/train_step"} <= set(m)
@@ -163,7 +165,8 @@ def test_engines_holds_engines_only() -> None:
     packages import is the import contracts' business: ``lint-imports``)."""
     engines = REPO / "orchestrator" / "engines"
     assert sorted(p.name for p in engines.glob("*.py")) == [
-        "__init__.py", "base.py", "simulated.py", "torch_engine.py"]
+        "__init__.py", "base.py", "simulated.py", "torch_engine.py", "vllm_engine.py",
+        "vllm_worker.py"]
 
 
 def test_the_fit_command_saves_a_fit_a_replay_loads(tmp_path: Path,
