@@ -30,8 +30,10 @@ builds engines), ``max_batch_size`` 64, torch threads 1 (as the pipeline's engin
 it). Reported per mode: generated tokens per second of wall time, p50/p99 latency of one
 ``generate`` call (queueing inside the engine included) and the number of calls.
 
-Adding an engine: append ``(name, factory)`` to the list :func:`engines` returns (a vLLM
-row, when vLLM is importable); :func:`run_workload` drives any ``InferenceEngine``.
+Adding an engine: append ``(name, factory)`` to the list :func:`engines` returns;
+:func:`run_workload` drives any ``InferenceEngine``. Where vLLM is importable
+(``.venv-vllm/bin/python -m bench.engine``) a ``vllm`` row runs the same workload through
+``engine=vllm`` (its start-up is not timed; it has a prefix cache, the torch engine none).
 
 Limits. The tiny model on CPU: a forward pass costs ~2-3 ms of fixed overhead plus compute
 per token, so batching more rows per step gains less than on a GPU. The engines have no
@@ -44,6 +46,7 @@ Last line: ``continuous_vs_waves=<tokens/s ratio>``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 import time
 from collections import defaultdict
@@ -186,11 +189,13 @@ async def run_workload(engine: InferenceEngine, workload: Workload) -> Row:
         for e in queue:  # shared: each episode runs once
             tokens.append(await run_episode(engine, e, latencies))
 
-    started = time.perf_counter()
-    async with engine, anyio.create_task_group() as tg:
-        for _ in range(workload.clients):
-            tg.start_soon(client)
-    return Row(sum(tokens), time.perf_counter() - started, tuple(latencies))
+    async with engine:  # started first: an engine's start-up (vLLM's ~30 s) is not timed
+        started = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(workload.clients):
+                tg.start_soon(client)
+        elapsed = time.perf_counter() - started
+    return Row(sum(tokens), elapsed, tuple(latencies))
 
 
 # -- engines ----------------------------------------------------------------------------------
@@ -207,12 +212,24 @@ def torch_engine(model: Mapping[str, Any], weights: WeightUpdate, seed: int,
     return TorchEngine(model, weights, max_batch_size=CLIENTS, seed=seed, batching=batching)
 
 
+def vllm_engine(model: Mapping[str, Any], weights: WeightUpdate, seed: int) -> InferenceEngine:
+    from orchestrator.engines.vllm_engine import VLLMEngine
+
+    # CPU: gpu_memory_utilization is the RAM share for the KV cache; eager (no compile) for a
+    # quick start. vLLM has a prefix cache: later turns reuse their conversation's KV.
+    return VLLMEngine(model, weights, gpu_memory_utilization=0.1, max_num_seqs=CLIENTS,
+                      enforce_eager=not torch.cuda.is_available(), seed=seed)
+
+
 def engines(model: Mapping[str, Any], weights: WeightUpdate,
             seed: int) -> list[tuple[str, Callable[[], InferenceEngine]]]:
-    return [
+    rows = [
         ("waves", partial(torch_engine, model, weights, seed, "waves")),
         ("continuous", partial(torch_engine, model, weights, seed, "continuous")),
     ]
+    if importlib.util.find_spec("vllm") is not None:  # .venv-vllm, or the vllm extra
+        rows.append(("vllm", partial(vllm_engine, model, weights, seed)))
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:

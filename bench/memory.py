@@ -3,7 +3,7 @@
 The run is the default experiment (``conf/``, ``experiment=arithmetic``) through
 :func:`orchestrator.main.run`, with its own run directory in a temporary folder, no logger, no
 progress bar, and a warm start cut to ``WARM_START_STEPS`` supervised steps (no accuracy
-target), so the RL steps start within seconds; everything else is the experiment's own
+target), so the RL steps start within seconds (``--as-configured``: the experiment's own); everything else is the experiment's own
 (evaluations, periodic checkpoints, the run directory's files). A thread beside the run reads
 ``metrics.jsonl`` as it grows and samples the process's resident set size (``/proc/self/statm``,
 so Linux only) when it sees the line of step 200 and that of the last step: what a long run
@@ -79,20 +79,21 @@ class StepSampler(threading.Thread):
             self.snapshots[step] = tracemalloc.take_snapshot()
 
 
-def measure(steps: int, trace: bool) -> None:
+def measure(steps: int, trace: bool, as_configured: bool = False) -> None:
     with tempfile.TemporaryDirectory(prefix="polyrl-memory-") as tmp:
         run_dir = Path(tmp) / "run"
+        short_warm_start = [] if as_configured else [
+            f"warmstart.steps={WARM_START_STEPS}", "warmstart.target_accuracy=null"]
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
             cfg = compose("config", overrides=[
                 "experiment=arithmetic", "logger=none", "progress=false",
-                f"pipeline.num_steps={steps}", f"warmstart.steps={WARM_START_STEPS}",
-                "warmstart.target_accuracy=null"])
+                f"pipeline.num_steps={steps}", *short_warm_start])
         sampler = StepSampler(run_dir / "metrics.jsonl", [FIRST, steps])
         if trace:
             tracemalloc.start(4)
         sampler.start()
         try:
-            run(cfg, run_dir)
+            result = run(cfg, run_dir)
         finally:
             sampler.stop.set()
             sampler.join()
@@ -100,6 +101,11 @@ def measure(steps: int, trace: bool) -> None:
             raise SystemExit(f"the run ended before step {steps}")
         if trace:
             report_growth(sampler.snapshots[FIRST], sampler.snapshots[steps])
+        summary = result.summary
+        print(f"run: reward {summary['reward_first_10pct']:.3f} -> "
+              f"{summary['reward_last_10pct']:.3f} (first/last 10% of steps), eval "
+              f"{summary['eval_before']} -> {summary['eval_after']}, warm start "
+              f"{summary['warm_start_steps']} steps, {summary['samples_per_s']:.1f} samples/s")
         first, last = sampler.rss[FIRST], sampler.rss[steps]
         print(f"rss_at_step_{FIRST}={first / 2**20:.1f}MiB")
         print(f"rss_at_step_{steps}={last / 2**20:.1f}MiB")
@@ -123,8 +129,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="400 steps instead of 2000")
     parser.add_argument("--tracemalloc", action="store_true",
                         help="also print where Python's allocations grew (slow)")
+    parser.add_argument("--as-configured", action="store_true",
+                        help="the experiment's own warm start (to its accuracy target): the "
+                             "default experiment exactly, its learning figures included")
     args = parser.parse_args(argv)
-    measure(400 if args.quick else 2000, args.tracemalloc)
+    measure(400 if args.quick else 2000, args.tracemalloc, args.as_configured)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from orchestrator.checkpoint import load_checkpoint, save_checkpoint
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.errors import ConfigError
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
 from orchestrator.recorder import Recorder
-from orchestrator.errors import ConfigError
 from orchestrator.trainer import TorchTrainer
 from orchestrator.trainer.base import Trainer
 from orchestrator.weights import WeightUpdate

@@ -22,7 +22,6 @@ is not writable).
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
