@@ -159,7 +159,6 @@ class VLLMEngine(InferenceEngine):
         self._closed = True
         if self._llm is not None:
             self._llm.shutdown()
-            self._llm = None  # collected now, not at interpreter exit (its __del__ shuts down too)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
 
