@@ -136,6 +136,7 @@ def resume_target(args: list[str]) -> tuple[Path | None, bool]:
 
 def resumed_config(run_dir: Path, overrides: list[str]) -> DictConfig:
     """``run_dir``'s own config with ``overrides`` of :data:`RESUMABLE` keys applied."""
+    import yaml
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
@@ -144,14 +145,14 @@ def resumed_config(run_dir: Path, overrides: list[str]) -> DictConfig:
         key, _, value = override.lstrip("+").partition("=")
         if key == "resume" or key.startswith("hydra."):
             continue
-        if not any(key == k or key.startswith(k + ".") for k in RESUMABLE):
+        if not _resumable(key):
             raise ConfigError(
                 f"{key} cannot change when resuming (the run's maths depend on it); only "
                 f"{', '.join(RESUMABLE)} can: start a new run to change it")
         if key == "logger":  # a config group: its option's file
             cfg.logger = OmegaConf.load(CONF / "logger" / f"{value}.yaml")
         else:
-            OmegaConf.update(cfg, key, yaml_value(value), force_add=False)
+            OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=False)  # typed as YAML
     return cfg
 
 
@@ -184,12 +185,6 @@ def _flat(tree: object, prefix: str = "") -> dict[str, object]:
             out.update(_flat(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: tree}
-
-
-def yaml_value(text: str) -> object:
-    import yaml
-
-    return yaml.safe_load(text)
 
 
 def resume(run_dir: Path, overrides: list[str], auto: bool = False) -> None:

@@ -99,7 +99,7 @@ class CheckpointStore:
         if final.exists():  # a resumed run writing the same step again
             shutil.rmtree(final)
         tmp.rename(final)
-        _fsync_dir(self.root)
+        _fsync(self.root)  # the rename itself is durable once the directory is synced
         self._prune()
         return final
 
@@ -173,7 +173,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    _fsync(path)  # the rename itself is durable once the directory is synced

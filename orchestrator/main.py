@@ -95,9 +95,8 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path) -> RunResult:
                  parts.rollout.max_total_tokens)
     checkpointer = None
     if parts.checkpoint is not None and parts.save_checkpoint is not None:
-        every = parts.checkpoint.every or parts.pipeline.num_steps + 1  # 0: only on a signal
         checkpointer = Checkpointer(
-            CheckpointStore(out.path / "checkpoints", parts.checkpoint.keep), every,
+            CheckpointStore(out.path / "checkpoints", parts.checkpoint.keep), parts.checkpoint.every,
             parts.save_checkpoint, parts.trainer, logger_run_id=lambda: logger.run_id,
             last_saved=parts.resume.step if parts.resume is not None else -1)
     result = RunResult(run_dir=run_dir)

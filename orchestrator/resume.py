@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from orchestrator.checkpoint import CheckpointStore
 from orchestrator.errors import ConfigError
 
 RUN_STATE = "run_state.json"
@@ -79,8 +80,6 @@ def restore_rng(directory: Path) -> None:
 
 def find_checkpoint(run_dir: Path) -> Path:
     """The latest valid periodic checkpoint of ``run_dir``; one line if there is none."""
-    from orchestrator.checkpoint import CheckpointStore
-
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"resume={run_dir} is not a run directory (it has no config.yaml)")
     found = CheckpointStore(run_dir / "checkpoints").latest_valid()

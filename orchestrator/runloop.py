@@ -50,13 +50,11 @@ WarmStart = Callable[[InferenceEngine, Recorder], Awaitable[int]]
 @dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 20  # steps between periodic checkpoints (0: none; a signal still writes one)
-    keep: int = 2  # the newest periodic checkpoints kept
+    keep: int = 2  # the newest periodic checkpoints kept (CheckpointStore checks it)
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ConfigError(f"checkpoint.every must be >= 0, got {self.every}")
-        if self.keep < 1:
-            raise ConfigError(f"checkpoint.keep must be >= 1, got {self.keep}")
 
 
 @dataclass
@@ -87,29 +85,26 @@ class Checkpointer:
         self._rng = capture_rng()
 
     def due(self) -> bool:
-        return self._state is not None and self._state.step % self.every == 0
+        return (self.every > 0 and self._state is not None
+                and self._state.step % self.every == 0)
 
     async def save(self) -> Path | None:
-        state = self._state
-        if state is None or state.step == self.last_saved:
-            return None
-        rng = self._rng
-
-        def write(directory: Path) -> None:
-            self.save_trainer(directory)
-            state.write(directory, rng)
-
-        path = await anyio.to_thread.run_sync(self.store.save, state.step, write)
-        self.last_saved = state.step
-        log.info("checkpoint: step %d at %s", state.step, path)
-        return path
+        """The last snapshot, written (once) in a worker thread; its path, or None if no step
+        has finished."""
+        return await anyio.to_thread.run_sync(self._save_snapshot)
 
     def save_last(self) -> Path | None:
         """After a crash: the last snapshot, when the trainer is still at its version."""
-        state = self._state
-        if state is None or state.step == self.last_saved or self.trainer.version != state.version:
+        if self._state is None or self.trainer.version != self._state.version:
             return None
-        rng = self._rng
+        return self._save_snapshot()
+
+    def _save_snapshot(self) -> Path | None:
+        state, rng = self._state, self._rng
+        if state is None:
+            return None
+        if state.step == self.last_saved:
+            return self.store.path(state.step)
 
         def write(directory: Path) -> None:
             self.save_trainer(directory)
@@ -117,6 +112,7 @@ class Checkpointer:
 
         path = self.store.save(state.step, write)
         self.last_saved = state.step
+        log.info("checkpoint: step %d at %s", state.step, path)
         return path
 
 
@@ -218,16 +214,10 @@ async def run_session(parts: RunParts, result: RunResult,
             result.wall = recorder.now() - started
             if pipeline.stopped:
                 saved = await checkpointer.save() if checkpointer is not None else None
-                where = saved or (checkpointer.store.path(checkpointer.last_saved)
-                                  if checkpointer is not None and checkpointer.last_saved >= 0
-                                  else None)
-                done = resume.step if resume is not None else 0
-                done += len(result.reports)
-                raise RunAborted(
-                    f"stopped by {result.stopped_by} after {done} steps"
-                    + (f"; resume from {where} with: python -m orchestrator "
-                       f"resume={where.parent.parent}" if where is not None else
-                       "; no checkpoint was written (checkpoint.every=0)"))
+                where = (f"resume from {saved} with: python -m orchestrator resume={saved.parent.parent}"
+                         if saved is not None else "no step had finished: nothing to resume")
+                raise RunAborted(f"stopped by {result.stopped_by} after "
+                                 f"{start + len(result.reports)} steps; {where}")
             if parts.eval_tasks:
                 result.eval_after = await _evaluate(engine, parts, recorder)
                 log.info("eval after RL: %.3f", result.eval_after)

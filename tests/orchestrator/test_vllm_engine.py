@@ -22,9 +22,11 @@ from orchestrator.weights import WeightUpdate
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
 
+import anyio.lowlevel
+
 from orchestrator.engines.vllm_engine import VLLMEngine
 from orchestrator.models.policy import build_policy
-import anyio.lowlevel
+from orchestrator.runloop import load_into
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.anyio,
@@ -83,17 +85,9 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(7, 40, (3 + (5 * i) % 17,), generator=g).tolist() for i in range(n)]
 
 
-async def reload(engine: VLLMEngine, update: WeightUpdate) -> None:
-    await engine.pause()
-    try:
-        await engine.update_weights(update)
-    finally:
-        await engine.resume()
-
-
 async def test_ids_logprobs_and_versions_match_the_trainers_forward_pass(
         engine: VLLMEngine, policy: Any) -> None:
-    await reload(engine, WeightUpdate.of_module(1, policy.model))
+    await load_into(engine, WeightUpdate.of_module(1, policy.model))
     requests = [(p, SamplingParams(max_tokens=4 + i % 9, temperature=0.7))
                 for i, p in enumerate(prompts(12))]
     with anyio.fail_after(120):
@@ -134,7 +128,7 @@ async def test_a_weight_update_changes_the_tokens_and_their_version(
         engine: VLLMEngine, policy: Any, tmp_path: Path) -> None:
     prompt = prompts(1, seed=5)[0]
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=123)  # the same draws each time
-    await reload(engine, WeightUpdate.of_module(1, policy.model))
+    await load_into(engine, WeightUpdate.of_module(1, policy.model))
     with anyio.fail_after(60):
         before = await engine.generate(prompt, seeded)
         assert (await engine.generate(prompt, seeded)).token_ids == before.token_ids
@@ -145,19 +139,19 @@ async def test_a_weight_update_changes_the_tokens_and_their_version(
             update = update.to_file(tmp_path / "weights.safetensors")
         else:
             update = update.serialised()
-        await reload(engine, update)
+        await load_into(engine, update)
         with anyio.fail_after(60):
             after = await engine.generate(prompt, seeded)
         assert after.token_ids != before.token_ids, transport
         assert set(after.versions) == {2} and after.start_version == 2
         expected = teacher_forced(other.model, prompt, after.token_ids, 1.0)
         torch.testing.assert_close(torch.tensor(after.logprobs), expected, atol=1e-3, rtol=0)
-        await reload(engine, WeightUpdate.of_module(1, policy.model))
+        await load_into(engine, WeightUpdate.of_module(1, policy.model))
 
 
 async def test_requests_in_flight_continue_across_a_pause_under_the_new_weights(
         engine: VLLMEngine, policy: Any) -> None:
-    await reload(engine, WeightUpdate.of_module(1, policy.model))
+    await load_into(engine, WeightUpdate.of_module(1, policy.model))
     long_requests = [(p, SamplingParams(max_tokens=200, temperature=1.0)) for p in prompts(8)]
     results: list[Generation] = []
 
@@ -182,7 +176,7 @@ async def test_requests_in_flight_continue_across_a_pause_under_the_new_weights(
         assert list(gen.versions) == sorted(gen.versions) and gen.versions[-1] == 2
     assert any(1 in gen.versions for gen in results), "no request was in flight at the pause"
     assert queued and set(queued[0].versions) == {2}
-    await reload(engine, WeightUpdate.of_module(1, policy.model))
+    await load_into(engine, WeightUpdate.of_module(1, policy.model))
 
 
 async def _submit_while_paused(engine: VLLMEngine, tg: Any) -> list[Generation]:
