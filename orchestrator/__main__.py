@@ -39,7 +39,7 @@ def register_plugins() -> None:
 
 
 # Keys a resumed run may change: how long it runs, what it logs, how it checkpoints.
-RESUMABLE = ("pipeline.num_steps", "progress", "logger", "checkpoint")
+RESUMABLE = ("pipeline.num_steps", "progress", "progress_every", "logger", "checkpoint")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

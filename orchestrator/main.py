@@ -190,6 +190,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None,
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
         eval_tasks=list(spec.tasks("eval"))[: eval_cfg.num_tasks],
         progress=scalar(cfg, "progress", bool),
+        progress_every=scalar(cfg, "progress_every", float),
         save_checkpoint=partial(launcher.save_checkpoint, trainer),
     )
 

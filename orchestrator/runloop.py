@@ -132,6 +132,7 @@ class RunParts:
     warm_start: WarmStart | None = None
     eval_tasks: Sequence[Task] = ()
     progress: bool = False
+    progress_every: float = 10.0  # seconds between progress lines when stdout is not a TTY
     save_checkpoint: Callable[[Path], None] | None = None
     anyio_backend: str = "asyncio"
     backend_options: Mapping[str, Any] = field(default_factory=dict)
@@ -203,7 +204,7 @@ async def run_session(parts: RunParts, result: RunResult,
 
             start = resume.step if resume is not None else 0
             with StepProgress(parts.pipeline.num_steps, enabled=parts.progress,
-                              completed=start) as progress:
+                              completed=start, interval=parts.progress_every) as progress:
                 pipeline = Pipeline(parts.pipeline, parts.rollout, engine, parts.trainer,
                                     parts.tokenizer, parts.spec, parts.sampler, recorder, step_done,
                                     start_step=start, dropped=resume.dropped if resume else 0)

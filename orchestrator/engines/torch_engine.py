@@ -238,7 +238,9 @@ class TorchEngine(InferenceEngine):
                     self._join(batch, request)
                     while batch.active:
                         await self._step(batch)
-                    batch = _Batch(SlotCache(self.max_batch_size))  # drained: free its cache
+                    # Drained: the next batch reuses the buffers (growing them again from
+                    # one slot, every step of a run, cost more than the decode steps did).
+                    batch = _Batch(batch.cache.cleared())
             finally:
                 self._abort(batch)
 
@@ -403,7 +405,8 @@ class SlotCache(DynamicCache):
     (``DynamicCache`` concatenates, copying the whole cache every token); a row that
     leaves is overwritten by one of the last rows; trimming moves ``start``; a joining
     prefill is copied into new rows. Buffers are reallocated, with room to spare, only
-    when rows or columns run out.
+    when rows run out (or columns, and sliding the window back
+    does not make room); a drained batch's buffers serve the next one.
     """
 
     def __init__(self, max_rows: int) -> None:
@@ -436,8 +439,17 @@ class SlotCache(DynamicCache):
         slots, _, capacity, _ = self.buffers[0][0].shape
         if rows <= slots and left <= self.end and self.end + right <= capacity:
             return
-        slots = max(rows, min(self.max_rows, 2 * slots))
         end = max(self.width, left)
+        if rows <= slots and end + right <= capacity:
+            # Only the columns ran out: slide the window back in place. Reallocating would
+            # zero every buffer (all slots, whole capacity) for a copy of a few columns.
+            for keys, values in self.buffers:
+                for t in (keys, values):
+                    window = t[: self.rows, :, self.start : self.end].clone()
+                    t[: self.rows, :, end - self.width : end] = window
+            self.start, self.end = end - self.width, end
+            return
+        slots = max(rows, min(self.max_rows, 2 * slots))
         capacity = end + right + max(64, end)  # spare: reallocate every 64+ tokens at most
         self.buffers = [(self._moved(k, slots, end, capacity), self._moved(v, slots, end, capacity))
                         for k, v in self.buffers]
@@ -486,6 +498,13 @@ class SlotCache(DynamicCache):
         self.rows = len(keep)
         self._show()
         return new
+
+    def cleared(self) -> SlotCache:
+        """No rows and an empty window; the buffers stay for the next sequences."""
+        self.rows = self.start = self.end = 0
+        if self.buffers:
+            self._show()
+        return self
 
     def trim(self, width: int) -> None:
         """Narrow the window to its last ``width`` columns (those before hold padding)."""

@@ -1,7 +1,17 @@
-"""A rich progress bar over train steps, showing reward and throughput."""
+"""Progress over train steps: a rich bar in a terminal, a log line every few seconds elsewhere.
+
+When stdout is a terminal the bar shows the step, reward (an exponential average),
+throughput and the time left. When it is not (CI logs, ``nohup``, a pipe into a file) a bar
+would print nothing readable, so every ``interval`` seconds one line is logged instead —
+step, reward, samples/s over the interval, ETA — and the last step always gets its line.
+"""
 
 from __future__ import annotations
 
+import logging
+import sys
+import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -16,10 +26,29 @@ from rich.progress import (
 
 from orchestrator.pipeline import StepReport
 
+log = logging.getLogger("orchestrator.progress")
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
 
 class StepProgress:
     def __init__(self, total: int, enabled: bool = True, description: str = "RL",
-                 completed: int = 0) -> None:
+                 completed: int = 0, interactive: bool | None = None, interval: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.total = total
+        self.description = description
+        self.interactive = sys.stdout.isatty() if interactive is None else interactive
+        self._lines = enabled and not self.interactive
+        self._interval = interval
+        self._clock = clock
+        self._done = completed
+        self._started = self._last_line = clock()
+        self._done_at_start = completed
         self._progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -30,12 +59,13 @@ class StepProgress:
             TextColumn("stale-dropped {task.fields[dropped]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
-            disable=not enabled,
+            disable=not (enabled and self.interactive),
         )
         self._task = self._progress.add_task(
             description, total=total, completed=completed, reward=0.0, samples_per_s=0.0, tokens_per_s=0.0, dropped=0
         )
         self._reward_ema: float | None = None
+        self._samples_since_line = 0
 
     def __enter__(self) -> Self:
         self._progress.start()
@@ -48,6 +78,7 @@ class StepProgress:
     def update(self, report: StepReport) -> None:
         r = report.reward_mean
         self._reward_ema = r if self._reward_ema is None else 0.9 * self._reward_ema + 0.1 * r
+        self._done += 1
         elapsed = max(report.elapsed, 1e-9)
         self._progress.update(
             self._task,
@@ -57,3 +88,19 @@ class StepProgress:
             tokens_per_s=report.tokens / elapsed,
             dropped=report.dropped_total,
         )
+        self._samples_since_line += report.samples
+        if self._lines:
+            now = self._clock()
+            if now - self._last_line >= self._interval or self._done >= self.total:
+                self._log_line(now)
+
+    def _log_line(self, now: float) -> None:
+        window = max(now - self._last_line, 1e-9)
+        per_step = (now - self._started) / max(self._done - self._done_at_start, 1)
+        log.info("%s step %d/%d (%d%%)  reward %.3f  %.0f samples/s  stale-dropped %d  ETA %s",
+                 self.description, self._done, self.total, 100 * self._done // max(self.total, 1),
+                 self._reward_ema or 0.0, self._samples_since_line / window,
+                 self._progress.tasks[0].fields["dropped"],
+                 _duration(per_step * (self.total - self._done)))
+        self._last_line = now
+        self._samples_since_line = 0

@@ -46,6 +46,8 @@ class PackedBatch:
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
     fresh: torch.Tensor  # float: 1.0 where a trained token was sampled by the current weights
+    group: torch.Tensor  # long, per row: the rows of a group may share a prefix
+    prefix: torch.Tensor  # long, per row: its group's shared, untrained prefix (0: none)
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
@@ -53,8 +55,21 @@ class PackedBatch:
     def slice(self, rows: slice) -> PackedBatch:
         return PackedBatch(*(t[rows] for t in (
             self.inputs, self.targets, self.attention, self.mask,
-            self.behaviour_logprobs, self.advantages, self.fresh,
+            self.behaviour_logprobs, self.advantages, self.fresh, self.group, self.prefix,
         )))
+
+
+def shared_prefix(sequences: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]]) -> int:
+    """How many leading tokens every sequence of a group has in common with no trained token
+    among them (the prompt, for samples of one prompt), leaving each at least one to predict."""
+    limit = min(len(s) for s in sequences) - 1
+    for m in masks:
+        limit = min(limit, next((i for i, trained in enumerate(m) if trained), len(m)))
+    first = sequences[0]
+    n = 0
+    while n < limit and all(s[n] == first[n] for s in sequences):
+        n += 1
+    return n
 
 
 def pack(
@@ -64,6 +79,8 @@ def pack(
     behaviour: Sequence[Sequence[float]] | None = None,
     advantages: Sequence[float] | None = None,
     fresh: Sequence[Sequence[bool]] | None = None,
+    group: Sequence[int] | None = None,
+    prefix: Sequence[int] | None = None,
 ) -> PackedBatch:
     width = max(len(s) for s in sequences) - 1
     n = len(sequences)
@@ -89,6 +106,8 @@ def pack(
         behaviour_logprobs=behav[:, 1:],
         advantages=adv[:, None].expand(n, width).contiguous(),
         fresh=current[:, 1:] * mask[:, 1:],
+        group=torch.tensor(group if group is not None else range(n), dtype=torch.long),
+        prefix=torch.tensor(prefix if prefix is not None else [0] * n, dtype=torch.long),
     )
 
 
@@ -139,6 +158,7 @@ class TorchTrainer(Trainer):
         warmup_steps: int = 0,
         temperature: float = 1.0,
         logprob_diff_warn: float = 0.05,
+        share_prefix: bool = True,
     ) -> None:
         if micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -157,6 +177,7 @@ class TorchTrainer(Trainer):
         self.num_minibatches = num_minibatches
         self.temperature = temperature if temperature > 0 else 1.0
         self.logprob_diff_warn = logprob_diff_warn
+        self.share_prefix = share_prefix
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=tuple(betas)
         )
@@ -171,15 +192,73 @@ class TorchTrainer(Trainer):
     # -- forward ---------------------------------------------------------------------
 
     def _logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs of the targets and the policy's entropy at each position."""
+        """Per-token log-probs of the targets and the policy's entropy at each position
+        (``[rows, width]``, zero where nothing is predicted or the prefix is shared)."""
+        if self.share_prefix and int(batch.prefix.max()) > 1:
+            return self._shared_prefix_logprobs(batch)
         logits = self.model(
             input_ids=batch.inputs.to(self.device), attention_mask=batch.attention.to(self.device)
-        ).logits.float() / self.temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(-1, batch.targets.to(self.device)[..., None]).squeeze(-1)
+        ).logits
+        return self._score(logits, batch.targets.to(self.device))
+
+    def _score(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp_all = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         return logp, entropy
+
+    def _shared_prefix_logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_logprobs` with each group's shared prefix run once, not once per sample.
+
+        The prefixes go through the model once (batch ``[groups, longest prefix]``, right
+        padded); their keys and values, still in the autograd graph, are repeated for each
+        row, and the rows' own tokens run on top of them at their true positions. The last
+        prefix position predicts every row's first own token. With a group of 4 sharing a
+        10-token prompt before ~5 tokens each, the trainer computes 30 positions instead of 60.
+        """
+        dev = self.device
+        inputs, prefix = batch.inputs.to(dev), batch.prefix.to(dev)
+        groups, row_group = torch.unique(batch.group.to(dev), return_inverse=True)
+        first_row = torch.full((len(groups),), len(batch), dtype=torch.long, device=dev)
+        first_row.scatter_reduce_(0, row_group, torch.arange(len(batch), device=dev), "amin")
+        group_prefix = prefix[first_row].clamp(min=1)  # a row with none shares its first token
+        prefix = group_prefix[row_group]
+        longest = int(group_prefix.max())
+        columns = torch.arange(longest, device=dev)
+        prefix_attention = (columns < group_prefix[:, None]).long()
+        head = self.model(input_ids=inputs[first_row, :longest], attention_mask=prefix_attention,
+                          use_cache=True)
+        cache = head.past_key_values
+        for layer in cache.layers:  # each row sees its group's prefix (gradients flow back)
+            layer.keys = layer.keys.index_select(0, row_group)
+            layer.values = layer.values.index_select(0, row_group)
+        first_logits = head.logits[row_group, prefix - 1]  # predicts each row's token `prefix`
+
+        own = batch.attention.to(dev).sum(1) - prefix  # each row's inputs after its prefix
+        width = int(own.max())
+        if width > 0:
+            offsets = torch.arange(width, device=dev)
+            positions = prefix[:, None] + offsets
+            valid = offsets < own[:, None]
+            tail = self.model(
+                input_ids=inputs.gather(1, positions.clamp(max=inputs.shape[1] - 1)),
+                attention_mask=torch.cat([prefix_attention[row_group], valid.long()], dim=1),
+                position_ids=positions,
+                past_key_values=cache,
+            )
+            logits = torch.cat([first_logits[:, None], tail.logits], dim=1)
+        else:
+            logits = first_logits[:, None]
+        # Target position t predicts token t + 1: these are t = prefix - 1, prefix, ...
+        targets_at = prefix[:, None] - 1 + torch.arange(logits.shape[1], device=dev)
+        kept = targets_at < batch.attention.to(dev).sum(1, keepdim=True)
+        full = inputs.shape[1]
+        at = torch.where(kept, targets_at, full)  # dropped ones go to a column cut off below
+        logp, entropy = self._score(logits, batch.targets.to(dev).gather(1, at.clamp(max=full - 1)))
+        logp_full = logp.new_zeros((len(batch), full + 1)).scatter(1, at, logp)[:, :full]
+        entropy_full = entropy.new_zeros((len(batch), full + 1)).scatter(1, at, entropy)[:, :full]
+        return logp_full, entropy_full
 
     def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
         size = self.micro_batch_size
@@ -208,6 +287,10 @@ class TorchTrainer(Trainer):
             behaviour=[t.logprobs for t in trajectories],
             advantages=[a for group in advantages for a in group],
             fresh=[[v == self.version for v in t.versions] for t in trajectories],
+            group=[i for i, g in enumerate(groups) for _ in g.trajectories],
+            prefix=[p for g in groups for p in [shared_prefix(
+                [t.token_ids for t in g.trajectories], [t.loss_mask for t in g.trajectories]
+            )] * len(g.trajectories)],
         )
         # Eval mode (no dropout): the engine samples without it, and the importance weight and
         # the clip ratio compare log-probs that must be deterministic. Gradients still flow.

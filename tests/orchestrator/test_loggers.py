@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,27 @@ def test_progress_tracks_a_reward_average() -> None:
         progress.update(report(0))
         progress.update(StepReport(**{**report(1).__dict__, "rewards": (0.0, 0.0, 0.0, 0.0)}))
     assert progress._reward_ema == pytest.approx(0.9 * 0.5)
+
+
+def test_progress_without_a_terminal_logs_a_line_every_interval(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    with caplog.at_level(logging.INFO, logger="orchestrator.progress"):
+        with StepProgress(10, interactive=False, interval=5.0, clock=lambda: now[0]) as progress:
+            for step in range(10):
+                now[0] += 2.0  # a step every 2 s: a line at 6 s, 12 s, 18 s and the last step
+                progress.update(report(step))
+    lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.progress"]
+    assert [line.split()[2] for line in lines] == ["3/10", "6/10", "9/10", "10/10"]
+    assert "reward 0.500" in lines[0] and "ETA 0m14s" in lines[0]  # 7 steps left at 2 s each
+    assert lines[-1].endswith("ETA 0m00s")
+    samples = report(0).samples
+    assert f"{samples * 3 / 6.0:.0f} samples/s" in lines[0]
+
+
+def test_progress_in_a_terminal_or_disabled_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="orchestrator.progress"):
+        for kwargs in ({"enabled": False, "interactive": False}, {"interactive": True}):
+            with StepProgress(2, interval=0.0, **kwargs) as progress:
+                progress.update(report(0))
+                progress.update(report(1))
+    assert not [r for r in caplog.records if r.name == "orchestrator.progress"]

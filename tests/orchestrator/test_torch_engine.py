@@ -15,7 +15,7 @@ import anyio
 import pytest
 import torch
 
-from orchestrator.engines.torch_engine import BATCHING, TorchEngine
+from orchestrator.engines.torch_engine import BATCHING, SlotCache, TorchEngine
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
@@ -333,6 +333,36 @@ async def test_requests_joining_mid_batch_keep_teacher_forced_logprobs(tiny: Any
         assert len(gens[i].token_ids) == sampling.max_tokens
         temperature = sampling.temperature if sampling.temperature > 0 else 1.0  # greedy: T=1
         assert_teacher_forced(tiny.model, prompt, gens[i], temperature)
+
+
+async def test_the_cache_slides_its_window_in_place_and_keeps_its_buffers(
+        tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long stream through two slots: a prefill wider than the room before the window, or
+    a decode at the buffers' last column, slides the window in place; drained batches hand
+    their buffers to the next. Buffers are allocated only as the rows first grow, and every
+    token is still what one unpadded forward pass gives."""
+    slides, allocations = [], []
+    reserve, moved = SlotCache.reserve, SlotCache._moved
+
+    def watched_reserve(self: SlotCache, *args: Any) -> None:
+        end, first = self.end, self.buffers[0][0] if self.buffers else None
+        reserve(self, *args)
+        if self.end != end and self.buffers[0][0] is first:
+            slides.append(end)
+
+    monkeypatch.setattr(SlotCache, "reserve", watched_reserve)
+    monkeypatch.setattr(SlotCache, "_moved", lambda self, *a: allocations.append(1) or moved(self, *a))
+    vocab = tiny.tokenizer.vocab_size
+    requests = [(p, SamplingParams(max_tokens=n, temperature=1.0))
+                for p, n in zip(prompts(40, vocab, seed=21), [12, 3, 7, 2] * 10, strict=True)]
+    async with engine_for(tiny, max_batch_size=2, seed=5) as engine:
+        with anyio.fail_after(120):
+            gens = await generate_all(engine, requests)
+    layers = len(tiny.model.model.layers)
+    assert len(slides) >= 10
+    assert len(allocations) <= 2 * 2 * layers  # keys and values, growing to 1 then 2 rows
+    for (prompt, _), gen in zip(requests, gens, strict=True):
+        assert_teacher_forced(tiny.model, prompt, gen, 1.0)
 
 
 async def test_continuous_batching_refills_slots_as_sequences_leave(tiny: Any) -> None:

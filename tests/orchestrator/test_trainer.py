@@ -15,6 +15,7 @@ from orchestrator.algo.grpo import GRPO
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_group
 from orchestrator.trainer import TorchTrainer, pack
+from orchestrator.trainer.torch_trainer import shared_prefix
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
@@ -183,6 +184,58 @@ def test_micro_batching_does_not_change_the_gradient(make_policy: Any) -> None:
     for (name, p), q in zip(whole.model.state_dict().items(), split.model.state_dict().values(),
                             strict=True):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_shared_prefix_is_the_common_untrained_start() -> None:
+    assert shared_prefix([[1, 2, 3, 4], [1, 2, 3, 5]], [[0, 0, 1, 1], [0, 0, 1, 1]]) == 2
+    assert shared_prefix([[1, 2, 3, 4], [1, 2, 3, 4]], [[0, 0, 0, 1], [0, 0, 0, 1]]) == 3
+    assert shared_prefix([[1, 2, 9], [1, 7, 9]], [[0, 0, 1], [0, 0, 1]]) == 1
+    assert shared_prefix([[1, 2], [1, 2, 3, 4]], [[0, 0], [0, 0, 1, 1]]) == 1  # one to predict
+
+
+def test_sharing_prefixes_changes_neither_logprobs_nor_gradients(make_policy: Any) -> None:
+    """Groups with prompts of different lengths, an observation after a first turn (context
+    that is not shared) and micro-batches that cut a group in two."""
+    policy = make_policy(0)
+    tok = policy.tokenizer
+    sequences, masks, group = [], [], []
+    for g, (prompt, replies) in enumerate([
+        ("12+34=", ["46", "4", "461x"]),
+        ("7+8=", ["15", "16", "1"]),
+        ("123+456=", ["579", "57"]),
+    ]):
+        start = tok.chat_prompt([{"role": "user", "content": prompt}])
+        for i, reply in enumerate(replies):
+            ids = tok.completion(reply)
+            seq, mask = start + ids, [False] * len(start) + [True] * len(ids)
+            if i == 0:  # a second turn after an observation
+                obs = tok.chat_prompt([{"role": "user", "content": "again"}], continuation=True)
+                seq, mask = seq + obs + ids, mask + [False] * len(obs) + [True] * len(ids)
+            sequences.append(seq)
+            masks.append(mask)
+            group.append(g)
+    prefix = [shared_prefix([s for s, h in zip(sequences, group) if h == g],
+                            [m for m, h in zip(masks, group) if h == g]) for g in group]
+    assert min(prefix) > 5
+    batch = pack(sequences, masks, tok.pad_id, advantages=[1.0, -1.0] * 4, group=group,
+                 prefix=prefix)
+    results = []
+    for share, micro in ((False, 64), (True, 64), (True, 4)):  # 4: cuts a group in two
+        trainer = TorchTrainer(make_policy(0), GRPO(), share_prefix=share, micro_batch_size=micro)
+        trainer.model.eval()
+        logps, grads = [], []
+        for mb in trainer._micro_batches(batch):
+            logp, _ = trainer._logprobs(mb)
+            (logp * mb.mask * mb.advantages).sum().backward()
+            logps.append(logp * mb.mask)
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+        results.append((torch.cat(logps), grads))
+    reference, ref_grads = results[0]
+    assert reference.abs().sum() > 0
+    for logp, grads in results[1:]:
+        torch.testing.assert_close(logp, reference, atol=1e-5, rtol=1e-5)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_several_minibatches_take_several_optimiser_steps(tiny: Any) -> None:
