@@ -2,7 +2,9 @@
 
 * ``summarize <dir> [-o out]`` — the characterisation report (text and PNG plots) of a
   PolyTrace directory: a published trace or a run directory;
-* ``sample <src> <dst>`` — cut a small sample out of a trace directory.
+* ``sample <src> <dst>`` — cut a small sample out of a trace directory;
+* ``generate --task math|tool_calling --steps N --batch B --seed S -o DIR`` — a synthetic
+  multi-turn workload sampled from PolyTrace's published task distributions.
 
 The replay engine's fit, once ``fit`` here, is ``python -m orchestrator.replay fit``: replay
 reads traces, and this package imports nothing of replay (ARCHITECTURE.md's layers).
@@ -34,6 +36,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     m.add_argument("source", type=Path)
     m.add_argument("target", type=Path)
     m.add_argument("--groups", type=int, default=8)
+    g = sub.add_parser("generate", help="a workload sampled from the published task distributions")
+    g.add_argument("--task", required=True, choices=["math", "tool_calling"])
+    g.add_argument("--steps", type=int, required=True)
+    g.add_argument("--batch", type=int, required=True, help="trajectories per step")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("-o", "--output", type=Path, required=True)
+    g.add_argument("--max-response-tokens", type=int, default=16384)
+    g.add_argument("--group-size", type=int, default=8, help="samples per prompt group")
+    g.add_argument("--math-model", choices=["joint", "marginal"], default="joint",
+                   help="math lengths: the published Gaussian mixture or the log-normal marginals")
+    g.add_argument("--parameters", type=Path, default=None,
+                   help="task_distribution_parameters.json (default: the shipped parameters)")
     args = parser.parse_args(argv)
 
     try:
@@ -41,6 +55,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from orchestrator.trace.summarize import summarize
 
             summarize(args.dir, args.output, plots=not args.no_plots)
+        elif args.command == "generate":
+            from orchestrator.trace.generate import generate_workload
+
+            out = generate_workload(args.task, args.steps, args.batch, args.seed, args.output,
+                                    args.max_response_tokens, args.group_size, args.math_model,
+                                    args.parameters)
+            print(f"wrote {args.steps} steps of {args.batch} {args.task} trajectories to {out}")
         else:
             from orchestrator.trace.sample import write_sample
 

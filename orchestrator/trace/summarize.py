@@ -99,7 +99,7 @@ def summarize_dir(trace: TraceDir, name: str) -> TaskSummary:
                 generating.append((t, t + turn.engine_latency_s))
                 t += turn.engine_latency_s + tools_by_turn.get(turn.turn, 0.0)
             makespan = max(makespan, t)
-        if makespan > 0:
+        if makespan > 0 and any(e > b for b, e in generating):  # no engine time: no idle figure
             s.idle.append(1.0 - union_length(generating) / makespan)
             s.tail_share.append(tail_share(generating, makespan))
     for step in trace.steps("packed_lengths") if not s.steps else ():  # workloads say more
@@ -181,7 +181,7 @@ def report(s: TaskSummary) -> str:
         lines.append(f"  tool latency s: p50={t['p50']:.3f} p90={t['p90']:.3f} p99={t['p99']:.3f} "
                      f"max={t['max']:.3f}; failure rate {s.failure_rate:.2%} "
                      f"({dict(s.tool_status)})")
-    if s.stages:
+    if sum(s.stages.values()) > 0:  # a generated workload records no engine time
         total = sum(s.stages.values())
         lines.append("  stage time (summed over concurrent spans): " + ", ".join(
             f"{k} {v:.1f} s ({v / total:.1%})" for k, v in sorted(s.stages.items(), key=lambda kv: -kv[1])))
