@@ -332,11 +332,14 @@ class TorchEngine(InferenceEngine):
 
     def _prefill(self, requests: list[_Request]) -> tuple[DynamicCache, torch.Tensor]:
         """A fresh cache for ``requests`` (prompt + tokens so far, left-padded) and the logits
-        of each one's next token."""
-        sequences = [r.prompt_ids + r.token_ids for r in requests]
+        of each one's next token. Identical sequences (the samples of one prompt arrive
+        together) are computed once and their rows repeated."""
+        first: dict[tuple[int, ...], int] = {}
+        row_of = [first.setdefault(tuple(r.prompt_ids + r.token_ids), len(first)) for r in requests]
+        sequences = [list(s) for s in first]
         width = max(len(s) for s in sequences)
-        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(requests), width), dtype=torch.long)
+        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(sequences), width), dtype=torch.long)
         for i, s in enumerate(sequences):  # left padding keeps every sequence's end aligned
             ids[i, width - len(s) :] = torch.tensor(s)
             attention[i, width - len(s) :] = 1
@@ -347,7 +350,14 @@ class TorchEngine(InferenceEngine):
             position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
             logits_to_keep=1,
         )
-        return cache, out.logits[:, -1].float()
+        logits = out.logits[:, -1].float()
+        if len(sequences) < len(requests):
+            rows = torch.tensor(row_of, device=self.device)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, rows)
+                layer.values = layer.values.index_select(0, rows)
+            logits = logits.index_select(0, rows)
+        return cache, logits
 
     def _decode(self, batch: _Batch) -> torch.Tensor:
         """Feed every row its last sampled token; the cache's window grows by one column."""

@@ -365,6 +365,36 @@ async def test_the_cache_slides_its_window_in_place_and_keeps_its_buffers(
         assert_teacher_forced(tiny.model, prompt, gen, 1.0)
 
 
+async def test_identical_prompts_are_prefilled_once_and_sampled_apart(tiny: Any) -> None:
+    """A group's samples share their prompt: one prefill row serves them all, and each
+    still samples its own continuation with teacher-forced log-probs."""
+    vocab = tiny.tokenizer.vocab_size
+    shared, other = prompts(2, vocab, seed=23)
+    requests = [(shared, SamplingParams(max_tokens=12, temperature=1.5))] * 4
+    requests += [(other, SamplingParams(max_tokens=12, temperature=1.5))]
+    widths: list[int] = []
+    async with engine_for(tiny, seed=9) as engine:
+        hook = engine.model.register_forward_pre_hook(
+            lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+        with anyio.fail_after(60):
+            await engine.pause()  # all five join the first prefill
+            done: list[list[Generation]] = []
+
+            async def run() -> None:
+                done.append(await generate_all(engine, requests))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                await anyio.wait_all_tasks_blocked()
+                await engine.resume()
+        hook.remove()
+    gens = done[0]
+    assert widths[0] == 2  # the first forward pass: two distinct prompts for five rows
+    assert len({g.token_ids for g in gens[:4]}) > 1
+    for (prompt, sampling), gen in zip(requests, gens, strict=True):
+        assert_teacher_forced(tiny.model, prompt, gen, sampling.temperature)
+
+
 async def test_continuous_batching_refills_slots_as_sequences_leave(tiny: Any) -> None:
     """With room for two, a queued request takes the slot of one that stopped while the
     other still decodes; waves wait for both: fewer decode steps for the same tokens."""
