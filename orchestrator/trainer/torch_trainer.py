@@ -84,19 +84,16 @@ def pack(
 ) -> PackedBatch:
     width = max(len(s) for s in sequences) - 1
     n = len(sequences)
-    ids = torch.full((n, width + 1), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width + 1))
-    behav = torch.zeros((n, width + 1))
-    current = torch.zeros((n, width + 1))
-    attention = torch.zeros((n, width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, : len(seq)] = torch.tensor(masks[i], dtype=torch.float32)
-        attention[i, : len(seq) - 1] = 1
-        if behaviour is not None:
-            behav[i, : len(seq)] = torch.tensor(behaviour[i])
-        if fresh is not None:
-            current[i, : len(seq)] = torch.tensor(fresh[i], dtype=torch.float32)
+
+    def padded(rows: Sequence[Sequence[Any]], fill: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([[*r, *[fill] * (width + 1 - len(r))] for r in rows], dtype=dtype)
+
+    ids = padded(sequences, pad_id, torch.long)
+    mask = padded(masks, False, torch.float32)
+    behav = padded(behaviour, 0.0, torch.float32) if behaviour is not None else torch.zeros((n, width + 1))
+    current = padded(fresh, False, torch.float32) if fresh is not None else torch.zeros((n, width + 1))
+    lengths = torch.tensor([len(s) for s in sequences])
+    attention = (torch.arange(width) < lengths[:, None] - 1).long()
     adv = torch.tensor(advantages if advantages is not None else [0.0] * n, dtype=torch.float32)
     return PackedBatch(
         inputs=ids[:, :-1],
