@@ -21,12 +21,30 @@
 ``max_staleness = 0`` is the synchronous baseline through this same code: admission lets
 exactly one batch start per version, so generation and training alternate.
 
+Scheduling policies (``pipeline.overprovision``) differ only in the admission budget, the
+samples that may be started and not yet trained (:class:`~orchestrator.staleness.StalenessController`):
+
+* **bounded staleness** (``null``, the default; AReaL's rule): ``(k + 1) × B``, so the
+  budget and the staleness bound move together;
+* **partial rollout** (a number ``ρ >= 0``; APRIL, ROLL Flash): ``(1 + ρ) × B``. A step
+  starts ``ρ × B`` more samples than it trains; the trainer takes the first groups to finish
+  (oldest start version first), and the unfinished ones — the long samples — are carried into
+  later steps rather than discarded: under ``inflight_update="continue"`` they go on under the
+  new weights, every token stamped with the version that produced it, and are trained when
+  they finish if they started no more than ``k`` versions before (the freshness check, so
+  every trained token's version is ``>= version - k`` and the decoupled-PPO correction has
+  each token's behaviour log-prob). How much is over-provisioned is thus decoupled from how
+  stale a carried sample may be: a budget well below ``(k + 1) × B`` keeps long samples alive
+  across many versions without filling the engines with fresh ones. It needs ``k >= 1`` (a
+  carried sample is at least one version old when trained).
+
 The trainer loop ends the run after ``num_steps`` steps: it waits for the last weight sync,
 then cancels the workers. A crash anywhere cancels everything and surfaces.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -58,6 +76,23 @@ class PipelineConfig:
     num_workers: int = 8
     num_steps: int = 100
     inflight_update: Literal["continue", "finish"] = "continue"
+    # null: bounded staleness, (k + 1) x B samples in flight; a number: partial rollout,
+    # (1 + overprovision) x B in flight, unfinished samples carried while within k
+    overprovision: float | None = None
+
+    @property
+    def budget(self) -> int:
+        """Samples that may be started and not yet trained or dropped (admission rounds it
+        down to whole groups)."""
+        if self.overprovision is None:
+            return (self.max_staleness + 1) * self.batch_size
+        return self.batch_size + math.ceil(self.overprovision * self.batch_size)
+
+    def describe(self) -> str:
+        """The scheduling policy in a few characters: ``sync``, ``k=2``, ``partial+1B k=4``."""
+        if self.overprovision is None:
+            return "sync" if self.max_staleness == 0 else f"k={self.max_staleness}"
+        return f"partial+{self.overprovision:g}B k={self.max_staleness}"
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
@@ -72,6 +107,14 @@ class PipelineConfig:
             raise ConfigError(
                 f"pipeline.inflight_update={self.inflight_update} must be 'continue' or 'finish'"
             )
+        if self.overprovision is not None:
+            if not self.overprovision >= 0:
+                raise ConfigError(f"pipeline.overprovision must be >= 0 or null, got "
+                                  f"{self.overprovision}")
+            if self.max_staleness < 1:
+                raise ConfigError("pipeline.overprovision carries unfinished samples into later "
+                                  "steps, which needs pipeline.max_staleness >= 1 (with 0 every "
+                                  "carried sample would be dropped as stale)")
 
     def check_group_size(self, group_size: int) -> None:
         if self.batch_size % group_size:
@@ -186,7 +229,7 @@ class Pipeline:
         spec.use_clock(self.recorder.clock)  # one clock: tools report times on the recorder's
         self.on_step = on_step
         self.staleness = StalenessController(
-            config.batch_size, config.max_staleness, version=trainer.version
+            config.batch_size, config.max_staleness, version=trainer.version, budget=config.budget
         )
         self.staleness.dropped = dropped  # a resumed run's count goes on
         self.gate = Gate()  # held by episodes when inflight_update='finish'
@@ -199,7 +242,7 @@ class Pipeline:
         groups_per_batch = self.config.batch_size // self.rollout.group_size
         # Room for every group admission allows, so workers never block on a full stream
         # while holding finished work; admission is the real bound.
-        capacity = groups_per_batch * (self.config.max_staleness + 2)
+        capacity = math.ceil(self.config.budget / self.rollout.group_size) + groups_per_batch
         send_groups, receive_groups = anyio.create_memory_object_stream[Group](capacity)
         send_weights, receive_weights = anyio.create_memory_object_stream[WeightUpdate](1)
         async with receive_groups, anyio.create_task_group() as tg:

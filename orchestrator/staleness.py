@@ -3,13 +3,16 @@
 With batch size ``B`` (samples per train step) and ``k = max_staleness``:
 
 * **Admission.** A rollout of ``n`` samples may start only while
-  ``admitted + n <= (version - v0 + k + 1) * B``, where ``admitted`` counts every sample
-  started since the run began at version ``v0``, minus those dropped or lost (AReaL's rule). ``version`` is the policy version the
-  engines serve, so with ``k = 0`` nothing new starts until the weights of the last step
-  are loaded: generation and training alternate.
+  ``admitted + n <= (version - v0) * B + budget``, where ``admitted`` counts every sample
+  started since the run began at version ``v0``, minus those dropped or lost, and ``budget``
+  is how many may be started and not yet trained: ``(k + 1) * B`` by default (AReaL's rule),
+  ``(1 + overprovision) * B`` for partial rollout (:mod:`orchestrator.pipeline`).
+  ``version`` is the policy version the engines serve, so with ``k = 0`` nothing new starts
+  until the weights of the last step are loaded: generation and training alternate.
 * **Freshness.** When a batch is formed at trainer version ``v``, a sample whose start
   version is older than ``v - k`` is never trained on; it is dropped, counted, and its
-  admission slot given back.
+  admission slot given back. A sample's first generated token carries its start version and
+  later tokens only newer ones, so every trained token's version is ``>= v - k``.
 """
 
 from __future__ import annotations
@@ -20,13 +23,19 @@ from orchestrator.errors import ConfigError
 
 
 class StalenessController:
-    def __init__(self, batch_size: int, max_staleness: int, version: int = 0) -> None:
+    def __init__(self, batch_size: int, max_staleness: int, version: int = 0,
+                 budget: int | None = None) -> None:
         if max_staleness < 0:
             raise ConfigError(f"pipeline.max_staleness must be >= 0, got {max_staleness}")
         if batch_size < 1:
             raise ConfigError(f"pipeline.batch_size must be >= 1, got {batch_size}")
+        if budget is not None and budget < batch_size:
+            raise ConfigError(f"an admission budget of {budget} samples cannot fill a batch of "
+                              f"{batch_size}")
         self.batch_size = batch_size
         self.max_staleness = max_staleness
+        # samples that may be started and not yet trained or dropped: (k + 1) batches by default
+        self.budget = budget if budget is not None else (max_staleness + 1) * batch_size
         self.version = version
         self._base = version  # a resumed run starts counting admissions from here
         self.admitted = 0
@@ -35,7 +44,7 @@ class StalenessController:
 
     @property
     def capacity(self) -> int:
-        return (self.version - self._base + self.max_staleness + 1) * self.batch_size
+        return (self.version - self._base) * self.batch_size + self.budget
 
     async def admit(self, n: int) -> int:
         """Wait until ``n`` more samples may start; return the version they start under."""

@@ -10,11 +10,19 @@ so under trio's ``MockClock`` (see :func:`orchestrator.replay.run.run_virtual`) 
 takes no real time and a few CPU seconds; on a real clock it runs in real time.
 
 Generated tokens are placeholders (``FILL``, then a stop token unless the turn hit its
-length cap), with behaviour log-probs of ``-1.0``. Every token is stamped with the version at
-the request's start except the last, stamped with the version at its end: the fluid model
-does not say which token a weight update landed on. ``pause`` freezes the server; a weight
+length cap), with behaviour log-probs of ``-1.0``. Each token is stamped with the version the
+server held when it was decoded: a weight update notes how many tokens every request in flight
+had decoded (the fluid model's progress, rounded down), and the tokens after that carry the new
+version, so a request that crosses updates under ``inflight_update=continue`` has the
+per-token versions a real engine would give it. ``pause`` freezes the server; a weight
 update carries no weights (the simulated trainer has none), only its version, and takes
 ``sync_seconds`` to load.
+
+One engine is one server (one replica). Several behind
+:class:`~orchestrator.replay.router.ReplicaRouter` are a cluster; with ``cache_affinity`` an
+engine serves a later turn of an episode from its prefix cache (the turn's recorded
+``cached_tokens``) only if it served the episode's previous turn, and prefills the whole
+prompt otherwise (routing that scatters an episode's turns pays for it).
 """
 
 from __future__ import annotations
@@ -36,19 +44,23 @@ from orchestrator.weights import WeightUpdate
 
 class ReplayEngine(InferenceEngine):
     def __init__(self, plans: Mapping[int, EpisodePlan], params: ServerParams,
-                 sync_seconds: float = 0.0, version: int = 0) -> None:
+                 sync_seconds: float = 0.0, version: int = 0, cache_affinity: bool = False) -> None:
         self.plans = plans
         self.params = params
         self.sync_seconds = sync_seconds
         self.version = version
+        self.cache_affinity = cache_affinity
         self.model = ServerModel(params)
         self._waiting: dict[int, tuple[anyio.Event, int]] = {}  # rid -> (done, start version)
+        self._marks: dict[int, list[tuple[int, int]]] = {}  # rid -> (tokens decoded, new version)
+        self._last_turn: dict[int, int] = {}  # plan key -> the last turn served here
         self._finished: set[int] = set()
         self._wake = anyio.Event()
         self._ids = 0
         self._tg: TaskGroup | None = None
         self._origin = 0.0
         self.requests = 0
+        self.cache_misses = 0  # later turns prefilled in full (cache_affinity only)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -72,9 +84,10 @@ class ReplayEngine(InferenceEngine):
 
     async def _loop(self) -> None:
         while True:
+            if self._wake.is_set():  # a fresh event only once the last one fired
+                self._wake = anyio.Event()
             self._settle(self.model.advance(self.now()))
             event = self.model.next_event()
-            self._wake = anyio.Event()
             if event is None:
                 await self._wake.wait()
             else:
@@ -90,6 +103,17 @@ class ReplayEngine(InferenceEngine):
         plan = self.plans[key]
         return plan, min(turn_of(prompt_ids), len(plan.turns) - 1)
 
+    def _cached(self, plan: EpisodePlan, turn: int) -> int:
+        """Prompt tokens this engine serves from its prefix cache."""
+        cached = plan.turns[turn].cached_tokens
+        if self.cache_affinity:
+            hit = turn == 0 or self._last_turn.get(plan.key) == turn - 1
+            self._last_turn[plan.key] = turn
+            if not hit and cached:
+                self.cache_misses += 1
+                return 0
+        return cached
+
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
         if self._tg is None:
             raise EngineClosed("the replay engine is not running (use `async with engine`)")
@@ -97,37 +121,41 @@ class ReplayEngine(InferenceEngine):
         shape = plan.turns[turn]
         n = max(1, min(shape.completion_tokens, sampling.max_tokens))
         capped = shape.completion_tokens >= sampling.max_tokens or shape.finish_reason == "length"
+        cached = self._cached(plan, turn)
         rid = self._ids
         self._ids += 1
         self.requests += 1
         done = anyio.Event()
         start_version = self.version
         self._waiting[rid] = (done, start_version)
-        self._settle(self.model.submit(self.now(), rid,
-                                       RequestSpec(len(prompt_ids), shape.cached_tokens, n)))
+        self._settle(self.model.submit(self.now(), rid, RequestSpec(len(prompt_ids), cached, n)))
         self._wake.set()
         try:
             await done.wait()
         finally:
             self._waiting.pop(rid, None)
+            marks = self._marks.pop(rid, [])
         if rid not in self._finished:
             raise EngineClosed("the replay engine closed with the request in flight")
         self._finished.discard(rid)
-        tokens = [FILL] * n
-        if not capped and sampling.stop_token_ids:
-            tokens[-1] = sampling.stop_token_ids[0]
-        versions = [start_version] * n
-        versions[-1] = self.version
+        last = sampling.stop_token_ids[0] if not capped and sampling.stop_token_ids else FILL
+        versions: tuple[int, ...] = (start_version,) * n
+        for decoded, version in marks:  # tokens decoded after an update carry its version
+            if decoded < n:
+                versions = versions[:decoded] + (version,) * (n - decoded)
         return Generation(
-            token_ids=tuple(tokens), logprobs=(-1.0,) * n, versions=tuple(versions),
+            token_ids=(FILL,) * (n - 1) + (last,), logprobs=(-1.0,) * n, versions=versions,
             finish_reason=FinishReason.LENGTH if capped else FinishReason.STOP,
-            start_version=start_version, cached_tokens=shape.cached_tokens,
+            start_version=start_version, cached_tokens=cached,
         )
 
     async def update_weights(self, update: WeightUpdate) -> None:
         if self.sync_seconds:
             await anyio.sleep(self.sync_seconds)
         self.version = update.version
+        for rid in self._waiting:  # paused: what each request in flight decoded so far
+            if rid not in self._finished:
+                self._marks.setdefault(rid, []).append((self.model.decoded(rid), update.version))
 
     def _settle(self, finished: list[int]) -> None:
         for rid in finished:
@@ -146,3 +174,9 @@ class ReplayEngine(InferenceEngine):
     @property
     def busy_seconds(self) -> float:
         return self.model.busy
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative, on every step's metrics: what the bench reads a steady window from."""
+        self._settle(self.model.advance(self.now()))  # the busy time up to now
+        return {"replay/engine_busy_s": self.busy_seconds,
+                "replay/cache_misses": float(self.cache_misses)}

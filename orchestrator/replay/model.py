@@ -19,9 +19,11 @@ token by token: a 2,048-trajectory step takes well under a second of CPU.
 
 :class:`ServerModel` is pure (the caller supplies the time): the replay engine
 (:mod:`orchestrator.replay.engine`) drives it in (virtual) time, and the fit
-(:mod:`orchestrator.replay.fit`) replays trace steps through it closed-loop. Limits: one
-aggregate server (several real engines pooled), no preemption or KV-cache pressure,
-prefix-cache hits taken from the trace, not modelled.
+(:mod:`orchestrator.replay.fit`) replays trace steps through it closed-loop. Limits: a fit
+of a traced deployment is one aggregate server (its engines pooled; ``replay.engines``
+replicates it, :mod:`orchestrator.replay.router`), no preemption or KV-cache pressure,
+prefix-cache hits taken from the trace (a replica that did not serve an episode's previous
+turn misses, :mod:`orchestrator.replay.engine`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,16 @@ class ServerModel:
     @property
     def running(self) -> int:
         return len(self.prefill) + len(self.joined)
+
+    def decoded(self, rid: int) -> int:
+        """Tokens request ``rid`` has decoded so far (0 while queued or prefilling)."""
+        joined = self.joined.get(rid)
+        return 0 if joined is None else int(self.progress - joined + 1e-9)
+
+    @property
+    def resident_tokens(self) -> float:
+        """Tokens the decoding requests hold (prompt plus generated so far)."""
+        return self.offset + len(self.joined) * self.progress
 
     def _admit(self) -> None:
         while self.queue and self.running < self.p.max_running:

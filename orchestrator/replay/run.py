@@ -10,16 +10,25 @@ buffer, weight sync, recorder — with
   (``replay.tool_latency=model``);
 * :class:`~orchestrator.replay.engine.ReplayEngine`, the calibrated server model, with
   parameters fitted by ``python -m orchestrator.replay fit`` (the shipped fit of the
-  published search_r1 steps 0-2 by default);
-* :class:`~orchestrator.replay.trainer.SimulatedTrainer`, whose cost per token is set so that
-  rollout is ``replay.rollout_share`` of a synchronous step (default 0.7: published systems
-  report 50-80%, ROLL Flash, DORA — the search_r1 trace records no training time, so this is
-  an assumption, logged with the results and written into ``summary.json``).
+  published search_r1 steps 0-2 by default); ``replay.engines=E`` runs ``E`` replicas of it
+  behind :class:`~orchestrator.replay.router.ReplicaRouter` (``replay.routing``,
+  ``replay.sticky``), so a 64-engine deployment replays on one core;
+* :class:`~orchestrator.replay.trainer.SimulatedTrainer`, priced by :class:`TrainerModel`:
+  by default its cost per token is set so that rollout is ``replay.rollout_share`` of a
+  synchronous step (0.7: published systems report 50-80%, ROLL Flash, DORA — the search_r1
+  trace records no training time, so this is an assumption, logged with the results and
+  written into ``summary.json``); ``replay.trainer_s`` (and ``replay.trainer_s_per_1k_tokens``)
+  set a step's seconds directly, ``a + b * tokens / 1000``.
+
+The scheduling policy is the pipeline's own (``pipeline.max_staleness``,
+``pipeline.overprovision``), so a replay compares policies on the code that trains.
 
 A replay has no warm start, evaluation or checkpoint. Its batch is ``replay.groups_per_step``
 prompt groups of the trace's group size, its rollout shape (turns, lengths) comes from the
 trace, and it adds its figures to the run's summary: virtual seconds, samples per second,
-the engine's idle and the trainer's wait fractions (:class:`ReplayResult`).
+the engines' idle and the trainer's wait fractions (:class:`ReplayResult`; :meth:`ReplayResult.window`
+for a steady-state window). Runs repeat exactly: trio's random task order is seeded
+(:func:`reproducible_scheduling`).
 
 Time is virtual: the run loop runs under trio with ``MockClock(autojump_threshold=0)``, which
 jumps to the next timer whenever every task is waiting (:func:`run_virtual` for library use),
@@ -30,8 +39,10 @@ seconds whatever its simulated length. Nothing may block a thread in this mode.
 from __future__ import annotations
 
 import logging
+import math
+import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -41,13 +52,16 @@ from omegaconf import DictConfig, OmegaConf
 from envs.base import Task
 from envs.replay import EpisodePlan, LatencyModel, ReplaySpec
 from orchestrator.config import scalar, typed
+from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline import PipelineConfig, StepReport, TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.replay.engine import ReplayEngine
 from orchestrator.replay.fit import EngineFit
 from orchestrator.replay.plans import load_plans, open_trace
+from orchestrator.replay.router import ROUTING, ReplicaRouter, Routing
 from orchestrator.replay.tokenizer import ReplayTokenizer
+from orchestrator.replay.trainer import SimulatedTrainer
 from orchestrator.rollout import RolloutConfig
 from orchestrator.runloop import RunParts, RunResult, run_session
 from orchestrator.weights import WeightUpdate
@@ -67,8 +81,13 @@ class ReplayConfig:
     groups_per_step: int | None = 256  # None: a step's recorded groups
     num_steps: int | None = None  # None: pipeline.num_steps
     rollout_share: float = 0.7
+    trainer_s: float | None = None  # seconds per step: a + b x tokens instead of rollout_share
+    trainer_s_per_1k_tokens: float = 0.0  # b, with trainer_s set
     tool_latency: Literal["trace", "model"] = "trace"
     sync_seconds: float = 0.0
+    engines: int = 1
+    routing: Routing = "least_loaded"
+    sticky: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.rollout_share < 1.0:
@@ -77,8 +96,62 @@ class ReplayConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(f"replay.{key} must be >= 1 or null, got {value}")
-        if self.sync_seconds < 0:
-            raise ConfigError(f"replay.sync_seconds must be >= 0, got {self.sync_seconds}")
+        for key in ("sync_seconds", "trainer_s", "trainer_s_per_1k_tokens"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise ConfigError(f"replay.{key} must be >= 0, got {value}")
+        if self.trainer_s is None and self.trainer_s_per_1k_tokens:
+            raise ConfigError("replay.trainer_s_per_1k_tokens needs replay.trainer_s (0 for none): "
+                              "without it the trainer follows replay.rollout_share")
+        if self.engines < 1:
+            raise ConfigError(f"replay.engines must be >= 1, got {self.engines}")
+        if self.routing not in ROUTING:
+            raise ConfigError(f"replay.routing={self.routing} must be "
+                              f"{' or '.join(repr(r) for r in ROUTING)}")
+
+    def trainer(self, fit: EngineFit) -> TrainerModel:
+        if self.trainer_s is None:
+            return TrainerModel.from_share(fit, self.rollout_share)
+        return TrainerModel(self.trainer_s, self.trainer_s_per_1k_tokens)
+
+
+@dataclass(frozen=True)
+class TrainerModel:
+    """The simulated trainer's cost: ``fixed_s + per_1k_tokens * tokens / 1000`` seconds a
+    step, ``tokens`` the batch's prompt and response tokens (what a forward and backward pass
+    processes). :meth:`from_share` calibrates it on an engine fit (``replay.rollout_share``);
+    ``replay.trainer_s`` / ``replay.trainer_s_per_1k_tokens`` set it directly."""
+
+    fixed_s: float = 0.0
+    per_1k_tokens: float = 0.0
+    rollout_share: float | None = None  # set when calibrated on a fit
+
+    @classmethod
+    def from_share(cls, fit: EngineFit, rollout_share: float) -> TrainerModel:
+        trainer = fit.trainer(rollout_share)
+        return cls(0.0, trainer.seconds_per_token * 1000.0, rollout_share)
+
+    def build(self) -> SimulatedTrainer:
+        return SimulatedTrainer(seconds_per_token=self.per_1k_tokens / 1000.0,
+                                fixed_seconds=self.fixed_s)
+
+    def seconds(self, tokens: float) -> float:
+        return self.fixed_s + self.per_1k_tokens * tokens / 1000.0
+
+    def describe(self) -> str:
+        if self.rollout_share is not None:
+            return ROLLOUT_SHARE_NOTE.format(share=self.rollout_share)
+        return (f"trainer cost model: {self.fixed_s:g} s + {self.per_1k_tokens:g} s per 1k "
+                f"batch tokens a step (replay.trainer_s, replay.trainer_s_per_1k_tokens)")
+
+
+@dataclass(frozen=True)
+class Window:
+    samples_per_s: float
+    engine_idle: float  # share of replica-seconds spent neither prefilling nor decoding
+    trainer_wait: float  # share of the window the trainer waited for a batch
+    seconds: float
+    samples: int
 
 
 @dataclass
@@ -88,11 +161,17 @@ class ReplayResult:
     reports: list[StepReport]
     recorder: Recorder
     wall: float  # virtual seconds, engine start to the last step
-    engine_busy: float
+    engine_busy: float  # summed over the replicas
     trainer_busy: float
     samples: int
-    rollout_share: float
+    trainer: TrainerModel
     k: int
+    engines: int = 1
+    policy: str = ""  # the pipeline's scheduling policy, as PipelineConfig.describe() says
+
+    @property
+    def rollout_share(self) -> float | None:
+        return self.trainer.rollout_share
 
     @property
     def throughput(self) -> float:
@@ -100,20 +179,42 @@ class ReplayResult:
 
     @property
     def engine_idle(self) -> float:
-        return 1.0 - self.engine_busy / self.wall
+        """The share of replica-seconds no replica spent prefilling or decoding."""
+        return 1.0 - self.engine_busy / (self.wall * self.engines)
 
     @property
     def trainer_wait(self) -> float:
         return self.recorder.seconds("wait_batch") / self.wall
 
+    def window(self, skip: int) -> Window:
+        """The figures of the steps after the first ``skip``: steady state, once the run's
+        start (the first batches filling empty engines) is behind it. Reads the spans the
+        recorder holds: every span of a replay run from Python (:func:`replay`)."""
+        later = self.reports[skip:]
+        if not later:
+            raise ValueError(f"a run of {len(self.reports)} steps has none after the first {skip}")
+        seconds = sum(r.elapsed for r in later)
+        before = self.reports[skip - 1] if skip > 0 else None
+        busy = later[-1].metrics["replay/engine_busy_s"] - (
+            before.metrics["replay/engine_busy_s"] if before else 0.0)
+        start = self.recorder.of("train_step")[skip - 1].end if skip > 0 else 0.0
+        end = start + seconds
+        waited = sum(max(0.0, min(s.end, end) - max(s.start, start))
+                     for s in self.recorder.of("wait_batch"))
+        samples = sum(r.samples for r in later)
+        idle = max(0.0, 1.0 - busy / (seconds * self.engines))  # not -0.0 from float sums
+        return Window(samples / seconds, idle, waited / seconds, seconds, samples)
+
+
     def summary(self) -> dict[str, Any]:
-        return {"k": self.k, "steps": len(self.reports), "samples": self.samples,
+        return {"k": self.k, "policy": self.policy, "engines": self.engines,
+                "steps": len(self.reports), "samples": self.samples,
                 "virtual_seconds": self.wall, "samples_per_s": self.throughput,
                 "engine_idle_fraction": self.engine_idle,
                 "trainer_wait_fraction": self.trainer_wait,
                 "dropped_stale": self.reports[-1].dropped_total if self.reports else 0,
                 "rollout_share": self.rollout_share,
-                "assumption": ROLLOUT_SHARE_NOTE.format(share=self.rollout_share)}
+                "assumption": self.trainer.describe()}
 
 
 def replay_parts(cfg: DictConfig) -> RunParts:
@@ -128,15 +229,19 @@ def replay_parts(cfg: DictConfig) -> RunParts:
     seed: int = scalar(cfg, "seed", int)
     trace = open_trace(scalar(cfg, "trace", str | None))
     plans, per_step = load_plans(trace, settings.steps, settings.groups_per_step, seed)
+    fit = EngineFit.load(settings.engine)
+    trainer = settings.trainer(fit)
     parts, _ = replay_session(
-        plans, EngineFit.load(settings.engine),
+        plans, fit,
         k=scalar(cfg, "pipeline.max_staleness", int),
         num_steps=settings.num_steps or scalar(cfg, "pipeline.num_steps", int),
-        groups_per_step=per_step, rollout_share=settings.rollout_share,
+        groups_per_step=per_step, trainer=trainer,
         tool_latency=settings.tool_latency, sync_seconds=settings.sync_seconds, seed=seed,
         inflight_update=scalar(cfg, "pipeline.inflight_update", Literal["continue", "finish"]),
+        overprovision=scalar(cfg, "pipeline.overprovision", float | None),
+        engines=settings.engines, routing=settings.routing, sticky=settings.sticky,
         progress=scalar(cfg, "progress", bool), trace=str(trace.path))
-    log.info(ROLLOUT_SHARE_NOTE.format(share=settings.rollout_share))
+    log.info(trainer.describe())
     return parts
 
 
@@ -151,11 +256,23 @@ async def replay(
     sync_seconds: float = 0.0,
     seed: int = 0,
     on_step: Callable[[StepReport], None] | None = None,
+    *,
+    trainer: TrainerModel | None = None,
+    overprovision: float | None = None,
+    engines: int = 1,
+    routing: str = "least_loaded",
+    sticky: bool = True,
+    keep_batches: bool = True,
 ) -> ReplayResult:
-    """Run ``plans`` through the run loop (under :func:`run_virtual` for virtual time)."""
+    """Run ``plans`` through the run loop (under :func:`run_virtual` for virtual time).
+    ``keep_batches=False`` drops each report's trained groups once ``on_step`` has seen them:
+    a long replay of long samples would otherwise hold every token it trained."""
     parts, measure = replay_session(plans, fit, k=k, num_steps=num_steps,
                                     groups_per_step=groups_per_step, rollout_share=rollout_share,
-                                    tool_latency=tool_latency, sync_seconds=sync_seconds, seed=seed)
+                                    tool_latency=tool_latency, sync_seconds=sync_seconds, seed=seed,
+                                    trainer=trainer, overprovision=overprovision, engines=engines,
+                                    routing=routing, sticky=sticky)
+    parts.keep_batches = keep_batches
     result = RunResult(run_dir=None)
     await run_session(parts, result, on_step)
     return measure(result)
@@ -169,14 +286,22 @@ def replay_session(
     num_steps: int,
     groups_per_step: int | None = None,
     rollout_share: float = 0.7,
+    trainer: TrainerModel | None = None,
     tool_latency: str = "trace",
     sync_seconds: float = 0.0,
     seed: int = 0,
     inflight_update: Literal["continue", "finish"] = "continue",
+    overprovision: float | None = None,
+    engines: int = 1,
+    routing: str = "least_loaded",
+    sticky: bool = True,
     progress: bool = False,
     trace: str | None = None,
 ) -> tuple[RunParts, Callable[[RunResult], ReplayResult]]:
-    """The run parts of a replay of ``plans``, and what reads its figures once it has run."""
+    """The run parts of a replay of ``plans``, and what reads its figures once it has run.
+    ``trainer`` (default: calibrated so rollout is ``rollout_share`` of a synchronous step)
+    prices the train steps; ``engines`` replicas of ``fit``'s server are routed to by
+    ``routing`` (``sticky``: an episode's turns stay on one replica)."""
     from trio.testing import MockClock
 
     spec = ReplaySpec(plans, latency_model=_latency_model(tool_latency, seed))
@@ -184,19 +309,28 @@ def replay_session(
     if any(len(g) != group_size for g in spec.groups):
         raise ConfigError("every prompt group of a replayed trace must have the same size")
     groups = groups_per_step or len(spec.groups)
-    trainer = fit.trainer(rollout_share)
-    engines: list[ReplayEngine] = []
+    cost = trainer or TrainerModel.from_share(fit, rollout_share)
+    simulated = cost.build()
+    pipeline = PipelineConfig(batch_size=groups * group_size, max_staleness=k, num_workers=1,
+                              num_steps=num_steps, inflight_update=inflight_update,
+                              overprovision=overprovision)
+    # A worker per group admission may let start, so admission alone bounds what runs.
+    pipeline = replace(pipeline, num_workers=math.ceil(pipeline.budget / group_size))
+    built: list[ReplayEngine | ReplicaRouter] = []
 
-    def make_engine(update: WeightUpdate, recorder: Recorder) -> ReplayEngine:
-        engines.append(ReplayEngine(spec.plans, fit.server, sync_seconds=sync_seconds,
-                                    version=update.version))
-        return engines[-1]
+    def make_engine(update: WeightUpdate, recorder: Recorder) -> InferenceEngine:
+        reproducible_scheduling(seed)  # in the run's event loop, before anything runs at once
+        replicas = [ReplayEngine(spec.plans, fit.server, sync_seconds=sync_seconds,
+                                 version=update.version) for _ in range(engines)]
+        built.append(replicas[0] if engines == 1 else ReplicaRouter(replicas, routing, sticky))
+        return built[-1]
 
     def measure(result: RunResult) -> ReplayResult:
-        (engine,) = engines
+        (engine,) = built
         assert result.recorder is not None, "measure() before the run"
         return ReplayResult(result.reports, result.recorder, result.wall, engine.busy_seconds,
-                            trainer.busy, sum(r.samples for r in result.reports), rollout_share, k)
+                            simulated.busy, sum(r.samples for r in result.reports), cost, k,
+                            engines, pipeline.describe())
 
     def describe(result: RunResult) -> dict[str, Any]:
         figures = measure(result)
@@ -206,11 +340,9 @@ def replay_session(
         return {**figures.summary(), **({"trace": trace} if trace else {})}
 
     parts = RunParts(
-        spec=spec, tokenizer=ReplayTokenizer(), trainer=trainer, make_engine=make_engine,
+        spec=spec, tokenizer=ReplayTokenizer(), trainer=simulated, make_engine=make_engine,
         sampler=_InOrder(spec.tasks("train")),
-        pipeline=PipelineConfig(batch_size=groups * group_size, max_staleness=k,
-                                num_workers=(k + 1) * groups, num_steps=num_steps,
-                                inflight_update=inflight_update),
+        pipeline=pipeline,
         rollout=RolloutConfig(group_size=group_size,
                               max_tokens=max(t.completion_tokens for p in plans for t in p.turns),
                               temperature=1.0, max_turns=max(len(p.turns) for p in plans)),
@@ -242,6 +374,18 @@ def _latency_model(mode: str, seed: int) -> LatencyModel | None:
 
         return TraceFaultModel(seed=seed).sample
     raise ConfigError(f"replay.tool_latency={mode} must be 'trace' or 'model'")
+
+
+def reproducible_scheduling(seed: int) -> None:
+    """Trio runs each batch of ready tasks in an order it draws at random (reversed half the
+    time, to shake out ordering bugs), so two replays of one workload could differ; seeding
+    that draw makes a replay repeat exactly. (Trio keeps the generator private: without it,
+    nothing is seeded and replays vary by a few percent.)"""
+    from trio._core import _run
+
+    scheduler = getattr(_run, "_r", None)
+    if isinstance(scheduler, random.Random):
+        scheduler.seed(seed)
 
 
 def run_virtual(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

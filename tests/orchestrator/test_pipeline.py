@@ -37,10 +37,12 @@ def make_pipeline(
     num_steps: int = 6,
     max_tokens: int = 64,
     inflight_update: str = "continue",
+    overprovision: float | None = None,
 ) -> Pipeline:
     config = PipelineConfig(
         batch_size=batch_size, max_staleness=k, num_workers=num_workers, num_steps=num_steps,
         inflight_update=inflight_update,  # type: ignore[arg-type]
+        overprovision=overprovision,
     )
     rollout = RolloutConfig(group_size=group_size, max_tokens=max_tokens)
     return Pipeline(config, rollout, engine, trainer, CharTokenizer(), SPEC,
@@ -325,6 +327,69 @@ async def test_continue_mode_lets_long_episodes_cross_a_weight_update(fake_train
         assert t.end_version == versions[-1] > t.start_version
 
 
+# -- partial rollout (pipeline.overprovision) -------------------------------------------------
+
+
+def peak_concurrency(spans: Sequence[Span]) -> int:
+    events = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans])
+    peak = running = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+async def test_partial_rollout_carries_long_samples_and_keeps_every_trained_token_fresh(
+        k: int, fake_trainer_cls: Any) -> None:
+    trainer = fake_trainer_cls(min_s=0.0005, max_s=0.001, seed=k)
+    engine = SimulatedEngine(median_tokens=40, sigma=1.0, seconds_per_token=1e-4,
+                             chunk_tokens=4, seed=k)
+    pipeline = make_pipeline(trainer, engine, k=k, num_steps=8, max_tokens=400, num_workers=16,
+                             overprovision=0.5)
+    with anyio.fail_after(60):
+        reports = await pipeline.run()
+
+    assert [r.step for r in reports] == list(range(8)) and all(r.samples == 8 for r in reports)
+    # Admission: 1.5 batches (6 groups of 2) in flight at most, though k and the workers allow more.
+    assert pipeline.staleness.budget == 12
+    assert peak_concurrency(pipeline.recorder.of("rollout")) <= 6
+    trained = trained_trajectories(trainer)
+    for version, t in trained:  # every trained token's version is within k of the trainer's
+        generated = _generated_versions(t)
+        assert generated[0] == t.start_version and generated == sorted(generated)
+        assert all(version - k <= v <= version for v in generated)
+    for report in reports:
+        assert all(0 <= s <= k for s in report.staleness)
+    # Unfinished samples were carried into later steps and went on under the new weights.
+    assert any(s >= 1 for r in reports for s in r.staleness)
+    assert any(len(set(_generated_versions(t))) > 1 for _, t in trained)
+
+
+async def test_partial_rollout_runs_fewer_groups_at_once_than_its_staleness_bound_allows(
+        fake_trainer_cls: Any) -> None:
+    peaks = {}
+    for overprovision in (None, 0.5):
+        trainer = fake_trainer_cls(min_s=0.002, max_s=0.004, seed=3)
+        engine = SimulatedEngine(median_tokens=40, sigma=1.0, seconds_per_token=1e-4,
+                                 chunk_tokens=4, seed=3)
+        pipeline = make_pipeline(trainer, engine, k=2, num_steps=6, max_tokens=400,
+                                 num_workers=16, overprovision=overprovision)
+        with anyio.fail_after(60):
+            await pipeline.run()
+        peaks[overprovision] = peak_concurrency(pipeline.recorder.of("rollout"))
+    assert peaks[0.5] <= 6 < peaks[None] <= 12  # (1 + 0.5) x 4 groups against (k + 1) x 4
+
+
+def test_the_admission_budget_and_the_policy_name() -> None:
+    assert PipelineConfig(batch_size=8, max_staleness=2).budget == 24
+    partial = PipelineConfig(batch_size=8, max_staleness=4, overprovision=0.5)
+    assert partial.budget == 12 and partial.describe() == "partial+0.5B k=4"
+    assert PipelineConfig(batch_size=8, max_staleness=1, overprovision=0.0).budget == 8
+    assert PipelineConfig(max_staleness=0).describe() == "sync"
+    assert PipelineConfig(max_staleness=2).describe() == "k=2"
+
+
 # -- config and sampler --------------------------------------------------------------------
 
 
@@ -335,6 +400,8 @@ async def test_continue_mode_lets_long_episodes_cross_a_weight_update(fake_train
     ({"num_workers": 0}, 2, "num_workers"),
     ({"num_steps": 0}, 2, "num_steps"),
     ({"inflight_update": "later"}, 2, "inflight_update"),
+    ({"overprovision": -0.5}, 2, "overprovision"),
+    ({"overprovision": 1.0, "max_staleness": 0}, 2, "max_staleness >= 1"),
 ])
 def test_pipeline_config_rejects_bad_values(kwargs: dict[str, Any], group_size: int, key: str) -> None:
     with pytest.raises(ConfigError, match=key):

@@ -120,3 +120,32 @@ async def test_a_resumed_run_counts_admissions_from_its_starting_version() -> No
     assert ctl.capacity == (1 + 1) * 4
     await ctl.set_version(4)
     assert ctl.capacity == (1 + 1 + 1) * 4
+
+
+# -- the admission budget (partial rollout: pipeline.overprovision) ---------------------------
+
+
+async def test_a_budget_replaces_k_plus_one_batches_in_admission() -> None:
+    # Partial rollout: 1.5 batches may be in flight, while samples stay trainable up to k = 4.
+    ctl = StalenessController(batch_size=8, max_staleness=4, budget=12)
+    assert ctl.capacity == 12
+    for _ in range(3):
+        with anyio.fail_after(1):
+            await ctl.admit(4)
+    started: list[int] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_admit_into, ctl, 4, started)
+        await anyio.wait_all_tasks_blocked()
+        assert started == []  # 12 + 4 > 12: waits, though k = 4 would allow 40
+        await ctl.set_version(1)  # a batch trained: 8 more
+    assert started == [1] and ctl.capacity == 20
+    assert ctl.is_fresh(0, 4) and not ctl.is_fresh(0, 5)  # freshness still follows k
+
+
+def test_the_default_budget_is_k_plus_one_batches() -> None:
+    assert StalenessController(batch_size=8, max_staleness=2).budget == 24
+
+
+def test_a_budget_below_one_batch_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="cannot fill a batch"):
+        StalenessController(batch_size=8, max_staleness=1, budget=7)
