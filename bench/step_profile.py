@@ -62,7 +62,8 @@ STAGES = (
     ("run_group", "event loop: episodes"),
     ("Pipeline.", "event loop: pipeline"),
 )
-IDLE = ("BaseSelector.select", "EpollSelector.select", "WorkerThread.run")
+IDLE = ("BaseSelector.select", "EpollSelector.select", "WorkerThread.run", "Condition.wait",
+        "Queue.get")
 
 
 def stage_of(frame: FrameType | None, main: bool) -> str | None:
@@ -71,7 +72,7 @@ def stage_of(frame: FrameType | None, main: bool) -> str | None:
     while frame is not None:
         names.append(frame.f_code.co_qualname)
         frame = frame.f_back
-    if names and (names[0] in IDLE or names[0] in ("Condition.wait", "Queue.get")):
+    if names and names[0] in IDLE:
         return "event loop: idle" if main else None
     for name in names:
         for prefix, stage in STAGES:

@@ -14,6 +14,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import Policy
 from orchestrator.models.tokenizer import CharTokenizer
+from orchestrator.recorder import Span
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 
@@ -53,6 +54,16 @@ class ScriptedEngine(InferenceEngine):
 def engine_for(policy: Policy, cls: type[TorchEngine] | None = None, **kwargs: Any) -> TorchEngine:
     """A torch engine built from the tiny model's config, starting from ``policy``'s weights."""
     return (cls or TorchEngine)(TINY_MODEL, WeightUpdate.of_module(0, policy.model), **kwargs)
+
+
+def peak_concurrency(spans: Sequence[Span]) -> int:
+    """The most spans open at once."""
+    events = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans])
+    peak = running = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    return peak
 
 
 def quick_config(experiment: str, *overrides: str) -> DictConfig:

@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+from helpers import peak_concurrency
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.engines.simulated import SimulatedEngine
@@ -328,15 +329,6 @@ async def test_continue_mode_lets_long_episodes_cross_a_weight_update(fake_train
 
 
 # -- partial rollout (pipeline.overprovision) -------------------------------------------------
-
-
-def peak_concurrency(spans: Sequence[Span]) -> int:
-    events = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans])
-    peak = running = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    return peak
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])

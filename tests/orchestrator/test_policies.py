@@ -7,24 +7,15 @@ from pathlib import Path
 
 import anyio
 import pytest
+from helpers import peak_concurrency
 from hydra import compose, initialize_config_dir
 
 from orchestrator.main import training_parts
 from orchestrator.pipeline import StepReport
-from orchestrator.recorder import Span
 from orchestrator.runloop import RunResult, run_session
 from orchestrator.types import Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def peak_concurrency(spans: list[Span]) -> int:
-    events = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans])
-    peak = running = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    return peak
 
 
 @pytest.mark.parametrize(("k", "overprovision"), [(1, 0.5), (2, 0.25)])
