@@ -1,4 +1,5 @@
-"""Greedy evaluation on held-out tasks through the same episode runner as training."""
+"""Greedy evaluation on held-out tasks through the same episode runner as training (an agent
+env's episodes through a gateway opened for the evaluation)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from dataclasses import replace
 
 import anyio
 
+from envs.agent import AgentSpec
 from envs.base import EnvSpec, Task
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.gateway import agent_gateway, evaluate_agents
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_episode
@@ -25,6 +28,10 @@ async def evaluate(
     """Mean reward of one greedy episode per task."""
     spec.use_clock(recorder.clock)  # tools report times on the recorder's clock
     greedy = replace(rollout, temperature=0.0)
+    if isinstance(spec, AgentSpec):
+        async with agent_gateway(spec, engine, tokenizer, recorder) as gateway:
+            assert gateway is not None
+            return await evaluate_agents(gateway, spec, tasks, greedy)
     rewards: list[float] = []
 
     async def one(task: Task) -> None:

@@ -60,6 +60,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.faults import kill_point
 from orchestrator.gate import Gate
+from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_group
@@ -237,6 +238,7 @@ class Pipeline:
         self.start_step = start_step
         self.stopped = False  # request_stop() ended the run before num_steps
         self._waiting: anyio.CancelScope | None = None  # the trainer waiting for a batch
+        self.gateway: Gateway | None = None  # an agent env's, while the pipeline runs
 
     async def run(self) -> list[StepReport]:
         groups_per_batch = self.config.batch_size // self.rollout.group_size
@@ -245,7 +247,9 @@ class Pipeline:
         capacity = math.ceil(self.config.budget / self.rollout.group_size) + groups_per_batch
         send_groups, receive_groups = anyio.create_memory_object_stream[Group](capacity)
         send_weights, receive_weights = anyio.create_memory_object_stream[WeightUpdate](1)
-        async with receive_groups, anyio.create_task_group() as tg:
+        async with receive_groups, agent_gateway(self.spec, self.engine, self.tokenizer,
+                                                 self.recorder) as self.gateway, \
+                anyio.create_task_group() as tg:
             async with send_groups:
                 for i in range(self.config.num_workers):
                     tg.start_soon(self._worker, f"rollout-{i}", send_groups.clone(), name=f"rollout-{i}")
@@ -282,16 +286,22 @@ class Pipeline:
                         kill_point("generate", self.engine.version)
                         with self.recorder.span("rollout", name, self.engine.version,
                                                 prompt_id=task.id) as attrs:
-                            group = await run_group(
+                            group = await (run_agent_group(
+                                self.gateway, self.spec, task, self.rollout, self.recorder, name,
+                            ) if self.gateway is not None else run_group(
                                 self.engine, self.tokenizer, self.spec, task,
                                 self.rollout, self.recorder, name,
-                            )
+                            ))
                             attrs["start_version"] = group.start_version
                             group = replace(group, queue_wait=waited)
                 except BaseException:
                     with anyio.CancelScope(shield=True):
                         await self.staleness.release(group_size, dropped=False)
                     raise
+                if not group.trajectories:  # agent programs that never called the model
+                    self.sampler.settle(task.id)
+                    await self.staleness.release(group_size, dropped=False)
+                    continue
                 await send.send(group)
 
     # -- training --------------------------------------------------------------------------
@@ -346,7 +356,7 @@ class Pipeline:
                     fresh.append(group)
                 else:
                     self.sampler.settle(group.prompt_id)
-                    await self.staleness.release(len(group), dropped=True)
+                    await self.staleness.release(self.rollout.group_size, dropped=True)
             # Oldest first: a slow group overtaken by later ones is trained before it ages
             # past k (the sort is stable, so equal versions keep arrival order).
             fresh.sort(key=lambda g: g.start_version)
@@ -404,7 +414,9 @@ class Pipeline:
         return StepReport(
             step=step,
             version=version,
-            metrics={**metrics, **self.engine.metrics()},  # the engine's under their own names
+            # the engine's and the agent gateway's counters under their own names
+            metrics={**metrics, **self.engine.metrics(),
+                     **(self.gateway.metrics() if self.gateway is not None else {})},
             rewards=tuple(t.reward for t in trajectories),
             staleness=tuple(version - t.start_version for t in trajectories),
             start_versions=tuple(t.start_version for t in trajectories),

@@ -1,0 +1,220 @@
+"""Agent programs as environments: ``env=agent env.program=my_agent:run``.
+
+An agent program is code someone already has, written against an OpenAI-compatible client::
+
+    async def run(task: Task, client: openai.AsyncOpenAI) -> float: ...
+
+``client`` is already pointed at this episode: its base URL is the run's gateway and its API
+key is the episode's own (:class:`AgentEndpoint`, handed in by the orchestrator as plain
+data; this layer never imports it). Every call the program makes with it is recorded, token
+by token, into the episode's trajectory; the program's return value is the episode's reward.
+A plain ``def run(task, client: openai.OpenAI)`` runs in a worker thread with a synchronous
+client. A program may instead return its transcript (a list of OpenAI message dicts) and
+leave scoring to the reward functions named in ``rewards`` (``{"pkg.mod:fn": weight}``, each
+``fn(task, transcript) -> float``, plain or async); an :class:`~envs.base.Reward` is taken as
+it is.
+
+Tasks come from ``tasks`` (``"pkg.mod:fn"``, ``fn(split) -> iterable``; by default the
+program module's own ``tasks``): :class:`~envs.base.Task` objects, or mappings with a
+``prompt`` (or ``messages``), an ``answer`` and any other keys as metadata.
+
+Failures never stop the run: a program that raises, or runs past ``timeout_s``, ends its
+episode as failed with reward 0 (:class:`AgentOutcome` says why; the orchestrator counts
+``agent/errors`` and ``agent/timeouts``). A synchronous program past its timeout is abandoned
+in its thread (Python cannot stop a thread); its key is revoked with the episode, so its next
+call fails and it ends there. The settings from ``host`` on are the gateway's, read by the
+orchestrator as plain data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+
+from envs.base import Env, EnvSpec, Message, Reward, Task
+
+log = logging.getLogger(__name__)
+
+Status = Literal["ok", "error", "timeout"]
+
+
+@dataclass(frozen=True)
+class AgentEndpoint:
+    """Where an episode's program sends its calls: exactly what an API key and a base URL are
+    to any OpenAI client."""
+
+    base_url: str
+    api_key: str
+    model: str
+
+
+@dataclass(frozen=True)
+class AgentOutcome:
+    """How an episode's program ended: its reward (0 when it failed) and why it failed."""
+
+    reward: Reward
+    status: Status = "ok"
+    error: str | None = None  # the exception's type and message, or what timed out
+
+
+def load_object(path: str, key: str) -> Any:
+    """The object ``path`` names (``pkg.mod:attr`` or ``pkg.mod.attr``); a ValueError naming
+    ``key`` when it cannot be found."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{key}={path} must name an object as package.module:name")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{key}={path}: module {module_name} cannot be imported ({e})") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{key}={path}: {module_name} has no {attr}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def as_task(index: int, item: Task | Mapping[str, Any]) -> Task:
+    if isinstance(item, Task):
+        return item
+    data = dict(item)
+    if "messages" in data:
+        messages = tuple(dict(m) for m in data.pop("messages"))
+    elif "prompt" in data:
+        messages = ({"role": "user", "content": str(data.pop("prompt"))},)
+    else:
+        raise ValueError(f"env.tasks: item {index} has neither 'prompt' nor 'messages'")
+    return Task(id=int(data.pop("id", index)), messages=messages,  # type: ignore[arg-type]
+                answer=str(data.pop("answer", "")), metadata=data)
+
+
+class AgentSpec(EnvSpec):
+    def __init__(
+        self,
+        program: str,
+        tasks: str | None = None,
+        rewards: Mapping[str, float] | None = None,
+        timeout_s: float = 300.0,
+        model: str = "policy",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_n: int = 8,
+        max_calls: int = 64,
+        max_context: int | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"env.timeout_s must be > 0, got {timeout_s}")
+        for key, value in (("max_n", max_n), ("max_calls", max_calls)):
+            if value < 1:
+                raise ValueError(f"env.{key} must be >= 1, got {value}")
+        if not 0 <= port < 65536:
+            raise ValueError(f"env.port must be a TCP port (0: any free one), got {port}")
+        if max_context is not None and max_context < 2:
+            raise ValueError(f"env.max_context must be >= 2 or null, got {max_context}")
+        _openai()  # the programs' client: a missing package is one line now, not every episode
+        self.program = load_object(program, "env.program")
+        if not callable(self.program):
+            raise TypeError(f"env.program={program} is not callable")
+        self.is_async = inspect.iscoroutinefunction(self.program) or inspect.iscoroutinefunction(
+            type(self.program).__call__)
+        source = tasks or f"{self.program.__module__}:tasks"
+        make_tasks = load_object(source, "env.tasks")
+        self._splits = {split: self._load(make_tasks, split) for split in ("train", "eval")}
+        self.rewards = [(name, load_object(name, "env.rewards"), float(weight))
+                        for name, weight in (rewards or {}).items()]
+        self.timeout_s = float(timeout_s)
+        self.model, self.host, self.port = model, host, port
+        self.max_n, self.max_calls, self.max_context = max_n, max_calls, max_context
+        self._logged: set[str] = set()
+
+    @staticmethod
+    def _load(make_tasks: Callable[[str], Iterable[Any]] | Mapping[str, Iterable[Any]],
+              split: str) -> list[Task]:
+        items = make_tasks.get(split, ()) if isinstance(make_tasks, Mapping) else make_tasks(split)
+        return [as_task(i, item) for i, item in enumerate(items)]
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        if split not in self._splits:
+            raise KeyError(f"unknown split {split!r}; choose from {sorted(self._splits)}")
+        return self._splits[split]
+
+    def make_env(self) -> Env:
+        raise TypeError("an agent program's episodes run through the orchestrator's gateway "
+                        "(AgentSpec.run_episode), not through Env.step")
+
+    async def run_episode(self, task: Task, endpoint: AgentEndpoint) -> AgentOutcome:
+        """Run the program on ``task`` against ``endpoint``; never raises for what the program
+        does (it is user code): a failure is an outcome with reward 0."""
+        try:
+            with anyio.fail_after(self.timeout_s):
+                result = await (self._run_async(task, endpoint) if self.is_async
+                                else self._run_sync(task, endpoint))
+                return AgentOutcome(await self._score(task, result))
+        except TimeoutError:
+            return AgentOutcome(Reward(0.0), "timeout",
+                                f"the agent program ran past env.timeout_s={self.timeout_s:g}")
+        except Exception as e:  # the program is user code: its failure is data
+            error = f"{type(e).__name__}: {e}"
+            if type(e).__name__ not in self._logged:  # once per kind, with its traceback
+                self._logged.add(type(e).__name__)
+                log.warning("agent program failed (episode recorded with reward 0): %s", error,
+                            exc_info=e)
+            return AgentOutcome(Reward(0.0), "error", error)
+
+    async def _run_async(self, task: Task, endpoint: AgentEndpoint) -> Any:
+        openai = _openai()
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key,
+                                    max_retries=0, timeout=self.timeout_s)
+        async with client:
+            return await self.program(task, client)
+
+    async def _run_sync(self, task: Task, endpoint: AgentEndpoint) -> Any:
+        openai = _openai()
+
+        def run() -> Any:
+            with openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key,
+                               max_retries=0, timeout=self.timeout_s) as client:
+                return self.program(task, client)
+
+        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+
+    async def _score(self, task: Task, result: Any) -> Reward:
+        if isinstance(result, Reward):
+            return result
+        if isinstance(result, bool | int | float):
+            return Reward(float(result))
+        if isinstance(result, list | tuple):
+            if not self.rewards:
+                raise TypeError("the agent program returned a transcript, but env.rewards names "
+                                "no reward function to score it")
+            return await self._transcript_reward(task, [dict(m) for m in result])
+        raise TypeError(f"the agent program returned {type(result).__name__}; return a reward "
+                        f"(a number or envs.base.Reward) or the transcript (a list of messages)")
+
+    async def _transcript_reward(self, task: Task, transcript: list[Message]) -> Reward:
+        components: dict[str, float] = {}
+        total = 0.0
+        for name, fn, weight in self.rewards:
+            value = fn(task, transcript)
+            if inspect.isawaitable(value):
+                value = await value
+            key = name.replace(":", ".").rsplit(".", 1)[-1]
+            components[key] = float(value)
+            total += weight * float(value)
+        return Reward(total, components)
+
+
+def _openai() -> Any:
+    try:
+        import openai
+    except ImportError as e:
+        raise ValueError("env=agent hands programs an openai client: pip install -e "
+                         "'.[agents]'") from e
+    return openai
