@@ -40,7 +40,8 @@ if ! python -c "import torch" >/dev/null 2>&1; then
       --extra-index-url https://download.pytorch.org/whl/cpu "torch==$TORCH_VERSION+cpu"
   fi
 fi
-echo "setup: installing the project and its dependencies (with the dev, ray and tasks extras)" >&2
-# ray: launcher=ray and its tests; tasks: env=reasoning_gym (reasoning-gym) and its tests
-pip install "${pip_quiet[@]}" -e ".[dev,ray,tasks]"
+echo "setup: installing the project and its dependencies (with the dev, ray, tasks and agents extras)" >&2
+# ray: launcher=ray and its tests; tasks: env=reasoning_gym (reasoning-gym) and its tests;
+# agents: env=agent's SDKs (openai, openai-agents, verifiers) and its tests
+pip install "${pip_quiet[@]}" -e ".[dev,ray,tasks,agents]"
 touch "$stamp"
