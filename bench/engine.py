@@ -215,9 +215,9 @@ def torch_engine(model: Mapping[str, Any], weights: WeightUpdate, seed: int,
 def vllm_engine(model: Mapping[str, Any], weights: WeightUpdate, seed: int) -> InferenceEngine:
     from orchestrator.engines.vllm_engine import VLLMEngine
 
-    # CPU: gpu_memory_utilization is the RAM share for the KV cache; eager (no compile) for a
-    # quick start. vLLM has a prefix cache: later turns reuse their conversation's KV.
-    return VLLMEngine(model, weights, gpu_memory_utilization=0.1, max_num_seqs=CLIENTS,
+    # CPU: the KV cache in bytes (1 GiB, kv_cache_bytes=auto); eager (no compile) for a quick
+    # start. vLLM has a prefix cache: later turns reuse their conversation's KV.
+    return VLLMEngine(model, weights, kv_cache_bytes="auto", max_num_seqs=CLIENTS,
                       enforce_eager=not torch.cuda.is_available(), seed=seed)
 
 

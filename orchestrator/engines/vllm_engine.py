@@ -21,8 +21,14 @@ processes. What it does for the pipeline:
   weights in place through the model's own weight loaders. A file update is read by the
   workers from its path; any other transport travels as safetensors bytes.
 
-The model is the run's ``conf/model`` node: a Hugging Face directory (``model=hf``) is
-served from its path; a model built from config (``model=tiny``) is written once to a
+KV cache size: on CPU, ``engine.kv_cache_bytes`` (default 1 GiB; ``4GiB`` and plain byte
+counts are accepted). vLLM's CPU build would otherwise size it as ``gpu_memory_utilization``
+times the memory of NUMA node 0 minus what is in use there, which depends on the machine's
+NUMA layout and page cache (node 0 may be a fraction of the machine). On a GPU,
+``gpu_memory_utilization`` applies unless ``kv_cache_bytes`` is given.
+
+The model is the run's ``conf/model`` node: a Hugging Face directory (``model=hf``, or a GGUF
+converted into one, ``model=smollm2``) is served from its path; a model built from config (``model=tiny``) is written once to a
 temporary directory with the starting weights. vLLM's CPU build needs a head size of at
 least 32 (64 is safest); the tiny default (128 / 4 heads) qualifies.
 """
@@ -30,6 +36,7 @@ least 32 (64 is safest); the tiny default (128 / 4 heads) qualifies.
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import tempfile
 import uuid
@@ -38,13 +45,31 @@ from pathlib import Path
 from typing import Any, Self
 
 import anyio
+import torch
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError, EngineClosed
+from orchestrator.models.policy import build_policy, checkpoint_dir
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_KV_CACHE_BYTES = 1 << 30  # kv_cache_bytes=auto on CPU
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
+          "GB": 10**9}
+
+
+def parse_bytes(value: int | str | None, key: str = "engine.kv_cache_bytes") -> int | None:
+    """``1073741824``, ``"512MiB"``, ``"1GiB"`` → bytes; ``None`` / ``"auto"`` → None."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMG]I?B|B)?", str(value).strip().upper())
+    number = float(match.group(1)) if match and not isinstance(value, bool) else 0.0
+    unit = (match.group(2) or "") if match else ""
+    if number <= 0:
+        raise ConfigError(f"{key}={value} must be a positive size such as 1GiB, 512MiB or a "
+                          "byte count, or auto")
+    return int(number * _UNITS[unit])
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 
@@ -77,9 +102,11 @@ class VLLMEngine(InferenceEngine):
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         seed: int = 0,
+        kv_cache_bytes: int | str | None = "auto",
     ) -> None:
         _check_options(gpu_memory_utilization, max_num_seqs, max_model_len, tensor_parallel_size,
                        dtype)
+        kv_bytes = parse_bytes(kv_cache_bytes)
         try:
             import vllm  # noqa: F401 - fail here, with the fix, rather than at the first request
         except ImportError as e:
@@ -87,6 +114,7 @@ class VLLMEngine(InferenceEngine):
                 "engine=vllm needs vLLM: pip install -e '.[vllm]' on a GPU machine, or "
                 "bash scripts/setup_vllm.sh for the CPU build in .venv-vllm") from e
         self._model = dict(model)
+        self._served = checkpoint_dir(self._model)  # None: built from config, written at start
         self._weights = weights
         self._options: dict[str, Any] = {
             "gpu_memory_utilization": gpu_memory_utilization,
@@ -98,6 +126,12 @@ class VLLMEngine(InferenceEngine):
             "enforce_eager": enforce_eager,
             "seed": seed,
         }
+        if kv_bytes is None and not torch.cuda.is_available():
+            kv_bytes = CPU_KV_CACHE_BYTES
+        if kv_bytes is not None:
+            self._options["kv_cache_memory_bytes"] = kv_bytes
+            if not torch.cuda.is_available():
+                _check_cpu_room(kv_bytes)
         self.version = weights.version if weights is not None else 0
         self.max_model_len = 0  # known once started
         self._llm: Any = None
@@ -116,7 +150,7 @@ class VLLMEngine(InferenceEngine):
             self._llm = await anyio.to_thread.run_sync(self._start)
             self.max_model_len = int(self._llm.model_config.max_model_len)
             await self._llm.update_weight_version(str(self.version))
-            if self._weights is not None and "path" in self._model:
+            if self._weights is not None and self._served is not None:
                 # A checkpoint directory was served as it is on disk; the run may start
                 # elsewhere (a warm start, a resume): load the weights it was given.
                 await self._load(self._weights)
@@ -141,10 +175,8 @@ class VLLMEngine(InferenceEngine):
 
     def _model_dir(self) -> str:
         """A directory vLLM can load: the checkpoint's own, or one written from config."""
-        if "path" in self._model:
-            return str(self._model["path"])
-        from orchestrator.models.policy import build_policy
-
+        if self._served is not None:
+            return str(self._served)
         policy = build_policy({**self._model, "device": "cpu"})
         self._workdir = Path(tempfile.mkdtemp(prefix="polyrl-vllm-"))
         state = dict(self._weights.tensors()) if self._weights is not None else None
@@ -234,6 +266,21 @@ class VLLMEngine(InferenceEngine):
         if self._paused:
             await self._llm.resume_generation()
             self._paused = False
+
+
+def _check_cpu_room(kv_bytes: int) -> None:
+    """vLLM's CPU build takes the KV cache from NUMA node 0: say so in one line naming the key
+    when it cannot, instead of a worker process's traceback."""
+    try:
+        from vllm.utils.cpu_resource_utils import get_memory_node_info
+    except ImportError:  # moved in another vLLM release: vLLM's own check still applies
+        return
+    available = get_memory_node_info(0).available_memory
+    if kv_bytes > available:
+        raise ConfigError(
+            f"engine.kv_cache_bytes={kv_bytes / (1 << 30):.2f}GiB does not fit in the "
+            f"{available / (1 << 30):.2f} GiB available on NUMA node 0; lower it "
+            "(e.g. engine.kv_cache_bytes=512MiB) or free memory")
 
 
 def _versions(spans: Sequence[Any] | None, count: int) -> tuple[int, ...]:

@@ -6,7 +6,9 @@ Two ways in, one config group (``conf/model/``):
   (``model_type`` is any that ``transformers`` knows, Llama by default) with random weights
   and the project's character tokenizer; nothing is downloaded.
 * :func:`pretrained_policy` loads any local Hugging Face causal-LM directory with its own
-  tokenizer and chat template.
+  tokenizer and chat template, or a GGUF file (``model.gguf``: a path, or ``smollm2`` for
+  the packaged SmolLM2-135M-Instruct) converted once into such a directory in the cache
+  (:mod:`orchestrator.models.gguf`).
 """
 
 from __future__ import annotations
@@ -82,11 +84,13 @@ def tiny_policy(
     return Policy(model=model.to(target), tokenizer=tokenizer, device=target)
 
 
-def pretrained_policy(path: str, dtype: str = "bfloat16", device: str = "auto") -> Policy:
+def pretrained_policy(path: str | None = None, dtype: str = "bfloat16", device: str = "auto",
+                      gguf: str | None = None) -> Policy:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    if not Path(path).is_dir():
-        raise ConfigError(f"model.path={path} is not a local directory holding a Hugging Face checkpoint")
+    hf_logging.disable_progress_bar()  # a bar per load (engines, trainer) is noise in a run's log
+    path = str(checkpoint_dir({"path": path, "gguf": gguf}))
     tokenizer = HFTokenizer(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype), local_files_only=True)
@@ -94,6 +98,28 @@ def pretrained_policy(path: str, dtype: str = "bfloat16", device: str = "auto") 
         raise ConfigError(f"model.path={path} could not be loaded as a causal LM: {e}") from e
     target = resolve_device(device)
     return Policy(model=model.to(target), tokenizer=tokenizer, device=target)
+
+
+def checkpoint_dir(config: Mapping[str, Any]) -> Path | None:
+    """The Hugging Face directory a ``conf/model`` node loads from (``path``, or ``gguf``
+    converted into the cache), or None for a model built from config."""
+    path, gguf = config.get("path"), config.get("gguf")
+    if path is not None and gguf is not None:
+        raise ConfigError("model.path and model.gguf are both set; give one")
+    if gguf is not None:
+        from orchestrator.models.gguf import converted
+
+        return converted(gguf)
+    if path is None:
+        if "path" in config or "gguf" in config:
+            raise ConfigError("model.path (a Hugging Face directory) or model.gguf (a .gguf file "
+                              "or smollm2) must be set")
+        return None
+    if not Path(path).is_dir() or not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"model.path={path} is not a local Hugging Face checkpoint directory "
+                          "(no config.json); give a directory written by save_pretrained, or "
+                          "model.gguf=<file.gguf> to convert one")
+    return Path(path)
 
 
 def build_policy(config: Mapping[str, Any]) -> Policy:

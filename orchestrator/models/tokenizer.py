@@ -10,21 +10,46 @@ Chat layout of :class:`CharTokenizer` (one token per special)::
     <bos><user>37+85=<end><assistant>122<end>
 
 A prompt ends with ``<assistant>``; generation stops at ``<end>``.
+
+Tools: ``chat_prompt(..., tools=schemas)`` takes OpenAI function-tool schemas. A chat
+template that renders tools itself (its source uses ``tools``) gets them natively; otherwise
+they are described in the system message, with the project's Hermes format
+(``<tool_call>{"name": …, "arguments": {…}}</tool_call>``, :data:`tool_format`) that the
+episode's parser reads.
 """
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from envs.base import Message
 from orchestrator.errors import ConfigError
+
+ToolSchema = Mapping[str, Any]  # {"type": "function", "function": {"name", "description", "parameters"}}
+TOOLS_PREAMBLE = ("You can call tools. To call one, write <tool_call>{\"name\": <tool name>, "
+                  "\"arguments\": <a JSON object>}</tool_call>; the result comes back as a tool "
+                  "message. Tools:")
+
+
+def describe_tools(messages: Sequence[Message], tools: Sequence[ToolSchema]) -> list[Message]:
+    """``messages`` with ``tools`` described in the system message (one is added first when
+    there is none), for a chat format that has no tool support of its own."""
+    text = "\n".join([TOOLS_PREAMBLE, *(json.dumps(t, sort_keys=True) for t in tools)])
+    messages = [dict(m) for m in messages]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{messages[0]['content']}\n\n{text}"
+        return messages
+    return [{"role": "system", "content": text}, *messages]
 
 
 class Tokenizer(ABC):
     pad_id: int
     vocab_size: int
+    tool_format: str = "hermes"  # the envs.parsers format this model's tool calls are read with
 
     @abstractmethod
     def encode(self, text: str) -> list[int]: ...
@@ -33,11 +58,13 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     @abstractmethod
-    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False,
+                    tools: Sequence[ToolSchema] | None = None) -> list[int]:
         """Token ids of ``messages`` followed by the header of the assistant's turn.
 
         With ``continuation`` the ids are meant to be appended after an assistant turn that
-        ended with a stop token (no beginning-of-sequence marker).
+        ended with a stop token (no beginning-of-sequence marker). ``tools`` (OpenAI
+        function schemas) are offered to the model as its chat format allows.
         """
 
     @property
@@ -71,7 +98,10 @@ class CharTokenizer(Tokenizer):
             self._itos[i] for i in ids if 0 <= i < self.vocab_size and i >= len(self.SPECIALS)
         )
 
-    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False,
+                    tools: Sequence[ToolSchema] | None = None) -> list[int]:
+        if tools:
+            messages = describe_tools(messages, tools)
         ids = [] if continuation else [self.bos_id]
         for message in messages:
             role = message["role"]
@@ -111,24 +141,40 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False) -> list[int]:
+    @property
+    def native_tools(self) -> bool:
+        """Whether the chat template renders tool schemas itself."""
+        template = self._tok.chat_template
+        return isinstance(template, str) and "tools" in template
+
+    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False,
+                    tools: Sequence[ToolSchema] | None = None) -> list[int]:
+        if tools and not self.native_tools:
+            messages, tools = describe_tools(messages, tools), None
         if self._tok.chat_template is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
             return self.encode(text)
         if not continuation:
-            return self._template(list(messages))
+            return self._template(list(messages), tools=tools)
         # The template renders whole conversations; the ids of the new messages are what a
         # fixed conversation gains when they are appended to it.
+        # They start right after the assistant turn's stop token (the last token the engine
+        # sampled), so what the template puts after it (ChatML's newline) is theirs.
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         before = self._template(base, generation_prompt=False)
+        ends = [i for i, t in enumerate(before) if t in self._stops]
+        if ends:
+            before = before[: ends[-1] + 1]
         after = self._template(base + list(messages))
         if after[: len(before)] != before:
             raise ValueError("this chat template does not render appended messages as a suffix")
         return after[len(before) :]
 
-    def _template(self, messages: list[Message], generation_prompt: bool = True) -> list[int]:
+    def _template(self, messages: list[Message], generation_prompt: bool = True,
+                  tools: Sequence[ToolSchema] | None = None) -> list[int]:
         ids = self._tok.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False,
+            tools=list(tools) if tools else None,
         )
         return list(ids)
 

@@ -34,7 +34,8 @@ class ReplayTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return f"<{len(ids)} tokens>"
 
-    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Message], continuation: bool = False,
+                    tools: object = None) -> list[int]:
         ids: list[int] = []
         for m in messages:
             tokens = self.encode(m.get("content", ""))

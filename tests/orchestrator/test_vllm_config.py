@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from orchestrator.engines.vllm_engine import VLLMEngine
+from orchestrator.engines.vllm_engine import VLLMEngine, parse_bytes
 from orchestrator.errors import ConfigError
 from helpers import TINY_MODEL, quick_config
 
@@ -19,6 +19,9 @@ from helpers import TINY_MODEL, quick_config
     ({"max_model_len": 1}, "engine.max_model_len must be >= 2 or null"),
     ({"tensor_parallel_size": 0}, "engine.tensor_parallel_size must be >= 1"),
     ({"dtype": "float8"}, "engine.dtype=float8 is not one of auto, float32, bfloat16, float16"),
+    ({"kv_cache_bytes": "lots"}, "engine.kv_cache_bytes=lots must be a positive size"),
+    ({"kv_cache_bytes": 0}, "engine.kv_cache_bytes=0 must be a positive size"),
+    ({"kv_cache_bytes": "12XB"}, "engine.kv_cache_bytes=12XB must be a positive size"),
 ])
 def test_a_bad_option_is_named_in_one_line(option: dict, message: str) -> None:
     with pytest.raises(ConfigError) as error:
@@ -30,7 +33,7 @@ def test_the_config_group_composes_with_every_option() -> None:
     engine = quick_config("smoke", "engine=vllm").engine
     assert engine._target_ == "orchestrator.engines.vllm_engine.VLLMEngine"
     for key in ("gpu_memory_utilization", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                "dtype", "enable_prefix_caching"):
+                "dtype", "enable_prefix_caching", "kv_cache_bytes"):
         assert key in engine, key
 
 
@@ -38,3 +41,11 @@ def test_the_config_group_composes_with_every_option() -> None:
 def test_without_vllm_the_error_says_how_to_install_it() -> None:
     with pytest.raises(ConfigError, match=r"engine=vllm needs vLLM: pip install -e '\.\[vllm\]'"):
         VLLMEngine(TINY_MODEL)
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (1 << 20, 1 << 20), ("512MiB", 512 << 20), ("1GiB", 1 << 30), ("2 GiB", 2 << 30),
+    ("1.5GiB", 3 << 29), ("100MB", 10**8), ("auto", None), (None, None),
+])
+def test_kv_cache_sizes_are_read_in_bytes(value: object, expected: int | None) -> None:
+    assert parse_bytes(value) == expected  # type: ignore[arg-type]

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO, build_hf_checkpoint, run_spans
 
 from orchestrator.trace.reader import TraceDir
-from helpers import REPO, build_hf_checkpoint
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
 
@@ -41,7 +41,7 @@ def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: 
         [sys.executable, "-m", "orchestrator", "experiment=smoke", "engine=vllm", "model=hf",
          f"launcher={launcher}",
          f"model.path={checkpoint}", "model.dtype=float32", "model.device=cpu", "logger=none",
-         "progress=false", "engine.gpu_memory_utilization=0.05", "engine.enforce_eager=true",
+         "progress=false", "engine.kv_cache_bytes=256MiB", "engine.enforce_eager=true",
          f"hydra.run.dir={run_dir}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=280, check=False,
     )
@@ -57,7 +57,7 @@ def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: 
     assert diffs and max(diffs) < 1e-3, diffs
     print(f"engine/logprob_diff over the run: {diffs}")
 
-    spans = read_jsonl(run_dir / "spans.jsonl")
+    spans = run_spans(run_dir)
     assert {"generate", "reward", "train_step", "weight_sync"} <= {s["stage"] for s in spans}
     # the pipeline's weight syncs (with launcher=ray the actors add spans of their own)
     syncs = [s["attributes"] for s in spans
