@@ -156,6 +156,8 @@ class Gateway:
                     raise
             except BadRequest as e:
                 return web.json_response(e.body(), status=e.status)
+            except ConnectionError:  # the caller went away (cancelled, timed out): its loss
+                raise
             except Exception as e:  # the engine or this server failed: not the caller's doing
                 if self.fault is None:
                     self.fault = e

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
 from openai import AsyncOpenAI, OpenAI
 
 from envs.base import Task
@@ -82,3 +83,21 @@ async def transcript(task: Task, client: AsyncOpenAI) -> list[dict[str, Any]]:
 
 def transcript_digits(task: Task, transcript: list[dict[str, Any]]) -> float:
     return digit_share(transcript[-1].get("content") or "")
+
+
+async def flaky(task: Task, client: AsyncOpenAI) -> float:
+    """By task id: two calls (the second extends the first), or a raise after one call, a
+    hang, or a raise before any call."""
+    kind = task.id % 4
+    if kind == 3:
+        raise RuntimeError("the program broke before calling the model")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task.messages[0]["content"]}]
+    first = await client.chat.completions.create(model="m", messages=messages)
+    if kind == 1:
+        raise ValueError("the program broke after a call")
+    if kind == 2:
+        await anyio.sleep_forever()
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": "and?"}]
+    second = await client.chat.completions.create(model="m", messages=messages)
+    return digit_share(second.choices[0].message.content or "")
