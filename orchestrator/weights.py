@@ -18,13 +18,18 @@ it to the engines (``await engine.update_weights(update)``). Four transports, on
   store's read-only memory). Ray is imported only when this transport is used.
 
 :meth:`tensors` gives the weights back as a name → tensor mapping whichever way they came;
-:attr:`nbytes` is what a transfer moves (the weight-sync span records it).
+:attr:`nbytes` is what a transfer moves (the weight-sync span records it), :attr:`stats` what
+producing it cost (``gather_seconds`` when trainer ranks gathered their shards).
+
+A LoRA trainer's update carries :class:`Adapters`: its tensors are ``<weight>::lora_A`` and
+``<weight>::lora_B`` pairs (plus, in the first update, the base weights) and an engine applies
+them with an :class:`AdapterMerger`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +37,15 @@ import anyio
 import torch
 
 Transport = Literal["reference", "bytes", "file", "object_store"]
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """What the LoRA tensors of an update adapt: ``modules`` are weight names of the plain
+    model, each with ``<name>::lora_A`` (r x in) and ``<name>::lora_B`` (out x r) tensors."""
+
+    scale: float  # alpha / r
+    modules: tuple[str, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,6 +58,8 @@ class WeightUpdate:
     _ref: Any = None  # a Ray ObjectRef to the _to_arrays payload
     _nbytes: int = 0
     _lease: anyio.Event | None = field(default=None, repr=False)
+    adapters: Adapters | None = None  # LoRA: the tensors are adapters (see AdapterMerger)
+    stats: Mapping[str, float] = field(default_factory=dict)  # e.g. gather_seconds
 
     # -- making one --------------------------------------------------------------------------
 
@@ -72,6 +88,16 @@ class WeightUpdate:
     def from_object_ref(cls, version: int, ref: Any, nbytes: int) -> WeightUpdate:
         return cls(version, "object_store", _ref=ref, _nbytes=nbytes)
 
+    def with_adapters(self, adapters: Adapters) -> WeightUpdate:
+        return replace(self, adapters=adapters)
+
+    def with_stats(self, **stats: float) -> WeightUpdate:
+        return replace(self, stats={**self.stats, **stats})
+
+    def _carry(self, other: WeightUpdate) -> WeightUpdate:
+        """``other`` (the same weights over another transport) with this one's adapters and stats."""
+        return replace(other, adapters=self.adapters, stats=self.stats)
+
     # -- other transports ---------------------------------------------------------------------
 
     def serialised(self) -> WeightUpdate:
@@ -82,7 +108,7 @@ class WeightUpdate:
             return self
         data = save(_savable(self.tensors()))
         self.release()
-        return WeightUpdate.from_bytes(self.version, data)
+        return self._carry(WeightUpdate.from_bytes(self.version, data))
 
     def to_bytes(self) -> bytes:
         """The weights as safetensors bytes; releases the lease."""
@@ -100,7 +126,7 @@ class WeightUpdate:
         save_file(_savable(self.tensors()), str(tmp))
         tmp.replace(path)
         self.release()
-        return WeightUpdate.from_file(self.version, path)
+        return self._carry(WeightUpdate.from_file(self.version, path))
 
     def to_object_store(self) -> WeightUpdate:
         """The same weights put once into the Ray object store; releases the lease."""
@@ -109,16 +135,16 @@ class WeightUpdate:
         arrays = _to_arrays(self.tensors())  # views of CPU tensors: put before the release
         ref = ray.put(arrays)
         self.release()
-        return WeightUpdate.from_object_ref(self.version, ref,
-                                            sum(a.nbytes for _, _, a in arrays.values()))
+        return self._carry(WeightUpdate.from_object_ref(
+            self.version, ref, sum(a.nbytes for _, _, a in arrays.values())))
 
     def detached(self) -> WeightUpdate:
         """A private copy in this process; releases the lease at once."""
         if self._lease is None and self.transport != "reference":
-            return WeightUpdate.by_reference(self.version, self.tensors(), leased=False)
+            return self._carry(WeightUpdate.by_reference(self.version, self.tensors(), leased=False))
         copy = WeightUpdate.by_reference(self.version, _copy(self.tensors()), leased=False)
         self.release()
-        return copy
+        return self._carry(copy)
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -170,6 +196,45 @@ class WeightUpdate:
         """Return once :meth:`release` was called (in the event loop that made the update)."""
         if self._lease is not None:
             await self._lease.wait()
+
+
+class AdapterMerger:
+    """How an engine loads updates, LoRA ones included: a full update is loaded as it is; an
+    adapter update sets each adapted weight to ``W0 + scale * B @ A`` from the base weights
+    ``W0`` kept from the update that carried them (the engine's first)."""
+
+    def __init__(self) -> None:
+        self._base: dict[str, torch.Tensor] = {}
+
+    def merged(self, update: WeightUpdate) -> dict[str, torch.Tensor]:
+        """The weights to load for ``update``: all of a full one; for an adapter update, the
+        adapted weights (and the base weights it carries, if any)."""
+        tensors = update.tensors()
+        adapters = update.adapters
+        if adapters is None:
+            return dict(tensors)
+        plain = {k: v for k, v in tensors.items() if "::" not in k}
+        for name in adapters.modules:
+            if name in plain:
+                self._base[name] = plain[name].detach().clone()
+        missing = [m for m in adapters.modules if m not in self._base]
+        if missing:
+            raise RuntimeError(f"an adapter update for {missing[0]} reached an engine that never "
+                               f"received its base weights")
+        out = dict(plain)
+        with torch.no_grad():
+            for name in adapters.modules:
+                base = self._base[name]
+                a, b = tensors[f"{name}::lora_A"], tensors[f"{name}::lora_B"]
+                delta = (b.to(torch.float32) @ a.to(torch.float32)) * adapters.scale
+                out[name] = (base.to(torch.float32) + delta).to(base.dtype)
+        return out
+
+    def load(self, model: torch.nn.Module, update: WeightUpdate) -> None:
+        """Load ``update`` into ``model`` (all of its weights for a full update)."""
+        weights = self.merged(update)
+        with torch.no_grad():
+            model.load_state_dict(weights, strict=update.adapters is None)
 
 
 def _savable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.faults import kill_point
 from orchestrator.models.policy import Policy
 from orchestrator.trainer.base import Trainer, TrainStats
+from orchestrator.trainer.lora import LoraConfig, adapter_update
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
@@ -156,6 +158,8 @@ class TorchTrainer(Trainer):
         temperature: float = 1.0,
         logprob_diff_warn: float = 0.05,
         share_prefix: bool = True,
+        lora: Mapping[str, Any] | None = None,
+        world_size: int | None = None,
     ) -> None:
         if micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -165,6 +169,9 @@ class TorchTrainer(Trainer):
             raise ConfigError(f"trainer.lr must be > 0, got {lr}")
         if warmup_steps < 0:
             raise ConfigError(f"trainer.warmup_steps must be >= 0, got {warmup_steps}")
+        if world_size is not None:  # ranks are placed by the launcher, not built here
+            raise ConfigError(f"trainer.world_size={world_size} needs the launcher to place the "
+                              f"ranks: launcher=local or launcher=ray builds them from it")
         self.policy = policy
         self.model = policy.model
         self.algorithm = algorithm
@@ -175,8 +182,13 @@ class TorchTrainer(Trainer):
         self.temperature = temperature if temperature > 0 else 1.0
         self.logprob_diff_warn = logprob_diff_warn
         self.share_prefix = share_prefix
+        self.lora = LoraConfig.of(lora)
+        if self.lora is not None:  # only the adapters train (orchestrator.trainer.lora)
+            self.model = self.lora.wrap(self.model)
+        self.model = self._prepare(self.model)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=tuple(betas)
+            [p for p in self.model.parameters() if p.requires_grad], lr=lr,
+            weight_decay=weight_decay, betas=tuple(betas)
         )
         # Linear warm-up: Adam's first updates are sign-like and RL gradients are noisy.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -185,6 +197,7 @@ class TorchTrainer(Trainer):
         self.version = 0
         self._published: WeightUpdate | None = None  # by reference, until the engines release it
         self._warm_optimizer: torch.optim.Optimizer | None = None
+        self._base_sent = False  # LoRA: the engines have the base weights
 
     # -- forward ---------------------------------------------------------------------
 
@@ -275,9 +288,84 @@ class TorchTrainer(Trainer):
 
     def train_step(self, groups: Sequence[Group]) -> TrainStats:
         """The blocking optimiser step (:meth:`step` runs it in a worker thread)."""
-        trajectories = [t for g in groups for t in g.trajectories]
         advantages = self.algorithm.advantages([g.rewards for g in groups])
-        batch = pack(
+        mine = self._share(groups)  # all of them here; a rank's part in a group of ranks
+        batch = self._pack_groups([groups[i] for i in mine], [advantages[i] for i in mine])
+        # Eval mode (no dropout): the engine samples without it, and the importance weight and
+        # the clip ratio compare log-probs that must be deterministic. Gradients still flow.
+        self.model.eval()
+        proximal = None
+        agreement = LogprobAgreement()
+        if self.num_minibatches > 1:
+            self._full_weights()
+        if self.num_minibatches > 1 and batch is not None:
+            with torch.no_grad():
+                proximal = torch.cat([self._logprobs(mb)[0] for mb in self._micro_batches(batch)])
+            agreement.add(proximal, batch)
+
+        sums: dict[str, float] = {}
+        grad_norm = 0.0
+        rows = len(batch) if batch is not None else 0
+        size = math.ceil(rows / self.num_minibatches)
+        for index in range(self.num_minibatches):
+            start = index * size
+            part = batch.slice(slice(start, start + size)) if batch is not None else None
+            # The loss is normalised by the trained tokens of the whole minibatch, over every
+            # rank: each rank's gradient is its share of the one the whole batch gives.
+            local_rows = len(part) if part is not None else 0
+            total_rows, num_tokens = self._all_sum([local_rows, float(part.mask.sum()) if local_rows else 0.0])
+            if not total_rows:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            offset = 0
+            with self._accumulating():
+                for mb in self._micro_batches(part) if local_rows else ():
+                    logp, entropy = self._logprobs(mb)
+                    mask = mb.mask.to(self.device)
+                    if proximal is None:
+                        prox = logp.detach()
+                        if start == 0:  # before any update: the weights that sampled fresh tokens
+                            agreement.add(prox, mb)
+                    else:
+                        prox = proximal[start + offset : start + offset + len(mb)].to(self.device)
+                    offset += len(mb)
+                    out = self.algorithm.loss(LossInputs(
+                        logprobs=logp,
+                        proximal_logprobs=prox,
+                        behaviour_logprobs=mb.behaviour_logprobs.to(self.device),
+                        advantages=mb.advantages.to(self.device),
+                        mask=mask,
+                        num_tokens=num_tokens,
+                    ))
+                    out.loss.backward()
+                    tokens = float(mask.sum())
+                    weighted = {"loss": float(out.loss.detach()) * num_tokens, **{
+                        k: v * tokens for k, v in out.metrics.items()
+                    }}
+                    weighted["entropy"] = float((entropy * mask).sum())
+                    weighted["trained_tokens"] = tokens
+                    for k, v in weighted.items():
+                        sums[k] = sums.get(k, 0.0) + v
+            grad_norm = self._clip_gradients()
+            kill_point("train_step", self.version)
+            self.optimizer.step()
+        self.scheduler.step()
+        self.version += 1
+        sums = self._all_sum_named(sums)
+        counts = sums.pop("trained_tokens", 0.0)
+        metrics = {k: v / max(counts, 1.0) for k, v in sums.items()}
+        metrics["grad_norm"] = grad_norm
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["trained_tokens"] = float(counts)
+        metrics.update(self._agreement(agreement).metrics(self.logprob_diff_warn))
+        return metrics
+
+    def _pack_groups(self, groups: Sequence[Group],
+                     advantages: Sequence[Sequence[float]]) -> PackedBatch | None:
+        trajectories = [t for g in groups for t in g.trajectories]
+        if not trajectories:
+            return None
+        return pack(
             [t.token_ids for t in trajectories],
             [t.loss_mask for t in trajectories],
             self.policy.tokenizer.pad_id,
@@ -289,64 +377,42 @@ class TorchTrainer(Trainer):
                 [t.token_ids for t in g.trajectories], [t.loss_mask for t in g.trajectories]
             )] * len(g.trajectories)],
         )
-        # Eval mode (no dropout): the engine samples without it, and the importance weight and
-        # the clip ratio compare log-probs that must be deterministic. Gradients still flow.
-        self.model.eval()
-        minibatch = math.ceil(len(batch) / self.num_minibatches)
-        proximal = None
-        agreement = LogprobAgreement()
-        if self.num_minibatches > 1:
-            with torch.no_grad():
-                proximal = torch.cat([self._logprobs(mb)[0] for mb in self._micro_batches(batch)])
-            agreement.add(proximal, batch)
 
-        sums: dict[str, float] = {}
-        counts = 0
-        grad_norm = 0.0
-        for start in range(0, len(batch), minibatch):
-            rows = slice(start, start + minibatch)
-            part = batch.slice(rows)
-            num_tokens = float(part.mask.sum())
-            self.optimizer.zero_grad(set_to_none=True)
-            offset = 0
-            for mb in self._micro_batches(part):
-                logp, entropy = self._logprobs(mb)
-                mask = mb.mask.to(self.device)
-                if proximal is None:
-                    prox = logp.detach()
-                    if start == 0:  # before any update: the weights that sampled fresh tokens
-                        agreement.add(prox, mb)
-                else:
-                    prox = proximal[start + offset : start + offset + len(mb)].to(self.device)
-                offset += len(mb)
-                out = self.algorithm.loss(LossInputs(
-                    logprobs=logp,
-                    proximal_logprobs=prox,
-                    behaviour_logprobs=mb.behaviour_logprobs.to(self.device),
-                    advantages=mb.advantages.to(self.device),
-                    mask=mask,
-                    num_tokens=num_tokens,
-                ))
-                out.loss.backward()
-                tokens = float(mask.sum())
-                weighted = {"loss": float(out.loss.detach()) * num_tokens, **{
-                    k: v * tokens for k, v in out.metrics.items()
-                }}
-                weighted["entropy"] = float((entropy * mask).sum())
-                for k, v in weighted.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                counts += int(tokens)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
-            kill_point("train_step", self.version)
-            self.optimizer.step()
-        self.scheduler.step()
-        self.version += 1
-        metrics = {k: v / max(counts, 1) for k, v in sums.items()}
-        metrics["grad_norm"] = grad_norm
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
-        metrics["trained_tokens"] = float(counts)
-        metrics.update(agreement.metrics(self.logprob_diff_warn))
-        return metrics
+    # -- what a rank of a group of ranks changes (orchestrator.trainer.distributed) -------
+
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model the optimiser steps (a rank shards it here)."""
+        return model
+
+    def _share(self, groups: Sequence[Group]) -> list[int]:
+        """The indices of the groups this process trains."""
+        return self._share_sizes([sum(len(t.token_ids) for t in g.trajectories) for g in groups])
+
+    def _share_sizes(self, sizes: Sequence[int]) -> list[int]:
+        """The indices of the items (of these token counts) this process trains: all here."""
+        return list(range(len(sizes)))
+
+    def _all_sum(self, values: Sequence[float]) -> list[float]:
+        """``values`` summed over the ranks (here: themselves)."""
+        return list(values)
+
+    def _all_sum_named(self, values: Mapping[str, float]) -> dict[str, float]:
+        return dict(values)
+
+    def _agreement(self, agreement: LogprobAgreement) -> LogprobAgreement:
+        return agreement
+
+    def _full_weights(self) -> None:
+        """Before forward passes outside :meth:`_accumulating` (a rank gathers its shards)."""
+
+    @contextmanager
+    def _accumulating(self) -> Iterator[None]:
+        """Around a minibatch's backward passes; a rank reduces the gradients on leaving."""
+        yield
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
 
     # -- supervised warm start ---------------------------------------------------------
 
@@ -356,8 +422,8 @@ class TorchTrainer(Trainer):
         fresh), in a worker thread; does not change the version."""
         await self._engines_done()
         if self._warm_optimizer is None or self._warm_optimizer.param_groups[0]["lr"] != lr:
-            self._warm_optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr,
-                                                     weight_decay=0.0)
+            self._warm_optimizer = torch.optim.AdamW(
+                [p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
         return await anyio.to_thread.run_sync(self.supervised_update, sequences, masks,
                                               self._warm_optimizer)
 
@@ -368,29 +434,38 @@ class TorchTrainer(Trainer):
         optimizer: torch.optim.Optimizer,
     ) -> float:
         """One cross-entropy step on the masked tokens with ``optimizer``."""
-        batch = pack(sequences, masks, self.policy.tokenizer.pad_id)
+        mine = self._share_sizes([len(seq) for seq in sequences])
+        batch = pack([sequences[i] for i in mine], [masks[i] for i in mine],
+                     self.policy.tokenizer.pad_id) if mine else None
         self.model.train()
         optimizer.zero_grad(set_to_none=True)
-        num_tokens = float(batch.mask.sum())
+        _, num_tokens = self._all_sum([0.0, float(batch.mask.sum()) if batch is not None else 0.0])
         total = 0.0
-        for mb in self._micro_batches(batch):
-            logits = self.model(
-                input_ids=mb.inputs.to(self.device), attention_mask=mb.attention.to(self.device)
-            ).logits.float()
-            nll = torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1), mb.targets.to(self.device).flatten(), reduction="none"
-            )
-            loss = (nll * mb.mask.to(self.device).flatten()).sum() / max(num_tokens, 1.0)
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        with self._accumulating():
+            for mb in self._micro_batches(batch) if batch is not None else ():
+                logits = self.model(
+                    input_ids=mb.inputs.to(self.device), attention_mask=mb.attention.to(self.device)
+                ).logits.float()
+                nll = torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), mb.targets.to(self.device).flatten(), reduction="none"
+                )
+                loss = (nll * mb.mask.to(self.device).flatten()).sum() / max(num_tokens, 1.0)
+                loss.backward()
+                total += float(loss.detach())
+        self._clip_gradients()
         optimizer.step()
-        return total
+        return self._all_sum([total])[0]
 
     # -- weights -----------------------------------------------------------------------
 
     async def weights(self) -> WeightUpdate:
-        """The model's tensors by reference; :meth:`step` waits for their release."""
+        """The model's tensors by reference; :meth:`step` waits for their release. With LoRA,
+        copies of the adapters (the first time, with the base weights the engines start from)."""
+        if self.lora is not None:
+            update = adapter_update(self.version, self.model.state_dict(), self.lora.scale,
+                                    with_base=not self._base_sent)
+            self._base_sent = True
+            return update
         self._published = WeightUpdate.by_reference(self.version, self.model.state_dict())
         return self._published
 

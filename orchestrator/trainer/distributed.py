@@ -1,0 +1,277 @@
+"""One rank of a data-parallel trainer: ``torch.distributed`` and FSDP2 under :class:`TorchTrainer`.
+
+``trainer.world_size=N`` makes the launcher start N processes (Ray actors, or local processes)
+that each build a :class:`RankTrainer` from the same recipe and join one process group (gloo
+on CPU, NCCL when the rank has a GPU) at rank 0's address. The model is sharded with FSDP2
+(``fully_shard`` on every decoder layer, then on the whole model): at rest each rank holds
+``1/N`` of the weights and of the optimiser's state. The driver sends every step's whole batch
+to every rank; the maths is the one-process trainer's:
+
+* the groups are split across ranks by token count (:func:`balance`, largest first onto the
+  least-loaded rank; a group stays whole, so advantages and shared prefixes are unchanged);
+* each minibatch's loss is normalised by the trained tokens of the whole minibatch over all
+  ranks (an all-reduce), and the ranks' gradients are *summed* (FSDP's divide factor is 1),
+  so the sum is the gradient one process computes on the whole batch;
+* the gradient norm is clipped over the full (sharded) gradient, and the metrics are
+  token-weighted sums over all ranks.
+
+How a minibatch runs. The number of forward passes a rank makes depends on its data (how many
+micro-batches, and whether a micro-batch shares a prefix: one pass or two), so no collective
+may happen inside them. The parameters are gathered once per minibatch (``unshard``), every
+micro-batch runs forward and backward with gradient sync and resharding off, and one *sync
+pass* ends it: a one-token forward whose loss is zero, whose backward reduce-scatters the
+accumulated gradients on every rank at once and reshards the parameters. During a minibatch a
+rank therefore holds the full parameters and gradients (ZeRO-2 memory); at rest, and for the
+optimiser step, they are sharded.
+
+Weights for the engines: :meth:`RankTrainer.gather` collects the full state on rank 0 once per
+step (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``; ``gather_seconds`` in
+the update's stats); with LoRA, only the adapters. Checkpoints: :meth:`RankTrainer.save` writes
+``torch.distributed.checkpoint`` shards (model and optimiser, by parameter name, so they load
+at any world size) plus ``trainer.pt`` (version, schedule) from rank 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import heapq
+import os
+import socket
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from orchestrator.errors import ConfigError
+from orchestrator.trainer.lora import adapter_update
+from orchestrator.trainer.torch_trainer import LogprobAgreement, TorchTrainer
+from orchestrator.weights import WeightUpdate
+
+SHARDS = "shards"  # the torch.distributed.checkpoint directory inside a checkpoint
+STATE = "trainer.pt"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where one rank stands: its index, the group's size and rank 0's rendezvous address."""
+
+    rank: int
+    world_size: int
+    address: str
+    port: int
+    backend: str = "auto"  # auto: nccl when this rank has a GPU, else gloo
+    timeout_s: float = 300.0  # a collective that waits longer than this fails
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside trainer.world_size={self.world_size}")
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (rank 0 binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def host_address() -> str:
+    """This host's address as the other ranks can reach it."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def balance(sizes: Sequence[int], world_size: int) -> list[list[int]]:
+    """Indices of ``sizes`` for each rank, the largest first onto the least-loaded rank (ties to
+    the lowest rank), each rank's in their original order: deterministic on every rank."""
+    loads = [(0, rank) for rank in range(world_size)]
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, rank = heapq.heappop(loads)
+        shares[rank].append(index)
+        heapq.heappush(loads, (load + sizes[index], rank))
+    return [sorted(share) for share in shares]
+
+
+def join(spec: RankSpec) -> torch.device | None:
+    """Join the process group ``spec`` names (once per process); the rank's GPU, if any."""
+    device = None
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    backend = spec.backend if spec.backend != "auto" else ("nccl" if device else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend, init_method=f"tcp://{spec.address}:{spec.port}", rank=spec.rank,
+            world_size=spec.world_size, timeout=datetime.timedelta(seconds=spec.timeout_s))
+    return device
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules of the classes ``transformers`` never splits."""
+    names = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(f"trainer.world_size: found no decoder layers to shard in "
+                          f"{type(model).__name__} (no _no_split_modules)")
+    return layers
+
+
+class RankTrainer(TorchTrainer):
+    """A :class:`TorchTrainer` that is rank ``rank.rank`` of ``rank.world_size``."""
+
+    def __init__(self, *args: Any, rank: RankSpec, **options: Any) -> None:
+        self.spec = rank
+        join(rank)
+        self._sharded: list[Any] = []
+        super().__init__(*args, **options)
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    # -- sharding --------------------------------------------------------------------------
+
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        # Resharding after forward would make the collectives depend on each rank's data (see
+        # the module docstring): the parameters are gathered once per minibatch instead.
+        for layer in decoder_layers(model):
+            self._sharded.append(fully_shard(layer, reshard_after_forward=False))
+        self._sharded.append(fully_shard(model, reshard_after_forward=False))
+        for module in self._sharded:
+            module.set_gradient_divide_factor(1.0)  # sum the ranks' shares of the gradient
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+        return model
+
+    def _full_weights(self) -> None:
+        for module in self._sharded:
+            module.unshard()
+
+    @contextmanager
+    def _accumulating(self) -> Iterator[None]:
+        root = self._sharded[-1]
+        self._full_weights()
+        root.set_requires_gradient_sync(False)
+        root.set_reshard_after_backward(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+            root.set_reshard_after_backward(True)
+        # The sync pass: the same single backward on every rank, however many each ran above.
+        one = torch.tensor([[self.policy.tokenizer.pad_id]], device=self.device)
+        logits = self.model(input_ids=one, attention_mask=torch.ones_like(one)).logits
+        (logits.float().sum() * 0.0).backward()
+
+    # -- the batch and its sums ---------------------------------------------------------------
+
+    def _share_sizes(self, sizes: Sequence[int]) -> list[int]:
+        return balance(sizes, self.spec.world_size)[self.rank]
+
+    def _all_sum(self, values: Sequence[float]) -> list[float]:
+        t = torch.tensor(list(values), dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _all_sum_named(self, values: Mapping[str, float]) -> dict[str, float]:
+        everyone: list[Any] = [None] * self.spec.world_size
+        dist.all_gather_object(everyone, dict(values))
+        out: dict[str, float] = {}
+        for part in everyone:
+            for k, v in part.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def _agreement(self, agreement: LogprobAgreement) -> LogprobAgreement:
+        total, count = self._all_sum([agreement.total, agreement.count])
+        top = torch.tensor([agreement.max], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        agreement.total, agreement.count, agreement.max = total, count, float(top)
+        return agreement
+
+    def _clip_gradients(self) -> float:
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def gather(self) -> WeightUpdate | None:
+        """The full weights (or, with LoRA, the adapters) on rank 0, gathered once from every
+        rank's shards; None on the other ranks. Every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        started = time.perf_counter()
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        seconds = time.perf_counter() - started
+        if self.rank != 0:
+            return None
+        if self.lora is not None:
+            update = adapter_update(self.version, state, self.lora.scale,
+                                    with_base=not self._base_sent)
+            self._base_sent = True
+        else:
+            update = WeightUpdate.by_reference(self.version, state, leased=False)
+        return update.with_stats(gather_seconds=seconds)
+
+    async def weights(self) -> WeightUpdate:
+        raise TypeError("a rank's weights are gathered with RankTrainer.gather by every rank")
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save(self, directory: Path) -> None:
+        """Write this rank's shards (every rank calls it) and, from rank 0, ``trainer.pt``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state},
+                 checkpoint_id=str(Path(directory) / SHARDS))
+        if self.rank == 0:
+            torch.save({"version": self.version, "scheduler": self.scheduler.state_dict(),
+                        "world_size": self.spec.world_size}, Path(directory) / STATE)
+        dist.barrier()
+
+    def load(self, directory: Path) -> None:
+        """Load a checkpoint written by :meth:`save` at any world size."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        directory = Path(directory)
+        if not (directory / SHARDS).is_dir():
+            raise ConfigError(f"{directory} holds no {SHARDS}/ (a checkpoint of a run with "
+                              f"trainer.world_size unset): resume it with trainer.world_size unset")
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(directory / SHARDS))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        rest = torch.load(directory / STATE, weights_only=True)
+        self.scheduler.load_state_dict(rest["scheduler"])
+        self.version = int(rest["version"])
+
+    def state_dict(self) -> dict[str, Any]:
+        raise TypeError("a rank's state is saved as shards: RankTrainer.save(directory)")
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
