@@ -62,10 +62,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EvalConfig:
     num_tasks: int = 200  # greedy episodes on the eval split before and after RL (0: skip)
+    every: int = 0  # also every this many RL steps, alongside rollout (0: never)
 
     def __post_init__(self) -> None:
         if self.num_tasks < 0:
             raise ConfigError(f"eval.num_tasks must be >= 0, got {self.num_tasks}")
+        if self.every < 0:
+            raise ConfigError(f"eval.every must be >= 0, got {self.every}")
 
 
 def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> RunResult:
@@ -189,6 +192,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None,
         sampler=sampler, pipeline=pipeline_cfg, checkpoint=checkpoint_cfg, resume=resume,
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
         eval_tasks=list(spec.tasks("eval"))[: eval_cfg.num_tasks],
+        eval_every=eval_cfg.every,
         progress=scalar(cfg, "progress", bool),
         progress_every=scalar(cfg, "progress_every", float),
         save_checkpoint=partial(launcher.save_checkpoint, trainer),

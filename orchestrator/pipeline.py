@@ -53,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from envs.base import EnvSpec, Task
 from orchestrator.engines.base import InferenceEngine
@@ -203,6 +203,17 @@ class TaskSampler:
 OnStep = Callable[[StepReport], Awaitable[None] | None]
 
 
+@dataclass(frozen=True)
+class PeriodicEval:
+    """A held-out evaluation every ``every`` train steps, run alongside rollout on the same
+    engine (its greedy episodes join the engine's batch; weights may update while it runs).
+    Its accuracy goes into the metrics of the step during which it finished, as
+    ``eval/accuracy`` with ``eval/step``, the step after which it started."""
+
+    every: int
+    run: Callable[[], Awaitable[float]]
+
+
 class Pipeline:
     def __init__(
         self,
@@ -217,6 +228,7 @@ class Pipeline:
         on_step: OnStep | None = None,
         start_step: int = 0,
         dropped: int = 0,
+        evaluation: PeriodicEval | None = None,
     ) -> None:
         config.check_group_size(rollout.group_size)
         self.config = config
@@ -239,6 +251,9 @@ class Pipeline:
         self.stopped = False  # request_stop() ended the run before num_steps
         self._waiting: anyio.CancelScope | None = None  # the trainer waiting for a batch
         self.gateway: Gateway | None = None  # an agent env's, while the pipeline runs
+        self.evaluation = evaluation
+        self._evaluated: dict[str, float] = {}  # a finished periodic eval, for the next report
+        self._evaluating = False  # one periodic eval at a time: a due one is skipped
 
     async def run(self) -> list[StepReport]:
         groups_per_batch = self.config.batch_size // self.rollout.group_size
@@ -255,7 +270,7 @@ class Pipeline:
                     tg.start_soon(self._worker, f"rollout-{i}", send_groups.clone(), name=f"rollout-{i}")
             sync_done = anyio.Event()
             tg.start_soon(self._weight_sync, receive_weights, sync_done, name="weight-sync")
-            await self._trainer_loop(receive_groups, send_weights, groups_per_batch)
+            await self._trainer_loop(receive_groups, send_weights, groups_per_batch, tg)
             await sync_done.wait()
             tg.cancel_scope.cancel()
         return self.reports
@@ -311,6 +326,7 @@ class Pipeline:
         receive: ObjectReceiveStream[Group],
         send_weights: ObjectSendStream[WeightUpdate],
         groups_per_batch: int,
+        tg: TaskGroup,
     ) -> None:
         pending: list[Group] = []
         last_report = self.recorder.now()
@@ -328,10 +344,16 @@ class Pipeline:
                     break
                 for group in batch:
                     self.sampler.settle(group.prompt_id)
-                with self.recorder.span("train_step", "trainer", version) as attrs:
+                with self.recorder.span("train_step", "trainer", version, step=step) as attrs:
                     metrics = await self.trainer.step(batch)
                     attrs["samples"] = sum(len(g) for g in batch)
                 await send_weights.send(await self.trainer.weights())
+                metrics = {**metrics, **self._evaluated}
+                self._evaluated = {}
+                if (self.evaluation is not None and (step + 1) % self.evaluation.every == 0
+                        and not self._evaluating):
+                    self._evaluating = True
+                    tg.start_soon(self._evaluate, step + 1, name="periodic-eval")
                 now = self.recorder.now()
                 report = self._report(step, version, batch, metrics, last_report, now)
                 last_report = now
@@ -341,6 +363,14 @@ class Pipeline:
                     result = self.on_step(report)
                     if result is not None:
                         await result
+
+    async def _evaluate(self, step: int) -> None:
+        assert self.evaluation is not None
+        try:
+            accuracy = await self.evaluation.run()
+        finally:
+            self._evaluating = False
+        self._evaluated = {"eval/accuracy": accuracy, "eval/step": float(step)}
 
     async def _next_batch(
         self,

@@ -22,6 +22,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from orchestrator.errors import ConfigError, RunAborted
 from orchestrator.evaluate import evaluate
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.pipeline import Pipeline, PipelineConfig, StepReport, TaskSampler
+from orchestrator.pipeline import PeriodicEval, Pipeline, PipelineConfig, StepReport, TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.resume import RunState, capture_rng
 from orchestrator.rollout import RolloutConfig
@@ -131,6 +132,7 @@ class RunParts:
     clock: Clock = time.perf_counter  # the recorder's, handed to the environment
     warm_start: WarmStart | None = None
     eval_tasks: Sequence[Task] = ()
+    eval_every: int = 0  # steps between evaluations during RL (0: before and after only)
     progress: bool = False
     progress_every: float = 10.0  # seconds between progress lines when stdout is not a TTY
     save_checkpoint: Callable[[Path], None] | None = None
@@ -207,7 +209,10 @@ async def run_session(parts: RunParts, result: RunResult,
                               completed=start, interval=parts.progress_every) as progress:
                 pipeline = Pipeline(parts.pipeline, parts.rollout, engine, parts.trainer,
                                     parts.tokenizer, parts.spec, parts.sampler, recorder, step_done,
-                                    start_step=start, dropped=resume.dropped if resume else 0)
+                                    start_step=start, dropped=resume.dropped if resume else 0,
+                                    evaluation=PeriodicEval(
+                                        parts.eval_every, partial(_evaluate, engine, parts, recorder),
+                                    ) if parts.eval_every and parts.eval_tasks else None)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_stop_on_signal, pipeline, result, tg.cancel_scope)
                     await pipeline.run()
