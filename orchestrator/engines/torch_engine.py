@@ -60,7 +60,7 @@ from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.gate import Gate
 from orchestrator.models.policy import build_policy
 from orchestrator.types import FinishReason, Generation, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights import AdapterMerger, WeightUpdate
 
 BATCHING = ("continuous", "waves")
 # Newcomers are prefilled in length buckets, split to minimise the padded tokens plus this
@@ -162,6 +162,7 @@ class TorchEngine(InferenceEngine):
         self.batching = batching
         self.max_positions: int = getattr(self.model.config, "max_position_embeddings", 1 << 30)
         self.version = 0
+        self._weights = AdapterMerger()
         if weights is not None:
             self._load(weights)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -214,8 +215,7 @@ class TorchEngine(InferenceEngine):
         await anyio.to_thread.run_sync(self._load, update)
 
     def _load(self, update: WeightUpdate) -> None:
-        with torch.no_grad():
-            self.model.load_state_dict(update.tensors(), strict=True)
+        self._weights.load(self.model, update)  # a LoRA update: the adapters merged in
         self.version = update.version
 
     async def pause(self) -> None:

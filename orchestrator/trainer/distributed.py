@@ -33,6 +33,7 @@ at any world size) plus ``trainer.pt`` (version, schedule) from rank 0.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import heapq
 import os
@@ -132,6 +133,7 @@ class RankTrainer(TorchTrainer):
         self.spec = rank
         join(rank)
         self._sharded: list[Any] = []
+        self._staged: tuple[dict[str, Any], dict[str, Any]] | None = None
         super().__init__(*args, **options)
 
     @property
@@ -238,17 +240,33 @@ class RankTrainer(TorchTrainer):
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def save(self, directory: Path) -> None:
-        """Write this rank's shards (every rank calls it) and, from rank 0, ``trainer.pt``."""
-        import torch.distributed.checkpoint as dcp
+    def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state},
-                 checkpoint_id=str(Path(directory) / SHARDS))
+        rest = {"version": self.version, "scheduler": self.scheduler.state_dict(),
+                "world_size": self.spec.world_size}
+        return {"model": model_state, "optimizer": optim_state}, rest
+
+    def stage(self) -> None:
+        """Copy this rank's shards of the weights and optimiser state (and the schedule) now,
+        for :meth:`save` to write later while training goes on."""
+        from torch.utils._pytree import tree_map_only
+
+        shards, rest = self._checkpoint_state()
+        self._staged = (tree_map_only(torch.Tensor, lambda t: t.detach().clone(), shards),
+                        copy.deepcopy(rest))
+
+    def save(self, directory: Path) -> None:
+        """Write this rank's shards (every rank calls it): those :meth:`stage` copied, else the
+        current ones; rank 0 writes ``trainer.pt`` too."""
+        import torch.distributed.checkpoint as dcp
+
+        shards, rest = self._staged if self._staged is not None else self._checkpoint_state()
+        self._staged = None
+        dcp.save(shards, checkpoint_id=str(Path(directory) / SHARDS))
         if self.rank == 0:
-            torch.save({"version": self.version, "scheduler": self.scheduler.state_dict(),
-                        "world_size": self.spec.world_size}, Path(directory) / STATE)
+            torch.save(rest, Path(directory) / STATE)
         dist.barrier()
 
     def load(self, directory: Path) -> None:

@@ -1,0 +1,339 @@
+"""A trainer of N ranks behind one :class:`Trainer`: the driver's proxy and the ranks' server.
+
+``trainer.world_size=N`` (N >= 1) makes the launcher start N rank processes (local ones here,
+:class:`ProcessRank`; Ray actors in :mod:`orchestrator.launch.ray.ranks`), each a
+:class:`RankServer` around a :class:`~orchestrator.trainer.distributed.RankTrainer` built from
+the run's recipe. :class:`RankGroup` is what the pipeline sees: every call goes to every rank at
+once (the ranks meet in their collectives) and rank 0 answers: the step's metrics, the one
+:class:`WeightUpdate` per step (gathered on rank 0, handed over once), the warm-start loss.
+Checkpoints are :meth:`RankGroup.save` / :meth:`RankGroup.load`: every rank writes or reads its
+``torch.distributed.checkpoint`` shards into the directory the atomic checkpoint store gives.
+
+A rank that dies ends the run: its process group cannot lose a member, so the next call raises
+:class:`RankLost` in one line, and every later call (a checkpoint after the crash included)
+repeats it without waiting; the run resumes from its last periodic checkpoint with
+``resume=``, at the same or another world size.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from orchestrator.errors import ConfigError, PolyRLError, RunAborted
+from orchestrator.launch.base import TrainerRecipe
+from orchestrator.trainer.base import Trainer, TrainStats
+from orchestrator.types import Group
+from orchestrator.weights import WeightUpdate
+
+RANK_TRAINER = "orchestrator.trainer.distributed.RankTrainer"
+
+
+class RankLost(RunAborted):
+    """A trainer rank died; the group cannot go on without it."""
+
+
+def world_size(recipe: TrainerRecipe) -> int | None:
+    """``trainer.world_size``: None for the one in-process trainer, else the number of ranks."""
+    size = recipe.trainer.get("world_size")
+    if size is None:
+        return None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"trainer.world_size must be an integer >= 1 or null, got {size!r}")
+    target = recipe.trainer.get("_target_")
+    if target not in ("orchestrator.trainer.TorchTrainer",
+                      "orchestrator.trainer.torch_trainer.TorchTrainer", RANK_TRAINER):
+        raise ConfigError(f"trainer.world_size={size} needs trainer._target_="
+                          f"orchestrator.trainer.TorchTrainer, not {target}")
+    return size
+
+
+def rank_recipe(recipe: TrainerRecipe, spec: Any) -> TrainerRecipe:
+    """``recipe`` building rank ``spec.rank`` (a :class:`RankSpec`) of the group."""
+    trainer = {k: v for k, v in recipe.trainer.items() if k != "world_size"}
+    return replace(recipe, trainer={**trainer, "_target_": RANK_TRAINER, "rank": spec})
+
+
+@dataclass(frozen=True)
+class RankStep:
+    metrics: TrainStats
+    version: int
+
+
+class RankServer:
+    """What a rank process does when the driver calls; blocking methods (run them off any
+    event loop)."""
+
+    def __init__(self, recipe: TrainerRecipe) -> None:
+        from orchestrator.trainer.distributed import RankTrainer
+
+        trainer = recipe.build()
+        assert isinstance(trainer, RankTrainer)
+        self.trainer = trainer
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def step(self, groups: Sequence[Group]) -> RankStep:
+        metrics = self.trainer.train_step(groups)
+        return RankStep(metrics, self.trainer.version)
+
+    def gather(self) -> WeightUpdate | None:
+        return self.trainer.gather()
+
+    def supervised_step(self, sequences: Sequence[Sequence[int]],
+                        masks: Sequence[Sequence[bool]], lr: float) -> float:
+        return self.trainer.supervised_update(sequences, masks, self.trainer.warm_optimizer(lr))
+
+    def stage(self) -> None:
+        self.trainer.stage()
+
+    def save(self, directory: str) -> None:
+        self.trainer.save(Path(directory))
+
+    def load(self, directory: str) -> int:
+        self.trainer.load(Path(directory))
+        return self.trainer.version
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
+class RankHandle(ABC):
+    """The driver's line to one rank."""
+
+    rank: int
+
+    @abstractmethod
+    def call(self, method: str, *args: Any) -> Any:
+        """Run ``RankServer.<method>(*args)`` on the rank and return its result (blocking);
+        raises :class:`RankLost` when the rank is gone."""
+
+    def close(self) -> None:  # a handle may hold nothing
+        pass
+
+
+class RankGroup(Trainer):
+    """N ranks as one :class:`Trainer`; rank 0 answers for the group."""
+
+    def __init__(self, handles: Sequence[RankHandle]) -> None:
+        self.handles = list(handles)
+        self.world_size = len(self.handles)
+        self._lost: RankLost | None = None
+        # One call at a time over the whole group: every rank must see the calls in the same
+        # order (a checkpoint written in a worker thread waits for the step in progress).
+        self._order = threading.Lock()
+        self.version = self._all_now("version")[0]
+
+    def _all_now(self, method: str, *args: Any) -> list[Any]:
+        """Call every rank at once (they meet in collectives) and wait for all of them."""
+        with self._order:
+            return self._each(method, *args)
+
+    def _each(self, method: str, *args: Any) -> list[Any]:
+        if self._lost is not None:
+            raise RankLost(str(self._lost))
+        results: list[Any] = [None] * self.world_size
+        errors: list[BaseException] = []
+
+        def one(handle: RankHandle) -> None:
+            try:
+                results[handle.rank] = handle.call(method, *args)
+            except BaseException as error:  # noqa: BLE001 - collected and raised below
+                errors.append(error)
+
+        threads = [threading.Thread(target=one, args=(h,), daemon=True) for h in self.handles[1:]]
+        for t in threads:
+            t.start()
+        one(self.handles[0])
+        for t in threads:
+            t.join()
+        lost = [e for e in errors if isinstance(e, RankLost)]
+        if lost:  # the ranks that waited on the dead one fail too: report the death
+            self._lost = lost[0]
+            raise RankLost(str(lost[0])) from lost[0]
+        if errors:
+            raise errors[0]
+        return results
+
+    async def _all(self, method: str, *args: Any) -> list[Any]:
+        return await anyio.to_thread.run_sync(lambda: self._all_now(method, *args))
+
+    async def step(self, groups: Sequence[Group]) -> TrainStats:
+        done: RankStep = (await self._all("step", list(groups)))[0]
+        self.version = done.version
+        return done.metrics
+
+    async def weights(self) -> WeightUpdate:
+        update: WeightUpdate = (await self._all("gather"))[0]
+        return update
+
+    async def supervised_step(self, sequences: Sequence[Sequence[int]],
+                              masks: Sequence[Sequence[bool]], lr: float) -> float:
+        loss: float = (await self._all("supervised_step", [list(s) for s in sequences],
+                                       [list(m) for m in masks], lr))[0]
+        return loss
+
+    def save(self, directory: Path) -> None:
+        """Every rank writes its shards into ``directory`` (shared storage across nodes)."""
+        self._all_now("save", str(directory))
+
+    def snapshot(self) -> RankSnapshot:
+        """Every rank copies its shards now; :meth:`RankSnapshot.write` writes those copies
+        (the checkpoint store's two parts: the trainer waits only for the copy)."""
+        self._all_now("stage")
+        return RankSnapshot(self)
+
+    def load(self, directory: Path) -> None:
+        self.version = self._all_now("load", str(directory))[0]
+
+    def state_dict(self) -> Mapping[str, Any]:
+        raise TypeError("a group of trainer ranks saves shards: RankGroup.save(directory)")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        raise TypeError("a group of trainer ranks loads shards: RankGroup.load(directory)")
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.close()
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self.close)
+
+
+@dataclass
+class RankSnapshot:
+    """The shards the ranks of ``group`` copied, to be written into a checkpoint directory."""
+
+    group: RankGroup
+
+    def write(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.group.save(directory)
+        return directory
+
+
+# -- local processes (launcher=local) ---------------------------------------------------------
+
+
+def _serve(conn: Any, recipe: TrainerRecipe, threads: int | None, gpu: int | None) -> None:
+    """A rank process: build the server, then answer calls until the pipe closes."""
+    if gpu is not None:  # one GPU per rank, seen as cuda:0
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    import torch
+
+    torch.set_num_threads(threads or 1)
+    try:
+        server = RankServer(recipe)
+    except BaseException as error:  # noqa: BLE001 - sent to the driver, which raises it
+        conn.send(("error", _portable(error)))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        try:
+            result = getattr(server, method)(*args)
+            if isinstance(result, WeightUpdate):  # across the pipe as safetensors bytes
+                result = result.serialised()
+            conn.send(("ok", result))
+        except BaseException as error:  # noqa: BLE001 - sent to the driver, which raises it
+            conn.send(("error", _portable(error)))
+        if method == "close":
+            break
+
+
+def _portable(error: BaseException) -> BaseException:
+    """The error itself when it pickles as the project's own, else one line of it."""
+    if isinstance(error, PolyRLError):
+        return error
+    return RuntimeError(f"{type(error).__name__}: {str(error).strip()[:2000]}")
+
+
+class ProcessRank(RankHandle):
+    """A rank in a local process, over a pipe."""
+
+    def __init__(self, rank: int, recipe: TrainerRecipe, threads: int | None,
+                 gpu: int | None) -> None:
+        self.rank = rank
+        context = mp.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child, recipe, threads, gpu),
+                                       name=f"polyrl-rank-{rank}", daemon=True)
+        self.process.start()
+        child.close()
+        self._lock = threading.Lock()
+
+    def _receive(self, doing: str) -> Any:
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError) as error:
+            self.process.join(timeout=5)
+            raise RankLost(
+                f"trainer rank {self.rank} (pid {self.process.pid}) died during {doing} "
+                f"(exit code {self.process.exitcode}); the run ends here: resume it from its last "
+                f"checkpoint with resume=<run_dir>") from error
+        if status == "error":
+            raise value
+        return value
+
+    def started(self) -> None:
+        with self._lock:
+            self._receive("its start")
+
+    def call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            try:
+                self._conn.send((method, args))
+            except (BrokenPipeError, OSError) as error:
+                raise RankLost(f"trainer rank {self.rank} (pid {self.process.pid}) is gone "
+                               f"(exit code {self.process.exitcode})") from error
+            return self._receive(method)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("close")
+            except (RankLost, RuntimeError):
+                pass
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._conn.close()
+
+
+def process_group(recipe: TrainerRecipe, size: int) -> RankGroup:
+    """``size`` ranks in local processes on this machine (one GPU each when it has that many)."""
+    import torch
+
+    from orchestrator.trainer.distributed import RankSpec, free_port
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < size:
+        raise ConfigError(f"trainer.world_size={size} asks for a GPU per rank but this machine "
+                          f"has {gpus}")
+    port = free_port()
+    handles = []
+    try:
+        for rank in range(size):
+            spec = RankSpec(rank, size, "127.0.0.1", port)
+            handles.append(ProcessRank(rank, rank_recipe(recipe, spec), recipe.torch_threads,
+                                       rank if gpus else None))
+        for handle in handles:
+            handle.started()
+        return RankGroup(handles)
+    except BaseException:
+        for handle in handles:
+            handle.close()
+        raise

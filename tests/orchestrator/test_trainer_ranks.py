@@ -1,0 +1,170 @@
+"""Trainer ranks (``trainer.world_size``): FSDP2 over gloo in local processes gives the
+one-process maths; sharded checkpoints resume at another world size; a dead rank ends the run
+in one line."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from orchestrator.algo.grpo import GRPO
+from orchestrator.launch import LocalLauncher, TrainerRecipe
+from orchestrator.launch.ranks import RankGroup, RankLost, process_group
+from orchestrator.models.policy import tiny_policy
+from orchestrator.trainer import TorchTrainer
+from orchestrator.trainer.distributed import RankSpec, balance, free_port
+from orchestrator.types import FinishReason, Group, Trajectory
+
+MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 32,
+         "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "seed": 0, "device": "cpu"}
+TRAINER = {"_target_": "orchestrator.trainer.TorchTrainer", "lr": 1e-3, "micro_batch_size": 3}
+
+
+def make_groups(seed: int = 0, count: int = 5, size: int = 4) -> list[Group]:
+    """Groups of varied lengths sharing a prompt each, mixed rewards, behaviour log-probs."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(count):
+        prompt = [1] + [rng.randrange(4, 30) for _ in range(rng.randrange(3, 9))]
+        trajectories = []
+        for i in range(size):
+            completion = [rng.randrange(4, 30) for _ in range(rng.randrange(1, 7))]
+            ids = tuple(prompt + completion)
+            trajectories.append(Trajectory(
+                prompt_id=g, sample_index=i, token_ids=ids,
+                loss_mask=tuple([False] * len(prompt) + [True] * len(completion)),
+                logprobs=tuple(-3.0 - rng.random() for _ in ids), versions=(0,) * len(ids),
+                reward=float(rng.random() < 0.5), start_version=0,
+                finish_reason=FinishReason.STOP))
+        groups.append(Group(g, tuple(trajectories), 0, 0.0, 0.0))
+    return groups
+
+
+def one_process(share_prefix: bool) -> TorchTrainer:
+    torch.manual_seed(0)
+    return TorchTrainer(tiny_policy(**{k: v for k, v in MODEL.items() if k != "_target_"}),
+                        GRPO(), lr=1e-3, micro_batch_size=3, share_prefix=share_prefix)
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank: a step with and without shared prefixes; rank 0 saves full gradients and
+    the gathered weights."""
+    from torch.distributed.tensor import DTensor
+
+    from orchestrator.trainer.distributed import RankTrainer
+
+    torch.set_num_threads(1)
+    results = {}
+    trainer = None
+    for share in (True, False):
+        torch.manual_seed(0)
+        policy = tiny_policy(**{k: v for k, v in MODEL.items() if k != "_target_"})
+        trainer = RankTrainer(policy, GRPO(), rank=RankSpec(rank, world, "127.0.0.1", port),
+                              lr=1e-3, micro_batch_size=3, share_prefix=share)
+        metrics = trainer.train_step(make_groups())
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for n, p in trainer.model.named_parameters()}
+        update = trainer.gather()
+        if rank == 0:
+            assert update is not None
+            results[share] = (metrics, grads, dict(update.tensors()))
+    if rank == 0:
+        torch.save(results, out)
+    assert trainer is not None
+    trainer.close()
+
+
+@pytest.mark.parametrize("world", [2])
+def test_two_ranks_give_the_gradients_and_weights_of_one_process(tmp_path: Path, world: int) -> None:
+    out = tmp_path / "ranks.pt"
+    mp.start_processes(_rank, args=(world, free_port(), str(out)), nprocs=world,
+                       start_method="spawn")
+    results = torch.load(out, weights_only=False)
+    for share in (True, False):
+        metrics, grads, weights = results[share]
+        single = one_process(share)
+        expected = single.train_step(make_groups())
+        for name, param in single.model.named_parameters():
+            torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=0)
+        for name, tensor in single.model.state_dict().items():
+            torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0)
+        assert metrics["trained_tokens"] == expected["trained_tokens"]
+        for key in ("loss", "grad_norm", "entropy", "engine/logprob_diff"):
+            assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+
+
+def test_groups_are_balanced_by_tokens_and_kept_whole() -> None:
+    shares = balance([10, 50, 20, 30, 40], 2)
+    assert shares == [[0, 1, 2], [3, 4]]  # largest first onto the lighter rank: 80 and 70
+    assert sorted(i for s in shares for i in s) == [0, 1, 2, 3, 4]
+    assert balance([5], 3) == [[0], [], []]
+
+
+def recipe(**trainer: Any) -> TrainerRecipe:
+    return TrainerRecipe(trainer={**TRAINER, **trainer}, model=MODEL,
+                         algo={"_target_": "orchestrator.algo.grpo.GRPO"}, torch_threads=1)
+
+
+def gathered(group: RankGroup) -> dict[str, torch.Tensor]:
+    update = anyio.run(group.weights)
+    return {k: v.clone() for k, v in update.tensors().items()}
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)
+
+
+def test_sharded_checkpoints_resume_at_another_world_size(tmp_path: Path) -> None:
+    """1 -> 2 and 2 -> 1: the next step after loading matches the step without a restart, so
+    the weights and the optimiser's moments came back."""
+    first, second = make_groups(seed=1), make_groups(seed=2)
+    one = process_group(recipe(world_size=1), 1)
+    try:
+        anyio.run(one.step, first)
+        one.snapshot().write(tmp_path / "from-1")
+        after_first = gathered(one)
+        anyio.run(one.step, second)
+        reference = gathered(one)
+    finally:
+        one.close()
+
+    two = process_group(recipe(world_size=2), 2)
+    try:
+        two.load(tmp_path / "from-1")
+        assert two.version == 1
+        assert_same(gathered(two), after_first)
+        two.snapshot().write(tmp_path / "from-2")
+        anyio.run(two.step, second)
+        assert_same(gathered(two), reference)
+    finally:
+        two.close()
+
+    back = process_group(recipe(world_size=1), 1)
+    try:
+        back.load(tmp_path / "from-2")
+        anyio.run(back.step, second)
+        assert back.version == 2
+        assert_same(gathered(back), reference)
+    finally:
+        back.close()
+
+
+def test_a_dead_rank_ends_the_run_in_one_line() -> None:
+    with LocalLauncher() as launcher:
+        group = launcher.trainer(recipe(world_size=2))
+        assert isinstance(group, RankGroup)
+        group.handles[1].process.kill()  # type: ignore[attr-defined]
+        with pytest.raises(RankLost) as lost:
+            anyio.run(group.step, make_groups())
+        message = str(lost.value)
+        assert "\n" not in message and "trainer rank" in message and "resume=" in message
+        with pytest.raises(RankLost):  # and at once afterwards: no rank waits on the dead one
+            group.snapshot()
