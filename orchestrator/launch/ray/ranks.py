@@ -1,0 +1,116 @@
+"""``trainer.world_size=N`` under ``launcher=ray``: N rank actors behind one :class:`RankGroup`.
+
+The launcher gives each :class:`RankActor` a bundle of the run's placement group (the first N,
+``launcher.trainer`` each: GPUs, CPUs, custom resources). Rank 0's actor names its node's
+address and a free port; every actor then joins the process group there (gloo on CPU, NCCL when
+Ray gave it a GPU, which it sees as ``cuda:0``) and builds its
+:class:`~orchestrator.trainer.distributed.RankTrainer` from the run's recipe.
+
+Per step the driver sends the batch to every rank (:class:`~orchestrator.launch.ranks.RankGroup`)
+and asks every rank to gather: rank 0 puts the full weights (or the LoRA adapters) into the
+object store once, and the engines pull them from there as from a single trainer actor. Spans:
+``train_compute`` per rank, ``weights_gather`` on rank 0 (``gather_seconds``, ``put_seconds``,
+``bytes``). Checkpoint shards are written by each rank on its own node: the run directory must
+be on storage every trainer node sees (the same machine, or a shared file system).
+
+A rank actor is not restarted (its process group cannot take a new member): a dead one ends
+the run with :class:`~orchestrator.launch.ranks.RankLost`, resumable from the last checkpoint
+with ``resume=`` at the same or another world size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import torch
+
+from orchestrator.launch.base import TrainerRecipe
+from orchestrator.launch.ranks import RankGroup, RankHandle, RankLost, RankServer, rank_recipe
+from orchestrator.launch.ray.actors import _Reporting
+from orchestrator.launch.ray.remote import RayActorError, first_line, result_now
+from orchestrator.launch.ray.spans import SpanBuffer
+from orchestrator.types import Group
+from orchestrator.weights import WeightUpdate
+
+
+class RankActor(_Reporting):
+    """One trainer rank in a Ray actor (asyncio: the blocking work runs in a worker thread)."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        torch.set_num_threads(threads)
+        self._name = name
+        self._spans = SpanBuffer(name)
+        self._server: RankServer | None = None
+
+    async def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's address and a free port on its node, for the process group."""
+        from orchestrator.trainer.distributed import free_port, host_address
+
+        return host_address(), free_port()
+
+    async def start(self, recipe: TrainerRecipe) -> int:
+        self._server = await anyio.to_thread.run_sync(RankServer, recipe)
+        return self._server.version()
+
+    def _built(self) -> RankServer:
+        if self._server is None:
+            raise RuntimeError(f"{self._name} was not started")
+        return self._server
+
+    async def call(self, method: str, *args: Any) -> Any:
+        server = self._built()
+        if method == "step":
+            return await self._step(server, *args)
+        if method == "gather":
+            return await self._gather(server)
+        return await anyio.to_thread.run_sync(lambda: getattr(server, method)(*args))
+
+    async def _step(self, server: RankServer, groups: Sequence[Group]) -> Any:
+        with self._spans.span("train_compute", server.version(),
+                              samples=sum(len(g) for g in groups)):
+            return await anyio.to_thread.run_sync(server.step, groups)
+
+    async def _gather(self, server: RankServer) -> WeightUpdate | None:
+        started = time.time()
+        update = await anyio.to_thread.run_sync(server.gather)
+        if update is None:
+            return None
+        put = time.time()
+        shared = await anyio.to_thread.run_sync(update.to_object_store)
+        self._spans.add("weights_gather", started, time.time(), update.version,
+                        bytes=shared.nbytes, put_seconds=time.time() - put,
+                        adapters=update.adapters is not None, **dict(update.stats))
+        return shared
+
+
+class RayRank(RankHandle):
+    def __init__(self, rank: int, actor: Any) -> None:
+        self.rank = rank
+        self.actor = actor
+
+    def call(self, method: str, *args: Any) -> Any:
+        try:
+            return result_now(self.actor.call.remote(method, *args))
+        except RayActorError as error:
+            raise RankLost(
+                f"trainer rank {self.rank}'s actor died during {method} ({first_line(error)}); "
+                f"the run ends here: resume it from its last checkpoint with resume=<run_dir>"
+            ) from error
+
+
+def ray_rank_group(recipe: TrainerRecipe, size: int, make_actor: Callable[[int], Any]) -> RankGroup:
+    """``size`` rank actors (``make_actor(rank)`` places each) joined into one group."""
+    from orchestrator.trainer.distributed import RankSpec
+
+    actors = [make_actor(rank) for rank in range(size)]
+    try:
+        address, port = result_now(actors[0].rendezvous.remote())
+        result_now([actor.start.remote(rank_recipe(recipe, RankSpec(rank, size, address, port)))
+                    for rank, actor in enumerate(actors)])
+    except RayActorError as error:
+        raise RankLost(f"a trainer rank's actor died while the group was built: "
+                       f"{first_line(error)}") from error
+    return RankGroup([RayRank(rank, actor) for rank, actor in enumerate(actors)])
