@@ -199,3 +199,12 @@ async def test_a_call_after_the_episode_or_one_left_in_flight_fails_it(gateway: 
                 await anyio.sleep(0.001)
             assert episode.close() is True  # what run_agent_episode counts as a failure
     assert results == [401]
+
+
+async def test_an_agents_sdk_runner_with_a_function_tool(gateway: Gateway) -> None:
+    spec = AgentSpec(program="toy_agents:agents_sdk")
+    trajectories, outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
+    assert (outcome.status, outcome.reward.total) == ("ok", 1.0), outcome.error
+    # the Runner sent the tool's result after the call it answered: one segment of two turns
+    [t] = trajectories
+    assert t.metrics["agent/calls"] == 2.0 and len(t.turns) == 2

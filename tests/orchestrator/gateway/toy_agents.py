@@ -101,3 +101,20 @@ async def flaky(task: Task, client: AsyncOpenAI) -> float:
                  {"role": "user", "content": "and?"}]
     second = await client.chat.completions.create(model="m", messages=messages)
     return digit_share(second.choices[0].message.content or "")
+
+
+async def agents_sdk(task: Task, client: AsyncOpenAI) -> float:
+    """An OpenAI Agents SDK agent with a function tool, run by its Runner."""
+    from agents import Agent, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    agent = Agent(name="calculator", instructions="Add.", tools=[add],
+                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+    result = await Runner.run(agent, task.messages[0]["content"], max_turns=4,
+                              run_config=RunConfig(tracing_disabled=True))
+    reply = str(result.final_output)
+    return 1.0 if reply.strip() == task.answer else digit_share(reply)

@@ -1,0 +1,234 @@
+"""What the agent gateway adds to each model call: the same episodes as agent programs over
+HTTP and as an in-process ``ToolEnv``.
+
+``python -m bench.gateway [--episodes 256] [--calls 4] [--seconds-per-call 1.0]``
+
+Both runs drive the simulated engine with one fixed timing: every call takes
+``--seconds-per-call`` (a length of ``TOKENS`` tokens at the matching per-token cost) and
+its tokens are a Hermes call of a no-op tool, so each episode makes exactly ``--calls`` calls:
+
+* **ToolEnv**: ``run_episode`` on a ``ToolEnv`` with the tool, ``rollout.max_turns = calls``;
+  a call's latency is its ``generate`` span (the engine call, in process).
+* **gateway**: an agent program with an ``openai.AsyncOpenAI`` client (``--client aiohttp``:
+  a bare aiohttp client instead) offers the tool, runs each call it gets back and asks again;
+  a call's latency is what the program sees around ``chat.completions.create``: rendering,
+  HTTP, JSON, parsing, and the same engine call.
+
+Episodes start spread over one call's time (seeded), so the engines see a steady load, not
+one burst. The added latency per call is the difference of the two distributions' p50 (and
+p99). No episode may be lost: every one must finish with all its calls recorded as one
+segment. The programs, the gateway and the engine share one event loop, as in a run.
+Last line: ``gateway_overhead_p50_ms=<ms>`` (target <= 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+import anyio
+
+from envs.agent import AgentSpec
+from envs.base import Env, EnvSpec, Task
+from envs.parsers import HermesParser
+from envs.tool_env import ToolEnv, WeightedReward
+from envs.tools import tool
+from envs.toolset import ToolSet
+from orchestrator.engines.simulated import SimulatedEngine
+from orchestrator.gateway import Gateway, GatewayConfig, run_agent_episode
+from orchestrator.models.tokenizer import CharTokenizer
+from orchestrator.recorder import Recorder
+from orchestrator.rollout import RolloutConfig, run_episode
+from orchestrator.types import Generation, SamplingParams
+
+TOK = CharTokenizer()
+CALL = HermesParser.format("noop", {})
+TOKENS = len(CALL) + 1  # the call and its stop token
+TOOL = {"type": "function", "function": {"name": "noop", "description": "Do nothing.",
+                                         "parameters": {"type": "object", "properties": {}}}}
+
+
+class CallingEngine(SimulatedEngine):
+    """The simulated engine's timing, with every generation a call of the no-op tool."""
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
+        gen = await super().generate(prompt_ids, replace(sampling, max_tokens=TOKENS))
+        ids = (*TOK.encode(CALL), sampling.stop_token_ids[0])
+        return replace(gen, token_ids=ids, logprobs=(-1.0,) * len(ids),
+                       versions=(gen.versions[0],) * len(ids))
+
+
+@tool
+async def noop() -> str:
+    """Do nothing."""
+    return "ok"
+
+
+async def _one(_episode: Any) -> float:
+    return 1.0
+
+
+class NoopSpec(EnvSpec):
+    def __init__(self, episodes: int) -> None:
+        self._tasks = [Task(id=i, messages=({"role": "user", "content": f"task {i}"},), answer="")
+                       for i in range(episodes)]
+
+    def tasks(self, split: str) -> Sequence[Task]:
+        return self._tasks
+
+    def make_env(self) -> Env:
+        return ToolEnv(ToolSet([noop], clock=self.clock), [WeightedReward("one", _one)],
+                       describe_tools=False)
+
+
+def _engine(seconds_per_call: float, seed: int) -> CallingEngine:
+    return CallingEngine(median_tokens=TOKENS, sigma=0.0, chunk_tokens=TOKENS,
+                         seconds_per_token=seconds_per_call / TOKENS, seed=seed)
+
+
+async def _staggered(episodes: int, spread: float, seed: int, body: Any) -> float:
+    """Run ``body(i)`` for every episode, each starting at a seeded offset within ``spread``;
+    the wall time of it all."""
+    offsets = random.Random(seed).sample(range(10**6), episodes)
+    started = time.perf_counter()
+
+    async def one(i: int) -> None:
+        await anyio.sleep(offsets[i] / 10**6 * spread)
+        await body(i)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(episodes):
+            tg.start_soon(one, i)
+    return time.perf_counter() - started
+
+
+async def run_tool_env(episodes: int, calls: int, seconds: float, seed: int) -> dict[str, Any]:
+    spec, recorder = NoopSpec(episodes), Recorder()
+    spec.use_clock(recorder.clock)
+    rollout = RolloutConfig(group_size=1, max_tokens=TOKENS, max_turns=calls)
+    engine = _engine(seconds, seed)
+    finished: list[int] = []
+
+    async def body(i: int) -> None:
+        t = await run_episode(engine, TOK, spec, spec.tasks("train")[i], rollout, recorder, "w", i)
+        finished.append(len(t.turns))
+
+    wall = await _staggered(episodes, seconds, seed, body)
+    latencies = [s.duration for s in recorder.of("generate")]
+    return {"latencies": latencies, "finished": finished, "wall": wall}
+
+
+# The agent programs' state: set by run_gateway, read by the programs (a program gets only
+# its task and client, as a user's does).
+PROGRAM: dict[str, Any] = {"calls": 4, "latencies": [], "session": None}
+
+
+def noop_tasks(split: str) -> list[Task]:
+    return list(NoopSpec(PROGRAM["episodes"]).tasks(split)) if split == "train" else []
+
+
+async def agent(task: Task, client: Any) -> float:
+    """The agent program: offer the tool, run every call that comes back, ask again."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task.messages[0]["content"]}]
+    for _ in range(PROGRAM["calls"]):
+        started = time.perf_counter()
+        response = await client.chat.completions.create(model="policy", messages=messages,
+                                                        tools=[TOOL])
+        PROGRAM["latencies"].append(time.perf_counter() - started)
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": "ok"}
+                     for c in message.tool_calls or []]
+    return 1.0
+
+
+async def agent_aiohttp(task: Task, client: Any) -> float:
+    """The same program on a bare aiohttp client (the openai client gives the URL and key)."""
+    session: aiohttp.ClientSession = PROGRAM["session"]
+    url, headers = f"{client.base_url}chat/completions", {"Authorization": f"Bearer {client.api_key}"}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task.messages[0]["content"]}]
+    for _ in range(PROGRAM["calls"]):
+        started = time.perf_counter()
+        async with session.post(url, headers=headers, json={
+                "model": "policy", "messages": messages, "tools": [TOOL]}) as response:
+            message = (await response.json())["choices"][0]["message"]
+        PROGRAM["latencies"].append(time.perf_counter() - started)
+        messages.append(message)
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": "ok"}
+                     for c in message.get("tool_calls") or []]
+    return 1.0
+
+
+async def run_gateway(episodes: int, calls: int, seconds: float, seed: int,
+                      client: str) -> dict[str, Any]:
+    engine = _engine(seconds, seed)
+    rollout = RolloutConfig(group_size=1, max_tokens=TOKENS)
+    finished: list[tuple[int, int, str]] = []
+    PROGRAM.update(calls=calls, episodes=episodes, latencies=[])
+    program = "bench.gateway:agent" if client == "openai" else "bench.gateway:agent_aiohttp"
+    spec = AgentSpec(program=program, tasks="bench.gateway:noop_tasks", timeout_s=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session, \
+            Gateway(engine, TOK, Recorder(), GatewayConfig(max_calls=calls)) as gateway:
+        PROGRAM["session"] = session
+
+        async def body(i: int) -> None:
+            trajectories, outcome = await run_agent_episode(
+                gateway, spec, spec.tasks("train")[i], rollout, "w", i)
+            finished.append((len(trajectories), sum(len(t.turns) for t in trajectories),
+                             outcome.error or outcome.status))
+
+        wall = await _staggered(episodes, seconds, seed, body)
+        counters = gateway.metrics()
+    return {"latencies": PROGRAM["latencies"], "finished": finished, "wall": wall,
+            "counters": counters}
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=4, help="calls per episode")
+    parser.add_argument("--seconds-per-call", type=float, default=1.0)
+    parser.add_argument("--client", choices=["openai", "aiohttp"], default="openai")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    n, calls, seconds = args.episodes, args.calls, args.seconds_per_call
+
+    base = anyio.run(run_tool_env, n, calls, seconds, args.seed)
+    gate = anyio.run(run_gateway, n, calls, seconds, args.seed, args.client)
+    ok = [f for f in gate["finished"] if f == (1, calls, "ok")]
+    lost = n - len(ok)
+    if len(base["finished"]) != n or any(t != calls for t in base["finished"]):
+        raise SystemExit(f"the ToolEnv run lost episodes: {base['finished']}")
+    print(json.dumps({"episodes": n, "calls_per_episode": calls, "seconds_per_call": seconds,
+                      "client": args.client, "counters": gate["counters"],
+                      "wall_s": {"tool_env": round(base["wall"], 3),
+                                 "gateway": round(gate["wall"], 3)}}))
+    rows = []
+    for q in (0.5, 0.99):
+        a, b = _quantile(base["latencies"], q), _quantile(gate["latencies"], q)
+        rows.append((q, a, b, b - a))
+        print(f"p{round(q * 100)}: ToolEnv {a * 1e3:8.2f} ms   gateway {b * 1e3:8.2f} ms   "
+              f"added {(b - a) * 1e3:6.2f} ms per call")
+    print(f"episodes lost: {lost} of {n} (every call recorded: "
+          f"{gate['counters'].get('agent/calls', 0):.0f} of {n * calls})")
+    if lost:
+        raise SystemExit(f"lost episodes: {[f for f in gate['finished'] if f != (1, calls, 'ok')][:5]}")
+    print(f"gateway_overhead_p99_ms={rows[1][3] * 1e3:.2f}")
+    print(f"gateway_overhead_p50_ms={rows[0][3] * 1e3:.2f}")
+
+
+if __name__ == "__main__":  # run as bench.gateway, the module the agent env imports the programs from
+    from bench.gateway import main as imported_main
+
+    imported_main()
