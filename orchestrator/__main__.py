@@ -38,8 +38,10 @@ def register_plugins() -> None:
     register_hydra_configs({p.stem for p in (CONF / "env").glob("*.yaml")})
 
 
-# Keys a resumed run may change: how long it runs, what it logs, how it checkpoints.
-RESUMABLE = ("pipeline.num_steps", "progress", "progress_every", "logger", "checkpoint")
+# Keys a resumed run may change: how long it runs, what it logs, how it checkpoints, how many
+# trainer ranks share the step (the same maths at any world size) and where they run.
+RESUMABLE = ("pipeline.num_steps", "progress", "progress_every", "logger", "checkpoint",
+             "trainer.world_size", "launcher")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
