@@ -12,18 +12,24 @@ puts it on the timeline. A time read from any other clock would land on the time
 by however far the two clocks' origins differ; nothing here can detect that.
 
 Memory. A recorder without a file keeps every span in :attr:`~Recorder.spans` (tests,
-benchmarks). A recorder with a file (a run directory's ``spans.jsonl``) appends each span to
-it as it is recorded, one JSON object a line, and keeps in memory only the spans recorded
-since its last :meth:`~Recorder.flush`: the run directory flushes once per train step, right
-after the step's report has summed them, so a run of any length holds one step's spans, and a
-crash (even SIGKILL) loses at most the step in progress. Whole-run totals per stage stay
-available (:meth:`~Recorder.seconds`).
+benchmarks). A recorder with a file writes each span as it is recorded, one JSON object a
+line, and keeps in memory only the spans recorded since its last :meth:`~Recorder.flush`: the
+run directory flushes once per train step, right after the step's report has summed them, so
+a run of any length holds one step's spans, and a crash (even SIGKILL) loses at most the step
+in progress. Whole-run totals per stage stay available (:meth:`~Recorder.seconds`).
 
-The file is read back by :func:`read_spans`. A line counts once its newline is written: a
-process killed mid-write leaves a last line without one, which the reader skips and which
-appending (``append=True``, a resumed run) cuts off first. An appending recorder starts its
-clock at the latest span end already in the file, so the resumed part of a run follows the
-earlier part on the timeline instead of overlapping it.
+Files. With ``codec`` (``zst`` or ``gz``; a run directory's ``spans/``), ``path`` is a folder
+of compressed segments, ``spans.<n>.jsonl.zst``: each flush ends a compressed block, and a new
+segment starts every :data:`~orchestrator.jsonl.ROLL_STEPS` flushes
+(:mod:`orchestrator.jsonl`), so a crash loses at most what was written since the last
+flush, inside the segment being written. Without it, ``path`` is one plain JSONL file (the
+earlier layout, and tests).
+
+Both are read back by :func:`read_spans`. A line counts once its newline is written: a
+process killed mid-write leaves a last line without one, which the reader skips. Appending
+(``append=True``, a resumed run) starts a new segment (a plain file: cuts the partial line off
+first), and starts the recorder's clock at the latest span end already there, so the resumed
+part of a run follows the earlier part on the timeline instead of overlapping it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from orchestrator.jsonl import ROLL_STEPS, Codec, SegmentWriter, check_codec, read_lines
+
+SEGMENT_STEM = "spans"
+SPANS_DIR = "spans"  # a run directory's folder of compressed span segments
+PLAIN_SPANS = "spans.jsonl"  # the earlier layout, and uncompressed runs
 _TAIL_BLOCK = 1 << 16  # bytes read at a time when looking for the last complete line
 
 
@@ -62,20 +73,36 @@ def span_line(span: Span) -> str:
                        "attributes": span.attributes}, default=str) + "\n"
 
 
+def span_files(path: Path) -> list[Path]:
+    """The files of spans at ``path``: itself, or a folder's segments in order."""
+    if not path.is_dir():
+        return [path]
+    found = [(int(p.name.split(".")[1]), p) for p in path.glob(f"{SEGMENT_STEM}.*.jsonl*")
+             if p.name.split(".")[1].isdigit()]
+    return [p for _, p in sorted(found)]
+
+
+def spans_path(run_dir: Path) -> Path:
+    """Where a run directory's spans are: its ``spans/`` folder, or the ``spans.jsonl`` of
+    the earlier layout (and of uncompressed runs)."""
+    folder = Path(run_dir) / SPANS_DIR
+    return folder if folder.is_dir() else Path(run_dir) / PLAIN_SPANS
+
+
 def read_spans(path: Path) -> Iterator[Span]:
-    """The spans of a JSONL file, streamed in file order; a last line cut short is skipped."""
-    with path.open() as f:
-        for line in f:
-            if not line.endswith("\n"):  # the write a crash interrupted
-                return
+    """The spans of a JSONL file (plain, ``.zst`` or ``.gz``) or a folder of segments,
+    streamed in the order written; a last line cut short is skipped."""
+    for file in span_files(Path(path)):
+        for line in read_lines(file):
             yield Span(**json.loads(line))
 
 
 class Recorder:
     def __init__(self, clock: Callable[[], float] = time.perf_counter, path: Path | None = None,
-                 append: bool = False) -> None:
+                 append: bool = False, codec: Codec | None = None) -> None:
         """Spans go to ``path`` as they are recorded if it is given (overwriting it, or with
-        ``append`` after its spans, on a clock that starts where they end), else stay here."""
+        ``append`` after its spans, on a clock that starts where they end), else stay here;
+        with ``codec``, ``path`` is a folder of compressed segments."""
         if append and path is None:
             raise ValueError("Recorder(append=True) needs the path of the spans to append to")
         start = _resume_point(path) if append and path is not None else 0.0
@@ -85,7 +112,17 @@ class Recorder:
         self.spans: list[Span] = []  # every span, or those since the last flush() with a file
         self._seconds: Counter[str] = Counter()
         self._file: IO[str] | None = None
-        if path is not None:
+        self._segments: SegmentWriter | None = None
+        self._flushes = 0
+        if path is not None and codec is not None:
+            if not append and path.is_dir():
+                for old in span_files(path):
+                    old.unlink()
+            self._segments = SegmentWriter(path, SEGMENT_STEM, check_codec(codec))
+            self._part = max((int(p.name.split(".")[1]) + 1 for p in span_files(path))
+                             if path.is_dir() else (), default=0)
+            self._segments.roll(self._part)
+        elif path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a" if append else "w")
 
@@ -108,6 +145,8 @@ class Recorder:
         self._seconds[stage] += span.duration
         if self._file is not None:
             self._file.write(span_line(span))
+        elif self._segments is not None:
+            self._segments.write(span_line(span))
         return span
 
     @contextmanager
@@ -139,17 +178,29 @@ class Recorder:
         if self._file is not None:
             self._file.flush()
             self.spans = []
+        elif self._segments is not None:
+            self._segments.flush()
+            self.spans = []
+            self._flushes += 1
+            if self._flushes % ROLL_STEPS == 0:
+                self._part += 1
+                self._segments.roll(self._part)
 
     def close(self) -> None:
         """Flush and close the file; recording after this is an error."""
         if self._file is not None:
             self.flush()
             self._file.close()
+        elif self._segments is not None:
+            self._segments.flush()
+            self._segments.close()
 
 
 def _resume_point(path: Path) -> float:
     """Where an appending recorder's clock starts: the latest end among the spans already in
     ``path`` (0 for none), after cutting off a line a crash left without its newline."""
+    if path.is_dir():
+        return max((span.end for span in read_spans(path)), default=0.0)
     if not path.is_file():
         return 0.0
     _drop_partial_line(path)

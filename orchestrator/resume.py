@@ -93,18 +93,16 @@ def truncate_after(run_dir: Path, step: int) -> None:
     """Make ``run_dir``'s records end where the checkpoint at ``step`` does, so the resumed
     run appends steps ``step, step + 1, …`` with no repeat: lines of later steps (and a
     finished run's summary line) leave ``metrics.jsonl`` and ``samples.jsonl``, and later
-    steps' PolyTrace files are removed. A line cut short by a crash is dropped too."""
-    from orchestrator.trace.reader import STEP_FILE
+    steps' PolyTrace records are removed (:func:`~orchestrator.trace.writer.drop_steps_from`).
+    A line cut short by a crash is dropped too."""
+    from orchestrator.trace.writer import drop_steps_from
 
     for name, keep in (("metrics.jsonl", _metrics_line_kept), ("samples.jsonl", _sample_line_kept)):
         path = run_dir / name
         if path.is_file():
             lines = [line for line in path.read_text().splitlines() if keep(line, step)]
             path.write_text("".join(line + "\n" for line in lines))
-    for file in run_dir.iterdir():
-        match = STEP_FILE.match(file.name)
-        if match and int(match.group(2)) >= step:
-            file.unlink()
+    drop_steps_from(run_dir, step)
 
 
 def _parse(line: str) -> dict[str, Any] | None:

@@ -2,11 +2,15 @@
 
 Every file of a run is written through :class:`RunDir`: ``config.yaml`` (the resolved config),
 ``metrics.jsonl`` (one line per step, :func:`~orchestrator.loggers.base.step_metrics`), the
-PolyTrace files of every trained step (see :mod:`orchestrator.trace.writer`),
-``samples.jsonl`` (a few trained episodes per step as text), ``spans.jsonl`` (the run's
-recorder, :meth:`RunDir.open_recorder`, streams its spans there, flushed with every step) and
-at the end ``timeline.json`` (Perfetto, built from ``spans.jsonl``) and ``summary.json``;
-checkpoints go under ``checkpoints/``. The run's loggers (W&B) get the same metrics. Training
+PolyTrace records of every trained step in ``trace/`` (compressed and rolled, see
+:mod:`orchestrator.trace.writer`), ``samples.jsonl`` (a few trained episodes per step as
+text), ``spans/`` (the run's recorder, :meth:`RunDir.open_recorder`, streams its spans there
+in compressed segments, flushed with every step) and at the end ``timeline.json`` (Perfetto,
+built from the spans of the last :data:`TIMELINE_STEPS` steps; ``python -m orchestrator.trace
+timeline <run_dir> --steps A:B`` builds any other window) and ``summary.json``; checkpoints go
+under ``checkpoints/``. The files that grow with a run are compressed as they are written
+(``codec``: ``zst`` by default, ``gz``, or ``none`` for the plain files of the earlier layout),
+so a day-long run's directory stays a few GB (``python -m bench.rundir``). The run's loggers (W&B) get the same metrics. Training
 and replay both write through it, so their run directories have one layout and one metrics
 schema. Steps are written as they are reported and the rest on :meth:`close`, which also runs
 for a failed run; memory stays flat however long the run.
@@ -20,20 +24,24 @@ from pathlib import Path
 from typing import Any
 
 from envs.base import Clock
+from orchestrator.jsonl import CODEC, Codec
 from orchestrator.loggers.base import JsonlMetrics, Logger
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import StepReport
-from orchestrator.recorder import Recorder
+from orchestrator.recorder import PLAIN_SPANS, SPANS_DIR, Recorder, spans_path
+from orchestrator.trace.reader import RUN_TRACE
 from orchestrator.trace.timeline import write_timeline
 from orchestrator.trace.writer import TraceWriter
 
 SAMPLES_PER_STEP = 4
-SPANS = "spans.jsonl"
+TIMELINE = "timeline.json"
+TIMELINE_STEPS = 50  # the steps timeline.json shows at the end of a run (the last ones)
 
 
 class RunDir:
     def __init__(self, path: Path, config: Mapping[str, Any], loggers: Sequence[Logger] = (),
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, codec: Codec = CODEC,
+                 timeline_steps: int | None = TIMELINE_STEPS) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "config.yaml").write_text(_yaml(config))
@@ -41,15 +49,22 @@ class RunDir:
         self._sinks: list[Logger] = [self._metrics, *loggers]
         for logger in loggers:
             logger.start(dict(config), self.path)
-        self._trace = TraceWriter(self.path, max_model_len)
+        self.codec = codec
+        self.timeline_steps = timeline_steps  # None: the whole run
+        self._trace = TraceWriter(self.path / RUN_TRACE, max_model_len, codec)
         self._samples = (self.path / "samples.jsonl").open("a")
         self.recorder: Recorder | None = None
         self.steps = 0
 
     def open_recorder(self, clock: Clock, append: bool = False) -> Recorder:
-        """The run's recorder on ``clock``, streaming to ``spans.jsonl`` (after the spans
-        already there, on a clock that goes on from them, with ``append``: a resumed run)."""
-        self.recorder = Recorder(clock, self.path / SPANS, append=append)
+        """The run's recorder on ``clock``, streaming to ``spans/`` (after the spans already
+        there, on a clock that goes on from them, with ``append``: a resumed run; a run of the
+        earlier layout goes on in its ``spans.jsonl``)."""
+        plain = self.codec == "none" or (append and (self.path / PLAIN_SPANS).is_file())
+        if plain:
+            self.recorder = Recorder(clock, self.path / PLAIN_SPANS, append=append)
+        else:
+            self.recorder = Recorder(clock, self.path / SPANS_DIR, append=append, codec=self.codec)
         return self.recorder
 
     def checkpoint_dir(self, name: str) -> Path:
@@ -71,9 +86,12 @@ class RunDir:
 
     def close(self, summary: Mapping[str, Any], failed: bool) -> None:
         self._samples.close()
+        self._trace.close()
         if self.recorder is not None:
             self.recorder.close()
-            write_timeline(self.path / SPANS, self.path / "timeline.json", process=self.path.name)
+            steps = None if self.timeline_steps is None else slice(-self.timeline_steps, None)
+            write_timeline(spans_path(self.path), self.path / TIMELINE, process=self.path.name,
+                           steps=steps)
         (self.path / "summary.json").write_text(json.dumps(dict(summary), indent=2) + "\n")
         scalars = {f"summary/{k}": v for k, v in summary.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -14,7 +14,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import Policy
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.recorder import Span
+from orchestrator.recorder import Span, read_spans, spans_path
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 
@@ -108,3 +108,20 @@ def build_hf_checkpoint(path: Path, hidden_size: int = 32, num_heads: int = 2,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
+
+
+def run_spans(run_dir: Path) -> list[dict[str, Any]]:
+    """A run directory's spans as JSON objects, wherever and however it stores them."""
+    return [{"stage": s.stage, "worker": s.worker, "start": s.start, "end": s.end,
+             "version": s.version, "attributes": s.attributes}
+            for s in read_spans(spans_path(run_dir))]
+
+
+def run_step_files(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """A run directory's PolyTrace records by published file name (``<kind>_step_N.jsonl``),
+    read through the trace reader whatever the layout or compression."""
+    from orchestrator.trace.reader import TraceDir
+
+    trace = TraceDir.open(run_dir)
+    return {f"{kind}_step_{step}.jsonl": [r.to_dict() for r in trace.records(kind, step)]
+            for kind, steps in trace.files.items() for step in steps}

@@ -4,7 +4,11 @@
   PolyTrace directory: a published trace or a run directory;
 * ``sample <src> <dst>`` — cut a small sample out of a trace directory;
 * ``generate --task math|tool_calling --steps N --batch B --seed S -o DIR`` — a synthetic
-  multi-turn workload sampled from PolyTrace's published task distributions.
+  multi-turn workload sampled from PolyTrace's published task distributions;
+* ``export <dir> -o OUT`` — a plain copy of a run's (compressed, rolled) PolyTrace records in
+  the published layout, ``<kind>_step_N.jsonl``;
+* ``timeline <run_dir> [--steps A:B] [-o FILE]`` — the run's Perfetto timeline built from its
+  spans, all of it or a window of steps (default ``<run_dir>/timeline-A_B.json``).
 
 The replay engine's fit, once ``fit`` here, is ``python -m orchestrator.replay fit``: replay
 reads traces, and this package imports nothing of replay (ARCHITECTURE.md's layers).
@@ -48,6 +52,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="math lengths: the published Gaussian mixture or the log-normal marginals")
     g.add_argument("--parameters", type=Path, default=None,
                    help="task_distribution_parameters.json (default: the shipped parameters)")
+    e = sub.add_parser("export", help="a plain copy of a run's trace files, published layout")
+    e.add_argument("dir", type=Path)
+    e.add_argument("-o", "--output", type=Path, required=True)
+    t = sub.add_parser("timeline", help="a run's Perfetto timeline (timeline.json) from its spans")
+    t.add_argument("dir", type=Path)
+    t.add_argument("--steps", default=None,
+                   help="a window of train steps, A:B as a Python slice (--steps=-50: the "
+                        "last 50); default: the whole run")
+    t.add_argument("-o", "--output", type=Path, default=None,
+                   help="default: <run_dir>/timeline.json (whole run) or timeline-A_B.json")
     args = parser.parse_args(argv)
 
     try:
@@ -62,6 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     args.max_response_tokens, args.group_size, args.math_model,
                                     args.parameters)
             print(f"wrote {args.steps} steps of {args.batch} {args.task} trajectories to {out}")
+        elif args.command == "export":
+            from orchestrator.trace.writer import export_plain
+
+            n = export_plain(args.dir, args.output)
+            print(f"wrote {n} files to {args.output}")
+        elif args.command == "timeline":
+            timeline(args.dir, args.steps, args.output)
         else:
             from orchestrator.trace.sample import write_sample
 
@@ -71,6 +92,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def timeline(run_dir: Path, steps: str | None, output: Path | None) -> None:
+    from orchestrator.recorder import span_files, spans_path
+    from orchestrator.trace.timeline import parse_steps, write_timeline
+
+    spans = spans_path(run_dir)
+    if not spans.exists() or not span_files(spans):
+        raise FileNotFoundError(f"{run_dir} has no spans (spans/ or spans.jsonl): is it a run "
+                                f"directory?")
+    window = parse_steps(steps) if steps is not None else None
+    name = "timeline.json" if steps is None else f"timeline-{steps.replace(':', '_')}.json"
+    out = output or run_dir / name
+    label = write_timeline(spans, out, process=run_dir.resolve().name, steps=window)
+    print(f"wrote {out} ({label}); open it in https://ui.perfetto.dev (Open trace file) or "
+          f"chrome://tracing")
 
 
 if __name__ == "__main__":

@@ -5,10 +5,15 @@ A trace directory holds any of the published files (see :mod:`orchestrator.trace
     multiturn_workload_step_N.jsonl   packed_lengths_step_N.jsonl
     reward_timings_step_N.jsonl       task_distribution_parameters.json
 
-:func:`iter_records` yields typed records one line at a time, so a 2,048-trajectory step is
-never held as raw JSON; a line that is not valid JSON or not the expected record raises
-:class:`TraceFormatError` naming the file and line. :class:`TraceDir` lists what a directory
-holds by kind and step.
+and a run directory holds the same records in its ``trace/`` folder, compressed and rolled
+(:mod:`orchestrator.jsonl`): ``trace/<kind>.<first step>.jsonl.zst``, each file many
+steps of one kind (every record names its step). Step files may also be compressed
+(``multiturn_workload_step_N.jsonl.zst`` or ``.gz``), and a run directory of the earlier layout
+(step files at its top level) reads as before. :func:`iter_records` yields typed records one
+line at a time, so a 2,048-trajectory step is never held as raw JSON; a line that is not valid
+JSON or not the expected record raises :class:`TraceFormatError` naming the file and line.
+:class:`TraceDir` lists what a directory holds by kind and step, whatever the layout;
+``python -m orchestrator.trace export`` writes a plain copy in the published layout.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from orchestrator.jsonl import compressed, read_lines
 from orchestrator.trace.records import (
     PackedLengthsRecord,
     Record,
@@ -36,7 +42,12 @@ KINDS: dict[str, type[Record]] = {
     "reward_timings": RewardTimingRecord,
 }
 TASK_DISTRIBUTION = "task_distribution_parameters.json"
-STEP_FILE = re.compile(r"^(multiturn_workload|packed_lengths|reward_timings)_step_(\d+)\.jsonl$")
+STEP_FILE = re.compile(
+    r"^(multiturn_workload|packed_lengths|reward_timings)_step_(\d+)\.jsonl(?:\.zst|\.gz)?$")
+ROLLED_FILE = re.compile(
+    r"^(multiturn_workload|packed_lengths|reward_timings)\.(\d+)\.jsonl(?:\.zst|\.gz)?$")
+RUN_TRACE = "trace"  # a run directory's folder of PolyTrace files
+_STEP_KEY = re.compile(r'^\{"step": (\d+)[,}]')
 SHIPPED_SAMPLE = Path(__file__).parent / "data" / "search_r1"
 
 R = TypeVar("R", bound=Record)
@@ -50,31 +61,63 @@ def step_file(kind: str, step: int) -> str:
     return f"{kind}_step_{step}.jsonl"
 
 
-def iter_records(path: Path, record: type[R] | None = None) -> Iterator[R]:
-    """Typed records of one ``*_step_N.jsonl`` file, one line at a time (blank lines skipped)."""
+def file_kind(path: Path) -> str | None:
+    """The record kind of a step file or a rolled file, by its name (None: neither)."""
+    match = STEP_FILE.match(path.name) or ROLLED_FILE.match(path.name)
+    return match.group(1) if match else None
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a trace file, plain or compressed, blank lines skipped; in a
+    compressed file (a run's) a last line a crash cut short is skipped too."""
+    for line_no, line in enumerate(read_lines(path, cut_last=compressed(path)), 1):
+        if line.strip():
+            yield line_no, line
+
+
+def parse_line(path: Path, line_no: int, line: str, record: type[R]) -> R:
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceFormatError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
+    if not isinstance(data, dict):
+        raise TraceFormatError(f"{path}:{line_no}: expected a JSON object per line")
+    try:
+        return record.from_dict(data)
+    except RecordError as e:
+        raise TraceFormatError(f"{path}:{line_no}: {e}") from e
+
+
+def line_step(line: str) -> int | None:
+    """The ``step`` of a record's line, read without parsing the whole line when it comes
+    first (as every record this project writes has it); None if the line has none."""
+    match = _STEP_KEY.match(line)
+    if match:
+        return int(match.group(1))
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = data.get("step") if isinstance(data, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def iter_records(path: Path, record: type[R] | None = None, step: int | None = None) -> Iterator[R]:
+    """Typed records of one step file (``<kind>_step_<N>.jsonl``, plain or compressed) or
+    rolled file (``<kind>.<first>.jsonl.zst``: only the records of ``step``, if given), one
+    line at a time (blank lines skipped)."""
     path = Path(path)
     if record is None:
-        match = STEP_FILE.match(path.name)
-        if match is None:
+        kind = file_kind(path)
+        if kind is None:
             raise TraceFormatError(
                 f"{path}: not a PolyTrace step file (expected <kind>_step_<N>.jsonl with kind "
                 f"one of {', '.join(KINDS)})")
-        record = KINDS[match.group(1)]  # type: ignore[assignment]
+        record = KINDS[kind]  # type: ignore[assignment]
     assert record is not None
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceFormatError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
-            if not isinstance(data, dict):
-                raise TraceFormatError(f"{path}:{line_no}: expected a JSON object per line")
-            try:
-                yield record.from_dict(data)
-            except RecordError as e:
-                raise TraceFormatError(f"{path}:{line_no}: {e}") from e
+    for line_no, line in iter_lines(path):
+        if step is None or line_step(line) == step:
+            yield parse_line(path, line_no, line, record)
 
 
 def read_task_distribution(path: Path) -> TaskDistribution:
@@ -99,14 +142,22 @@ class TraceDir:
 
     @classmethod
     def open(cls, path: Path | str) -> TraceDir:
+        """The files of ``path`` and of its ``trace/`` folder (a run directory's), step files
+        and rolled files alike (a rolled file's steps are read from its lines)."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"trace directory {path} does not exist")
         files: dict[str, dict[int, Path]] = {k: {} for k in KINDS}
-        for p in path.iterdir():
+        folders = [path, path / RUN_TRACE] if (path / RUN_TRACE).is_dir() else [path]
+        for p in sorted(p for folder in folders for p in folder.iterdir()):
             match = STEP_FILE.match(p.name)
             if match:
                 files[match.group(1)][int(match.group(2))] = p
+            elif (match := ROLLED_FILE.match(p.name)):
+                for _, line in iter_lines(p):
+                    step = line_step(line)
+                    if step is not None:
+                        files[match.group(1)][step] = p
         files = {k: dict(sorted(v.items())) for k, v in files.items()}
         dist = path / TASK_DISTRIBUTION
         return cls(path, files, dist if dist.is_file() else None)
@@ -115,13 +166,19 @@ class TraceDir:
         return list(self.files[kind])
 
     def workload(self, step: int) -> Iterator[WorkloadRecord]:
-        return iter_records(self._file("multiturn_workload", step), WorkloadRecord)
+        return self.records("multiturn_workload", step)  # type: ignore[return-value]
 
     def packed_lengths(self, step: int) -> Iterator[PackedLengthsRecord]:
-        return iter_records(self._file("packed_lengths", step), PackedLengthsRecord)
+        return self.records("packed_lengths", step)  # type: ignore[return-value]
 
     def reward_timings(self, step: int) -> Iterator[RewardTimingRecord]:
-        return iter_records(self._file("reward_timings", step), RewardTimingRecord)
+        return self.records("reward_timings", step)  # type: ignore[return-value]
+
+    def records(self, kind: str, step: int) -> Iterator[Record]:
+        """The records of ``kind`` at ``step``, from its step file or its rolled file."""
+        path = self._file(kind, step)
+        rolled = ROLLED_FILE.match(path.name) is not None
+        return iter_records(path, KINDS[kind], step if rolled else None)
 
     def _file(self, kind: str, step: int) -> Path:
         try:
@@ -137,7 +194,10 @@ class TraceDir:
 
 
 def find_trace_dirs(root: Path | str) -> list[TraceDir]:
-    """``root`` and every directory below it that holds PolyTrace files."""
+    """``root`` and every directory below it that holds PolyTrace files (a run directory's
+    ``trace/`` folder counts as part of the run directory, not as one more)."""
     root = Path(root)
-    found = [TraceDir.open(d) for d in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]]
+    dirs = [root, *sorted(p for p in root.rglob("*") if p.is_dir())]
+    found = [TraceDir.open(d) for d in dirs
+             if not (d.name == RUN_TRACE and d != root and d.parent in dirs)]
     return [t for t in found if not t.empty]

@@ -9,8 +9,8 @@ directory, …) it prints and plots what the PolyTrace study characterises:
 * turns and tool calls per trajectory;
 * tool latency p50/p90/p99/max and failure rate (any status but ``success``);
 * the per-stage time breakdown: engine and tool time from the workload records, reward time
-  from reward timings, and — in a run directory, from its ``spans.jsonl`` — every stage the
-  recorder timed (generate, tool_call, reward, train_step, weight_sync, waits);
+  from reward timings, and — in a run directory, from its spans (``spans/``, or the earlier
+  ``spans.jsonl``) — every stage the recorder timed (generate, tool_call, reward, train_step, weight_sync, waits);
 * the engine idle fraction: the share of a step's span (a run's wall time) in which no
   generation request was in flight. For a published step every trajectory starts at 0 and
   its turns and tool calls follow each other, as recorded; for a run, the spans say.
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.recorder import read_spans
+from orchestrator.recorder import read_spans, spans_path
 from orchestrator.trace.reader import TraceDir, find_trace_dirs
 
 
@@ -110,8 +110,8 @@ def summarize_dir(trace: TraceDir, name: str) -> TaskSummary:
     for step in trace.steps("reward_timings"):
         for rt in trace.reward_timings(step):
             s.stages["reward (trace)"] += rt.reward_time_s
-    spans = trace.path / "spans.jsonl"
-    if spans.is_file():  # a run directory: the recorder's stages, and the run's idle share
+    spans = spans_path(trace.path)
+    if spans.exists():  # a run directory: the recorder's stages, and the run's idle share
         for k in [k for k in s.stages if k.endswith("(trace)")]:
             del s.stages[k]
         s.idle = []

@@ -19,6 +19,13 @@ collects the tracks (memory: one entry per track), a second sorts the spans in c
 :data:`SORT_CHUNK` written to a scratch directory beside the output and merges them, and the
 events are written one at a time. Its file is the same JSON as :func:`trace_events` of the
 same spans (one event a line).
+
+A window of steps (``steps``, a slice over the run's train steps: ``slice(-50, None)`` the
+last 50) keeps the spans that overlap it: from the end of the step before the first chosen
+one (the run's start for step 0) to the end of the last chosen one (the run's end for the
+last step). Steps are the ``train_step`` spans, by their ``step`` attribute (a resumed run's
+redone step counts once, as its last run) or in order. A run writes the window of its last
+steps by default; ``python -m orchestrator.trace timeline RUN_DIR --steps A:B`` any other.
 """
 
 from __future__ import annotations
@@ -115,19 +122,62 @@ def trace_events(spans: Iterable[Span], process: str = "polyrl") -> dict[str, An
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_timeline(spans: Path, path: Path, process: str = "polyrl") -> None:
-    """The timeline of the spans file ``spans`` (JSONL, :func:`read_spans`), written to
-    ``path`` event by event."""
+def parse_steps(text: str) -> slice:
+    """``A:B`` (Python's slice: ``-50:`` the last 50 steps, ``100:200``, ``:10``) or ``N``."""
+    try:
+        if ":" not in text:
+            n = int(text)
+            return slice(n, n + 1 if n != -1 else None)
+        a, b = text.split(":")
+        return slice(int(a) if a.strip() else None, int(b) if b.strip() else None)
+    except ValueError:
+        raise ValueError(f"--steps {text!r} must be A:B (a slice of the run's steps, e.g. 100:200 "
+                         f"or -50:) or one step N") from None
+
+
+def step_window(spans: Iterable[Span], steps: slice) -> tuple[float, float, str]:
+    """The time window of ``steps`` (a slice over the train steps of ``spans``) and a label
+    (``A:B`` of N steps); the whole run if it has no train step."""
+    ends: dict[int, float] = {}
+    for i, span in enumerate(s for s in spans if s.stage == "train_step"):
+        step = span.attributes.get("step", i)
+        ends[step if isinstance(step, int) else i] = span.end
+    order = sorted(ends)
+    if not order:
+        return -float("inf"), float("inf"), "all (no train step)"
+    chosen = range(len(order))[steps]
+    if not chosen:
+        raise ValueError(f"--steps {steps.start or ''}:{steps.stop or ''} selects none of the "
+                         f"run's {len(order)} steps ({order[0]}..{order[-1]})")
+    first, last = min(chosen), max(chosen)
+    start = ends[order[first - 1]] if first > 0 else -float("inf")
+    end = ends[order[last]] if last < len(order) - 1 else float("inf")
+    return start, end, f"{order[first]}:{order[last] + 1} of {len(order)} steps"
+
+
+def write_timeline(spans: Path, path: Path, process: str = "polyrl",
+                   steps: slice | None = None) -> str:
+    """The timeline of the spans at ``spans`` (a JSONL file or a folder of segments,
+    :func:`read_spans`), written to ``path`` event by event; only the spans of ``steps`` (a
+    slice over the run's train steps) if given. Returns which steps it holds."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tracks = _Tracks(read_spans(spans), process)
+    start, end, label = (step_window(read_spans(spans), steps) if steps is not None
+                         else (-float("inf"), float("inf"), "all"))
+
+    def window() -> Iterator[Span]:
+        return (s for s in read_spans(spans) if s.end > start and s.start <= end)
+
+    tracks = _Tracks(window(), process)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".timeline-") as scratch, \
             path.open("w") as f:
-        ordered = _sorted_by_start(read_spans(spans), Path(scratch))
+        ordered = _sorted_by_start(window(), Path(scratch))
         events = chain(tracks.metadata(), map(tracks.event, ordered))
         f.write('{"traceEvents": [\n')
         for i, event in enumerate(events):
             f.write((",\n" if i else "") + json.dumps(event))
-        f.write('\n], "displayTimeUnit": "ms"}\n')
+        other = "" if steps is None else ', "otherData": ' + json.dumps({"steps": label})
+        f.write('\n], "displayTimeUnit": "ms"' + other + "}\n")
+    return label
 
 
 def _sorted_by_start(spans: Iterator[Span], scratch: Path) -> Iterator[Span]:

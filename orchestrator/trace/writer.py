@@ -1,16 +1,21 @@
-"""A training run's trajectories and stage timings, written as PolyTrace files.
+"""A training run's trajectories and stage timings, written as PolyTrace records.
 
-Per trained step ``N`` a :class:`TraceWriter` appends, in the run directory's ``trace/``:
+Per trained step ``N`` a :class:`TraceWriter` writes, into the run directory's ``trace/``:
 
-* ``multiturn_workload_step_N.jsonl`` — one :class:`~orchestrator.trace.records.WorkloadRecord`
-  per trained trajectory, with the published field names; this project's additions (policy
-  versions, staleness at train time, queue wait, per-call start times) go under ``"polyrl"``;
-* ``reward_timings_step_N.jsonl`` — per rollout worker: reward time and response lengths of
-  the samples it contributed (the published file has one record per data-parallel rank);
-* ``packed_lengths_step_N.jsonl`` — per prompt group: prompt length and response lengths.
+* ``multiturn_workload`` — one :class:`~orchestrator.trace.records.WorkloadRecord` per trained
+  trajectory, with the published field names; this project's additions (policy versions,
+  staleness at train time, queue wait, per-call start times) go under ``"polyrl"``;
+* ``reward_timings`` — per rollout worker: reward time and response lengths of the samples it
+  contributed (the published file has one record per data-parallel rank);
+* ``packed_lengths`` — per prompt group: prompt length and response lengths.
 
-Files are written when the step is reported, so a run that fails part-way keeps every step
-it trained. Tool statuses keep this project's names except ``ok``, written as the published
+Stored compressed and rolled (:mod:`orchestrator.jsonl`): each kind's records go to
+``trace/<kind>.<first step>.jsonl.zst``, a new file every ``roll_steps`` steps, every record
+naming its step; the reader takes them as it takes the published per-step files, and
+``python -m orchestrator.trace export <run_dir>`` writes those (``<kind>_step_N.jsonl``, the
+same lines). ``codec="none"`` writes the published per-step files directly. Records are
+written and flushed when the step is reported, so a run that fails part-way keeps every step
+it trained; :func:`drop_steps_from` removes the steps a resumed run redoes. Tool statuses keep this project's names except ``ok``, written as the published
 ``success``; token counts are those of the run's tokenizer. A tool call's ``query_count`` is
 read here, from the metadata its tool reported (1 when it reported none): the episode runner
 passes tool metadata through without reading it.
@@ -19,11 +24,30 @@ passes tool metadata through without reading it.
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from orchestrator.trace.reader import step_file
+from orchestrator.jsonl import (
+    CODEC,
+    ROLL_STEPS,
+    Codec,
+    CompressedFile,
+    SegmentWriter,
+    check_codec,
+    finished,
+    strip_suffix,
+)
+from orchestrator.trace.reader import (
+    KINDS,
+    ROLLED_FILE,
+    RUN_TRACE,
+    STEP_FILE,
+    iter_lines,
+    line_step,
+    step_file,
+)
 from orchestrator.trace.records import (
     PackedLengthsRecord,
     Record,
@@ -141,21 +165,113 @@ def write_records(path: Path, records: Iterable[Record]) -> None:
 
 
 class TraceWriter:
-    """Writes each trained step's PolyTrace files into ``directory``."""
+    """Writes each trained step's PolyTrace records into ``directory``: rolled and compressed
+    with ``codec`` (``zst``, ``gz``), or as the published per-step files (``none``)."""
 
-    def __init__(self, directory: Path, max_model_len: int | None = None) -> None:
+    def __init__(self, directory: Path, max_model_len: int | None = None, codec: Codec = CODEC,
+                 roll_steps: int = ROLL_STEPS) -> None:
         self.directory = Path(directory)
         self.max_model_len = max_model_len
+        self.codec = check_codec(codec)
+        if roll_steps < 1:
+            raise ValueError(f"roll_steps must be >= 1, got {roll_steps}")
+        self.roll_steps = roll_steps
+        self._segments = {kind: SegmentWriter(self.directory, kind, codec) for kind in KINDS}
+        self._first = 0  # the first step of the open segments
         self.steps = 0
 
     def write_step(self, step: int, version: int, groups: Sequence[Group]) -> None:
-        records = [
-            workload_record(t, step, version, g.queue_wait, self.max_model_len)
-            for g in groups for t in g.trajectories
-        ]
-        write_records(self.directory / step_file("multiturn_workload", step), records)
-        write_records(self.directory / step_file("reward_timings", step),
-                      reward_timing_records(groups, step))
-        write_records(self.directory / step_file("packed_lengths", step),
-                      packed_lengths_records(groups, step))
+        records: dict[str, list[Record]] = {
+            "multiturn_workload": [workload_record(t, step, version, g.queue_wait, self.max_model_len)
+                                   for g in groups for t in g.trajectories],
+            "reward_timings": list(reward_timing_records(groups, step)),
+            "packed_lengths": list(packed_lengths_records(groups, step)),
+        }
+        if self.codec == "none":
+            for kind, rows in records.items():
+                write_records(self.directory / step_file(kind, step), rows)
+        else:
+            roll = not self.steps or step >= self._first + self.roll_steps or step < self._first
+            if roll:
+                self._first = step
+            for kind, rows in records.items():
+                segment = self._segments[kind]
+                if roll:
+                    segment.roll(step)
+                segment.write("".join(json.dumps(r.to_dict()) + "\n" for r in rows))
+                segment.flush()
         self.steps += 1
+
+    def close(self) -> None:
+        for segment in self._segments.values():
+            segment.close()
+
+
+def drop_steps_from(run_dir: Path, step: int) -> None:
+    """Remove the records of steps ``step`` and later from ``run_dir``'s PolyTrace files (its
+    ``trace/`` folder and, from the earlier layout, its top level): step files are deleted, a
+    rolled file is rewritten with the lines of earlier steps only (a line a crash cut short
+    goes too), atomically, or deleted when none is left."""
+    for folder in (run_dir, run_dir / RUN_TRACE):
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            if (match := STEP_FILE.match(path.name)) and int(match.group(2)) >= step:
+                path.unlink()
+            elif ROLLED_FILE.match(path.name):
+                _keep_steps_before(path, step)
+
+
+def _keep_steps_before(path: Path, step: int) -> None:
+    lines = [line for _, line in iter_lines(path)]
+    kept = [line for line in lines if (line_step(line) or 0) < step]
+    if not kept:
+        path.unlink()
+        return
+    if len(kept) == len(lines) and finished(path):
+        return
+    codec = check_codec(path.name.rsplit(".", 1)[-1] if path.name.endswith((".zst", ".gz"))
+                        else "none")
+    scratch = path.with_name(f".{strip_suffix(path.name)}.tmp")
+    out = CompressedFile(scratch, codec)
+    out.write("".join(kept))
+    out.close()
+    os.replace(scratch, path)
+
+
+def export_plain(source: Path, target: Path) -> int:
+    """A plain copy of ``source``'s PolyTrace records (a run directory, its ``trace/``, or
+    any trace directory, compressed or not) in the published layout: ``target/<kind>_step_N.jsonl``,
+    each line as stored (byte for byte). Returns the number of files written. ``target`` must
+    not hold step files already."""
+    from orchestrator.trace.reader import TASK_DISTRIBUTION, TraceDir, file_kind
+
+    trace = TraceDir.open(source)
+    if trace.empty:
+        raise FileNotFoundError(f"{source} holds no PolyTrace files")
+    target = Path(target)
+    if target.is_dir() and any(file_kind(p) for p in target.iterdir()):
+        raise ValueError(f"{target} already holds PolyTrace step files; choose an empty or new "
+                         f"directory")
+    target.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for kind, steps in trace.files.items():
+        for path in dict.fromkeys(steps.values()):  # each source file once, in step order
+            rolled = ROLLED_FILE.match(path.name) is not None
+            out, current = None, None
+            try:
+                for _, line in iter_lines(path):
+                    step = line_step(line) if rolled else int(STEP_FILE.match(path.name).group(2))  # type: ignore[union-attr]
+                    if step != current:
+                        if out is not None:
+                            out.close()
+                        out = (target / step_file(kind, step)).open("a")
+                        current = step
+                        written += 1
+                    out.write(line if line.endswith("\n") else line + "\n")
+            finally:
+                if out is not None:
+                    out.close()
+    if trace.task_distribution is not None:
+        (target / TASK_DISTRIBUTION).write_bytes(trace.task_distribution.read_bytes())
+    return written

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from helpers import TOK, ScriptedEngine, quick_config
+from helpers import TOK, ScriptedEngine, quick_config, run_spans
 
 from envs.registry import make_spec
 from envs.search_qa import SearchQASpec, exact_match, f1, normalize, tool_call_text
@@ -195,7 +195,7 @@ def test_experiment_search_qa_trains_and_records_every_tool_call(tmp_path: Path)
     for m in metrics[:-1]:
         assert 0.0 <= m["reward/searched"] <= 1.0  # the share of answers preceded by a search
         assert "reward/exact_match" in m and "episode/turns" in m
-    spans = [json.loads(line) for line in (tmp_path / "spans.jsonl").read_text().splitlines()]
+    spans = run_spans(tmp_path)
     calls = [s for s in spans if s["stage"] == "tool_call"]
     for span in calls:
         assert span["end"] >= span["start"] and span["attributes"]["status"] in {"ok", "error", "timeout"}

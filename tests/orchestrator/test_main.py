@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_spans
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
@@ -45,7 +46,7 @@ def check_run_dir(run_dir: Path, num_steps: int) -> None:
     assert {s["step"] for s in samples} == set(range(num_steps))
     assert all(s["text"] and 0.0 <= s["reward"] <= 1.0 for s in samples)
 
-    stages = {span["stage"] for span in read_jsonl(run_dir / "spans.jsonl")}
+    stages = {span["stage"] for span in run_spans(run_dir)}
     assert STAGES <= stages, STAGES - stages
 
     assert list((run_dir / "checkpoints" / "final" / "model").glob("*.safetensors"))
@@ -151,7 +152,7 @@ def test_one_engine_serves_the_warm_start_checks_the_evals_and_rl(tmp_path: Path
     assert model["_target_"] == cfg.model._target_ and isinstance(weights, WeightUpdate)
     # the starting weights, four greedy checks, the warm-started weights, then one per RL step
     assert loads == [0] * 6 + [1, 2, 3, 4]
-    syncs = [s for s in read_jsonl(tmp_path / "spans.jsonl") if s["stage"] == "weight_sync"]
+    syncs = [s for s in run_spans(tmp_path) if s["stage"] == "weight_sync"]
     assert len(syncs) == 4
     for span in syncs:
         assert span["attributes"]["transport"] == "reference"

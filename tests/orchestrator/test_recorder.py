@@ -180,11 +180,12 @@ def test_the_run_directory_streams_spans_and_builds_the_timeline_from_them(tmp_p
                               start_versions=(), dropped_total=0, samples=0, tokens=0,
                               elapsed=1.0), CharTokenizer())
     assert rec.spans == []
-    assert [(s.stage, s.end) for s in read_spans(tmp_path / "spans.jsonl")] == [
-        (s.stage, s.end) for s in written]
+    assert [(s.stage, s.end) for s in read_spans(tmp_path / "spans")] == [
+        (s.stage, s.end) for s in written]  # compressed, and readable before the run ends
     last = rec.add("eval", "eval", 6.0, 7.0)
     out.close({}, failed=False)
     doc = json.loads((tmp_path / "timeline.json").read_text())
+    assert doc.pop("otherData") == {"steps": "0:5 of 5 steps"}  # the last 50 steps: all five
     assert doc == json.loads(json.dumps(trace_events([*written, last], process=tmp_path.name)))
 
 

@@ -23,7 +23,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.pipeline import TaskSampler
 from orchestrator.resume import RunState, find_checkpoint
 from orchestrator.trace.reader import TraceDir
-from helpers import REPO
+from helpers import REPO, run_spans
 
 STEPS = 6
 # experiment=smoke made smaller still: a one-layer model, two warm-start steps, a small eval
@@ -74,7 +74,7 @@ def check_finished(run_dir: Path, again: set[int]) -> None:
     assert trace.steps() == list(range(STEPS))
     for step in trace.steps():
         assert len(list(trace.workload(step))) == 16
-    assert read_jsonl(run_dir / "spans.jsonl")
+    assert run_spans(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] > 0 and summary["eval_after"] is not None
 

@@ -24,7 +24,7 @@ import torch
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
 
-from helpers import quick_config
+from helpers import quick_config, run_spans, run_step_files
 from ray.cluster_utils import Cluster
 
 from orchestrator.__main__ import explain
@@ -113,7 +113,7 @@ def check_run(result: RunResult, run_dir: Path, num_steps: int, k: int, batch: i
     assert len(result.reports) == num_steps
     for report in result.reports:
         assert all(0 <= s <= k for s in report.staleness), report.staleness
-    files = {p.name: p for p in run_dir.rglob("*_step_*.jsonl")}  # wherever RunDir puts them
+    files = run_step_files(run_dir)  # wherever and however RunDir stores them
     for step in range(num_steps):
         for kind in ("multiturn_workload", "reward_timings", "packed_lengths"):
             assert f"{kind}_step_{step}.jsonl" in files, (kind, step)
@@ -126,7 +126,7 @@ def check_run(result: RunResult, run_dir: Path, num_steps: int, k: int, batch: i
     episodes = Counter(
         (r["polyrl"]["worker"], r["polyrl"]["start_s"], r["sample_id"])
         for step in range(num_steps)
-        for r in read_jsonl(files[f"multiturn_workload_step_{step}.jsonl"]))
+        for r in files[f"multiturn_workload_step_{step}.jsonl"])
     assert sum(episodes.values()) == num_steps * batch
     assert max(episodes.values()) == 1
 
@@ -166,7 +166,7 @@ def test_a_run_spreads_engines_over_worker_nodes_and_the_trainer_on_the_head(
 def test_spans_come_from_every_node_onto_the_driver_timeline(
         cluster: Cluster, smoke_run: tuple[RunResult, Path]) -> None:
     _, run_dir = smoke_run
-    spans = read_jsonl(run_dir / "spans.jsonl")
+    spans = run_spans(run_dir)
     remote = [s for s in spans if "process" in s["attributes"]]
     engine_nodes = {s["attributes"]["node"] for s in remote if s["worker"].startswith("engine")}
     assert engine_nodes == worker_nodes(cluster)

@@ -10,6 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 from hydra import compose, initialize_config_dir
+from helpers import run_spans
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.errors import ConfigError
@@ -117,7 +118,7 @@ def test_replay_writes_the_layout_of_a_training_run(tmp_path: Path,
     assert 0 < summary["trainer_wait_fraction"] < 1 and summary["trace"] == str(SHIPPED_SAMPLE)
     assert "70%" in summary["assumption"] and summary["eval_before"] is None
 
-    stages = {span["stage"] for span in read_jsonl(replayed / "spans.jsonl")}
+    stages = {span["stage"] for span in run_spans(replayed)}
     assert {"generate", "tool_call", "train_step", "weight_sync", "wait_batch"} <= stages
     timeline = json.loads((replayed / "timeline.json").read_text())
     assert any(e["name"] == "train_step" for e in timeline["traceEvents"])

@@ -117,7 +117,7 @@ async def test_tool_metadata_reaches_the_written_record_untouched(tmp_path: Path
     t = await run_episode(engine(clock), TOK, spec, TASK, ROLLOUT, recorder, "w")
     (call,) = t.tool_calls
     assert call.metadata == METADATA and call.start == 1.0 and call.latency == 5.0
-    TraceWriter(tmp_path).write_step(0, 0, [Group(0, (t,), 0, 0.0, 1.0)])
+    TraceWriter(tmp_path, codec="none").write_step(0, 0, [Group(0, (t,), 0, 0.0, 1.0)])
     raw = json.loads((tmp_path / "multiturn_workload_step_0.jsonl").read_text())
     assert [c["query_count"] for c in raw["tool_calls"]] == [3]
     # the writer owns the published name; the runner reads no tool's keys

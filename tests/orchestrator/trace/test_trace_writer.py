@@ -46,7 +46,7 @@ def test_loss_mask_rle() -> None:
 def test_write_then_read_gives_equal_records(tmp_path: Path) -> None:
     groups = [Group(p, tuple(trajectory(p, s) for s in range(2)), 2, 0.0, 3.0, queue_wait=0.25)
               for p in range(3)]
-    TraceWriter(tmp_path).write_step(4, 3, groups)
+    TraceWriter(tmp_path, codec="none").write_step(4, 3, groups)
     trace = TraceDir.open(tmp_path)
     assert trace.steps() == [4] and trace.steps("reward_timings") == [4]
     written = list(trace.workload(4))
