@@ -33,6 +33,15 @@ What is sampled:
   come from the search latency model fitted to PolyTrace (:mod:`sandboxes.search.latency`,
   empirical mode), ``query_count`` from that fit's per-bucket call counts.
 
+How close a generated tool-calling workload comes to the published parameters is measured by
+:func:`tool_calling_distances` (tested in ``tests/orchestrator/trace/test_generate.py``; the
+README gives the figures of 200,000 sessions): the call-count histogram's total variation
+distance and KS, and for every per-call length (``input_i``, ``output_i`` of a ``k``-call
+session) the KS statistic against the log-normal with the published mean and variance and
+the relative errors of its mean and standard deviation. The published file gives only those
+moments per count (its mixture components are not published), so that log-normal is the
+law the published parameters pin down; the copula's correlations are compared too.
+
 Lengths are rounded and at least one token. The response (generated plus tool tokens) is cut
 at ``max_response_tokens``: a turn that reaches it ends with ``finish_reason: length``, as does
 its trajectory (a tool response that reaches it is cut and ends the trajectory). Limits: no
@@ -45,6 +54,7 @@ equal a shorter one's; the same arguments write byte-identical files.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -331,6 +341,79 @@ def step_records(task: str, step: int, batch: int, seed: int, params: Parameters
     tools = _Tools(latency_fit or json.loads(SEARCH_LATENCY_FIT.read_text()), rng)
     return [tool_record(step, g, j, lengths, max_response_tokens, tools)
             for g, row in enumerate(samples) for j, lengths in enumerate(row)]
+
+
+# -- how close a workload is to the published parameters -------------------------------------
+
+
+def ks_rounded(values: Any, cdf: Any) -> float:
+    """The KS statistic of integer samples ``max(1, round(x))`` against the law of ``x`` (its
+    CDF ``cdf``): the discrete CDF at ``n`` is ``cdf(n + 0.5)`` for ``n >= 1`` (the mass below
+    one lands on 1), so rounding costs nothing."""
+    a = np.sort(np.asarray(values))
+    uniq = np.unique(a)
+    above = np.searchsorted(a, uniq, side="right") / len(a)
+    below = np.searchsorted(a, uniq, side="left") / len(a)
+    hi = np.array([cdf(v + 0.5) for v in uniq])
+    lo = np.array([cdf(v - 0.5) if v > 1 else 0.0 for v in uniq])
+    return float(max(np.abs(above - hi).max(), np.abs(below - lo).max()))
+
+
+def _lognormal_cdf(mean: float, var: float) -> Any:
+    """The CDF of the log-normal with this mean and variance."""
+    s2 = math.log1p(var / mean**2)
+    mu, s = math.log(mean) - s2 / 2, math.sqrt(s2)
+    return lambda x: 0.0 if x <= 0 else 0.5 * (1 + math.erf((math.log(x) - mu) / (s * math.sqrt(2))))
+
+
+@dataclass(frozen=True)
+class Distance:
+    """One quantity of a generated workload against the published parameters."""
+
+    quantity: str  # "calls", or "k=3 output_2"
+    n: int  # samples it rests on
+    ks: float
+    mean_err: float = 0.0  # relative error of the mean
+    sd_err: float = 0.0  # relative error of the standard deviation
+    tv: float = 0.0  # total variation distance (the call-count histogram)
+
+
+def per_call_lengths(record: WorkloadRecord) -> list[int]:
+    """``input_1..k, output_1..k`` of a tool-calling record (unclipped)."""
+    inputs = [record.prompt_len, *(c.response_token_len for c in record.tool_calls)]
+    return inputs + [t.completion_tokens for t in record.turns]
+
+
+def tool_calling_distances(records: list[WorkloadRecord], params: Parameters,
+                           min_n: int = 200) -> list[Distance]:
+    """How far ``records`` (a tool-calling workload, one session a record, generated without
+    clipping) lie from ``params``: the call-count histogram (KS over its CDF, and total
+    variation), then each per-call length of each call count with at least ``min_n`` sessions
+    (KS against the log-normal of the published mean and variance, relative errors of mean and
+    standard deviation); last, ``corr k=K``: the largest gap between the sample correlations of
+    a count's lengths and the published ones (as ``ks``)."""
+    data = json.loads(PARAMETERS.read_text())["tool_calling"]["sequences"]
+    counts = np.array([r.turn_count for r in records])
+    ks_ = sorted(params.call_counts)
+    observed = np.array([(counts == k).mean() for k in ks_])
+    published = np.array([params.call_counts[k] for k in ks_])
+    out = [Distance("calls", len(records),
+                    float(np.abs(np.cumsum(observed) - np.cumsum(published)).max()),
+                    tv=float(np.abs(observed - published).sum() / 2))]
+    for k in ks_:
+        rows = np.array([per_call_lengths(r) for r in records if r.turn_count == k], float)
+        if len(rows) < min_n:
+            continue
+        seq = data[str(k)]
+        mean, cov = np.asarray(seq["mean"]), np.asarray(seq["covariance"])
+        for i, name in enumerate(seq["features"]):
+            x, sd = rows[:, i], math.sqrt(cov[i, i])
+            out.append(Distance(f"k={k} {name}", len(rows), ks_rounded(x, _lognormal_cdf(mean[i], cov[i, i])),
+                                float(x.mean() / mean[i] - 1), float(x.std() / sd - 1)))
+        sd = np.sqrt(np.diag(cov))
+        gap = np.abs(np.corrcoef(rows.T) - cov / np.outer(sd, sd)).max()
+        out.append(Distance(f"corr k={k}", len(rows), float(gap)))
+    return out
 
 
 # -- the workload directory ------------------------------------------------------------------

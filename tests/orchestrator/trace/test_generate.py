@@ -18,10 +18,12 @@ from orchestrator.trace.__main__ import main
 from orchestrator.trace.generate import (
     MANIFEST,
     PARAMETERS,
+    Distance,
     Parameters,
     derive_parameters,
     generate_workload,
     step_records,
+    tool_calling_distances,
 )
 
 PUBLISHED = Path(__file__).resolve().parents[3].parent / "shared" / "polytrace"
@@ -130,6 +132,35 @@ def test_per_call_lengths_follow_the_published_moments(tool_workload: list[Workl
     assert np.mean(features["output_3"]) > 2 * np.mean(features["output_1"])
 
 
+def test_every_per_call_length_and_the_call_counts_match_the_published_parameters(
+        tool_workload: list[WorkloadRecord], params: Parameters) -> None:
+    """The stated distances (README, "Generate"): call-count histogram by total variation and
+    KS; each per-call length of each call count with 200+ sessions by KS against the log-normal
+    of the published mean and variance (below the 99.9% critical value 1.95 / sqrt(n), plus
+    0.005 for rounding to tokens), its mean within 5 standard errors; correlations within 0.1
+    of the published ones where 2,000+ sessions make the sample correlation of such heavy
+    tails steady enough (the copula reproduces them exactly up to 8 calls)."""
+    distances = tool_calling_distances(tool_workload, params)
+    calls = distances[0]
+    assert calls.quantity == "calls" and calls.tv <= 0.01 and calls.ks <= 0.01
+    lengths = [d for d in distances[1:] if not d.quantity.startswith("corr")]
+    assert {d.quantity.split()[0] for d in lengths} >= {"k=2", "k=3", "k=4", "k=5", "k=6"}
+    for d in lengths:
+        assert d.ks <= 1.95 / math.sqrt(d.n) + 0.005, d
+        assert abs(d.mean_err) <= 5 * (1 + d.sd_err) * _cv(d) / math.sqrt(d.n) + 0.01, d
+    for d in distances[1:]:
+        if d.quantity.startswith("corr") and d.n >= 2000:
+            assert d.ks <= 0.1, d
+
+
+def _cv(d: Distance) -> float:
+    """The published coefficient of variation of a per-call length ``d``."""
+    k, name = d.quantity.split()
+    seq = json.loads(PARAMETERS.read_text())["tool_calling"]["sequences"][k[2:]]
+    i = seq["features"].index(name)
+    return math.sqrt(seq["covariance"][i][i]) / seq["mean"][i]
+
+
 def test_tool_calls_take_the_search_latency_model(tool_workload: list[WorkloadRecord]) -> None:
     calls = [c for r in tool_workload for c in r.tool_calls]
     latency = np.array([c.latency_s for c in calls])
@@ -205,7 +236,7 @@ def test_a_generated_dir_replays(tmp_path: Path) -> None:
         cfg = compose("config", overrides=["experiment=replay", f"trace={out}", "pipeline.num_steps=1",
                                            "replay.groups_per_step=8"])
     run(cfg, tmp_path / "run")
-    assert len(list(iter_records(tmp_path / "run" / "multiturn_workload_step_0.jsonl"))) == 64
+    assert len(list(TraceDir.open(tmp_path / "run").workload(0))) == 64
 
 
 def test_bad_arguments_get_one_sentence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
