@@ -179,25 +179,24 @@ async def test_a_sync_client_from_a_worker_thread(gateway: Gateway) -> None:
 
 
 async def test_a_call_after_the_episode_or_one_left_in_flight_fails_it(gateway: Gateway) -> None:
-    gate = anyio.Event()
+    entered, never = anyio.Event(), anyio.Event()
 
     async def slow(prompt: list[int], sampling: Any) -> Any:
-        await gate.wait()
+        entered.set()
+        await never.wait()
 
     engine: Any = gateway.engine
     engine.generate = slow
-    async with gateway.episode(ROLLOUT, "w", 0) as episode:
-        async with anyio.create_task_group() as tg:
-            results: list[int] = []
+    results: list[int] = []
+    async with gateway.episode(ROLLOUT, "w", 0) as episode, anyio.create_task_group() as tg:
 
-            async def call() -> None:
-                results.append((await chat(gateway, episode.endpoint.api_key, model="m",
-                                           messages=[{"role": "user", "content": "x"}]))[0])
+        async def call() -> None:
+            results.append((await chat(gateway, episode.endpoint.api_key, model="m",
+                                       messages=[{"role": "user", "content": "x"}]))[0])
 
-            tg.start_soon(call)
-            while not episode._inflight:  # noqa: SLF001 - the call is generating
-                await anyio.sleep(0.001)
-            assert episode.close() is True  # what run_agent_episode counts as a failure
+        tg.start_soon(call)
+        await entered.wait()  # the call is generating
+        assert episode.close() is True  # what run_agent_episode counts as a failure
     assert results == [401]
 
 
@@ -208,3 +207,21 @@ async def test_an_agents_sdk_runner_with_a_function_tool(gateway: Gateway) -> No
     # the Runner sent the tool's result after the call it answered: one segment of two turns
     [t] = trajectories
     assert t.metrics["agent/calls"] == 2.0 and len(t.turns) == 2
+
+
+async def test_a_transcript_is_scored_by_the_envs_reward_functions(gateway: Gateway) -> None:
+    spec = AgentSpec(program="toy_agents:transcript",
+                     rewards={"toy_agents:transcript_digits": 2.0})
+    [t], outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
+    # the scripted reply (no tools offered, so it stays text): a call with two digits in it
+    call = HermesParser.format("add", {"a": 3, "b": 4})
+    share = sum(c.isdigit() for c in call) / len(call)
+    assert outcome.reward.components == {"transcript_digits": pytest.approx(share)}
+    assert t.reward == pytest.approx(2 * share) and t.metrics["reward/transcript_digits"] > 0
+
+
+def test_a_wrong_program_or_setting_is_one_line() -> None:
+    with pytest.raises(ValueError, match="env.program=toy_agents:nothing: toy_agents has no"):
+        AgentSpec(program="toy_agents:nothing")
+    with pytest.raises(ValueError, match="env.timeout_s must be > 0"):
+        AgentSpec(program="toy_agents:calculator", timeout_s=0)

@@ -77,7 +77,7 @@ def calculator_sync(task: Task, client: OpenAI) -> float:
 async def transcript(task: Task, client: AsyncOpenAI) -> list[dict[str, Any]]:
     """Returns its transcript; the env's reward functions score it."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": task.messages[0]["content"]}]
-    response = await client.chat.completions.create(model="m", messages=messages, max_tokens=6)
+    response = await client.chat.completions.create(model="m", messages=messages)
     return [*messages, response.choices[0].message.model_dump(exclude_none=True)]
 
 
