@@ -45,5 +45,5 @@ class Trainer(ABC):
     @abstractmethod
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
-    async def aclose(self) -> None:  # noqa: B027 - in-process trainers hold nothing to close
+    async def aclose(self) -> None:  # in-process trainers hold nothing to close
         pass

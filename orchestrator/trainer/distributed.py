@@ -264,7 +264,8 @@ class RankTrainer(TorchTrainer):
 
         shards, rest = self._staged if self._staged is not None else self._checkpoint_state()
         self._staged = None
-        dcp.save(shards, checkpoint_id=str(Path(directory) / SHARDS))
+        path = Path(directory) / SHARDS
+        dcp.save(shards, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
         if self.rank == 0:
             torch.save(rest, Path(directory) / STATE)
         dist.barrier()

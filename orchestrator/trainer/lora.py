@@ -16,6 +16,7 @@ embeddings are not adapted.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -75,7 +76,10 @@ class LoraConfig:
                               f"does not have; its linear layers: {sorted(names)}")
         config = PeftLoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=0.0, bias="none",
                                 target_modules=list(self.target_modules))
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads a transformers alias deprecated in v5
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
+                                    category=FutureWarning)
+            return get_peft_model(model, config)
 
 
 def _plain(name: str) -> str:

@@ -421,11 +421,15 @@ class TorchTrainer(Trainer):
         """A warm-start step with an AdamW of its own at ``lr`` (so the RL optimiser starts
         fresh), in a worker thread; does not change the version."""
         await self._engines_done()
+        return await anyio.to_thread.run_sync(self.supervised_update, sequences, masks,
+                                              self.warm_optimizer(lr))
+
+    def warm_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        """The warm start's AdamW at ``lr`` (a new one when ``lr`` changes)."""
         if self._warm_optimizer is None or self._warm_optimizer.param_groups[0]["lr"] != lr:
             self._warm_optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-        return await anyio.to_thread.run_sync(self.supervised_update, sequences, masks,
-                                              self._warm_optimizer)
+        return self._warm_optimizer
 
     def supervised_update(
         self,

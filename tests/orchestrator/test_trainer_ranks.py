@@ -118,8 +118,8 @@ def gathered(group: RankGroup) -> dict[str, torch.Tensor]:
 
 def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0)
+    for name, tensor in a.items():
+        torch.testing.assert_close(tensor, b[name], atol=1e-5, rtol=0)
 
 
 def test_sharded_checkpoints_resume_at_another_world_size(tmp_path: Path) -> None:
