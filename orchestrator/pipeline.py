@@ -417,7 +417,8 @@ class Pipeline:
                             await self.engine.resume()
                             update.release()
                         attrs.update(transport=update.transport, bytes=update.nbytes,
-                                     load_seconds=self.recorder.now() - started)
+                                     load_seconds=self.recorder.now() - started,
+                                     **update.stats)  # gather_seconds from trainer ranks
                     finally:
                         if finish_old:
                             await self.gate.release_exclusive()
