@@ -18,9 +18,15 @@ What is isolated, by default (each a :class:`DockerSandboxConfig` value):
 - wall time enforced by the runner inside and by a host deadline that destroys the container;
 - nothing a call starts outlives it (every process of the code's uid is killed after it).
 
-What is not: the kernel is shared with the host (a kernel exploit escapes; use gVisor or a VM
-runtime for untrusted adversaries), as are the CPU caches, the page cache and the engine
-itself. Containers reused across episodes keep SysV IPC objects; set ``reuse: false`` for a
+What is not: with Docker's own runtime (``runtime: runc``) the kernel is shared with the host
+(a kernel exploit escapes), as are the CPU caches, the page cache and the engine itself.
+``runtime: runsc`` runs the code on gVisor, a user-space kernel, so its system calls never
+reach the host's (``scripts/docker_setup.sh`` installs it and registers it with Docker, with
+``--network=none``). Under gVisor a resource bomb takes the whole sandbox down, not only the
+code's process (the limits are shared with gVisor's own processes): the call ends at the host
+deadline as ``timeout`` or ``killed`` with the session reset, not ``oom``; ``pids_limit`` must
+leave room for gVisor's threads (>= 128). A runtime the engine does not have is refused in one
+line when the pool starts. Containers reused across episodes keep SysV IPC objects; set ``reuse: false`` for a
 fresh container per episode. Labels and a self-destruct lifetime let :mod:`.engine`'s reaper
 remove containers of a run that died, even by SIGKILL.
 

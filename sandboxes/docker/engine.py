@@ -24,7 +24,7 @@ import docker
 import docker.errors
 import requests.exceptions
 
-from sandboxes.api import EngineUnavailable, ImageMissing
+from sandboxes.api import EngineUnavailable, ImageMissing, SandboxConfigError
 
 LABEL = "polyrl.sandbox"
 LABEL_RUN = "polyrl.run_id"
@@ -120,6 +120,18 @@ def require_image(client: docker.DockerClient, image: str) -> None:
         raise ImageMissing(
             f"image {image} is not in the engine; build it with "
             f"`python -m sandboxes.docker build-image --image {image}` (or pull it)") from e
+
+
+def require_runtime(client: docker.DockerClient, runtime: str, url: str) -> None:
+    """:class:`SandboxConfigError` in one line unless the engine has ``runtime`` registered."""
+    known = sorted(client.info().get("Runtimes") or {})
+    if runtime not in known:
+        hint = ("; `bash scripts/docker_setup.sh` installs gVisor and registers it as runsc"
+                if runtime == "runsc" else "")
+        raise SandboxConfigError(
+            f"sandbox.runtime={runtime} is not a runtime of the Docker engine at "
+            f"{client.api.base_url} (it has {', '.join(known) or 'none'}): register it in "
+            f"/etc/docker/daemon.json{hint}, or use sandbox.runtime=runc")
 
 
 def process_start(pid: int) -> str:

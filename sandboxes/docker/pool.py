@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import re
 import time
 import uuid
 from collections import deque
@@ -63,6 +64,7 @@ from sandboxes.docker.image import DEFAULT_IMAGE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_RUNTIME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 ENGINE_ERRORS = engine.ENGINE_ERRORS
 
 
@@ -86,6 +88,8 @@ class DockerSandboxConfig(SandboxConfig):
     keepalive_user: str = "65534:65534"  # PID 1's uid: another uid, so code cannot kill it
     network: bool = False             # True attaches the default bridge (egress!)
     read_only_root: bool = True
+    runtime: str = "runc"             # the OCI runtime: runc (Docker's own) | runsc (gVisor) | any
+                                      # other registered with the engine (checked at start)
     lifetime_s: int = 3600            # the container exits by itself after this
     # engine
     docker_host: str | None = None    # None: $DOCKER_HOST or unix:///var/run/docker.sock
@@ -107,6 +111,12 @@ class DockerSandboxConfig(SandboxConfig):
         self.require("docker_call_concurrency", self.docker_call_concurrency >= 1, ">= 1")
         self.require("reap_interval_s", self.reap_interval_s > 0, "> 0")
         self.require("user", self.user.split(":")[0] not in ("0", "root"), "a uid other than root")
+        self.require("runtime", bool(_RUNTIME_NAME.fullmatch(self.runtime)),
+                     "the name of a runtime registered with Docker, e.g. runc or runsc")
+        if self.runtime == "runsc":  # gVisor's own threads count against the container's pids
+            self.require("pids_limit", self.pids_limit >= 128,
+                         ">= 128 with sandbox.runtime=runsc (gVisor's own threads count against "
+                         "it; at 64 the sandbox dies)")
 
     def pool(self) -> DockerSandboxPool:
         return DockerSandboxPool(self)
@@ -225,6 +235,7 @@ class DockerSandboxPool(SandboxPool):
                                          max(32, cfg.docker_call_concurrency * 2))
         try:
             await self._call(engine.require_image, self.client, cfg.image)
+            await self._call(engine.require_runtime, self.client, cfg.runtime, self.url)
             self.stats["reaped"] += await self._call(engine.reap, self.client)
         except BaseException:
             self.client.close()
@@ -407,6 +418,7 @@ class DockerSandboxPool(SandboxPool):
                    "/tmp": f"rw,nosuid,nodev,size={cfg.tmp_mb}m,mode=1777"},
             shm_size=f"{cfg.tmp_mb}m", working_dir=cfg.work_dir,
             cap_drop=["ALL"], security_opt=["no-new-privileges"], pids_limit=cfg.pids_limit,
+            runtime=cfg.runtime,
             mem_limit=f"{cfg.memory_mb}m", memswap_limit=f"{cfg.memory_mb}m",
             nano_cpus=int(cfg.cpus * 1e9),
             ulimits=[Ulimit(name="nofile", soft=cfg.nofile, hard=cfg.nofile),

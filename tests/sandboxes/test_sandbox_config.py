@@ -61,6 +61,8 @@ def test_none_means_docker_defaults_and_a_config_passes_through() -> None:
     ({"_target_": DOCKER, "max_output_bytes": True},
      "sandbox.max_output_bytes must be a whole number, got True"),
     ({"_target_": DOCKER, "user": "root"}, "sandbox.user must be a uid other than root"),
+    ({"_target_": DOCKER, "runtime": "run sc"},
+     "sandbox.runtime must be the name of a runtime registered with Docker, e.g. runc or runsc"),
     ({"_target_": "sandboxes.local.LocalSandboxConfig", "nofile": 3},
      "sandbox.nofile must be >= 16, got 3"),
 ], ids=lambda v: v if isinstance(v, str) else None)

@@ -1,5 +1,9 @@
 """Fixtures for the Docker sandbox tests: a real engine (never a mock), small fast limits,
-and a session-wide check that no container carrying the project's label outlives the tests."""
+and a session-wide check that no container carrying the project's label outlives the tests.
+
+``POLYRL_SANDBOX_RUNTIME=runsc`` runs every pool of these tests under that OCI runtime (gVisor)
+instead of Docker's own runc: ``POLYRL_SANDBOX_RUNTIME=runsc pytest tests/sandboxes/docker``.
+The tests skip in one line when the engine does not have it registered."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from sandboxes.docker.engine import LABEL_PID, connect, is_leaked, labelled
 TIMEOUT_S = 2.0
 GRACE_S = 3.0
 SLACK_S = 6.0
+RUNTIME = os.environ.get("POLYRL_SANDBOX_RUNTIME", "runc")  # every test pool's OCI runtime
 
 
 # the processes of the code's uid other than the runner's supervisor and kernel, as a list
@@ -47,6 +52,9 @@ def docker_client() -> Iterator:
     image = DockerSandboxConfig().image
     if not any(image in i.tags for i in client.images.list()):
         pytest.skip(f"image {image} missing; run `python -m sandboxes.docker build-image`")
+    if RUNTIME not in (client.info().get("Runtimes") or {}):
+        pytest.skip(f"POLYRL_SANDBOX_RUNTIME={RUNTIME} is not registered with the engine; "
+                    f"`bash scripts/docker_setup.sh` registers runsc")
     yield client
     client.close()
 
@@ -77,9 +85,10 @@ def no_leaked_containers() -> Iterator[None]:
 
 def small_config(**overrides) -> DockerSandboxConfig:
     values = dict(pool_size=1, max_containers=8, timeout_s=TIMEOUT_S, max_timeout_s=TIMEOUT_S,
-                  host_grace_s=GRACE_S, memory_mb=192, pids_limit=64, cpus=1.0,
+                  host_grace_s=GRACE_S, memory_mb=192, pids_limit=128 if RUNTIME == "runsc" else 64,
+                  cpus=1.0,
                   max_output_bytes=1 << 16, work_dir_mb=16, tmp_mb=8, fsize_mb=8,
-                  lifetime_s=600)
+                  lifetime_s=600, runtime=RUNTIME)
     values.update(overrides)
     return DockerSandboxConfig(**values)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import anyio
@@ -48,7 +49,8 @@ async def test_hardening_is_applied(pool: DockerSandboxPool, docker_client) -> N
     host = attrs["HostConfig"]
     assert host["ReadonlyRootfs"] and host["Init"] and host["AutoRemove"]
     assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"]
-    assert host["NetworkMode"] == "none" and host["PidsLimit"] == 64
+    assert host["NetworkMode"] == "none" and host["PidsLimit"] == pool.config.pids_limit
+    assert host["Runtime"] == pool.config.runtime
     assert host["Memory"] == host["MemorySwap"] == 192 << 20
     assert host["NanoCpus"] == 10**9 and not host["Privileged"]
     assert {u["Name"] for u in host["Ulimits"]} >= {"nofile", "fsize"}
@@ -136,6 +138,33 @@ async def test_missing_image_names_the_build_command(docker_client) -> None:
     with pytest.raises(ImageMissing, match="build-image"):
         async with DockerSandboxPool(DockerSandboxConfig(image="polyrl-no-such-image:0")):
             pass
+
+
+async def test_an_unknown_runtime_is_refused_in_one_line(docker_client) -> None:
+    with pytest.raises(SandboxConfigError) as e:
+        async with DockerSandboxPool(small_config(runtime="polyrl-no-such-runtime")):
+            pass
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("sandbox.runtime=polyrl-no-such-runtime is not a runtime of the "
+                              "Docker engine at ")
+    assert "runc" in message and "sandbox.runtime=runc" in message
+
+
+async def test_the_runtime_is_the_one_configured(docker_client) -> None:
+    """Under runc the code sees the host's kernel; under runsc gVisor's, which calls itself
+    Linux 4.4.0."""
+    runtimes = docker_client.info().get("Runtimes") or {}
+    code = "import os\nprint(os.uname().release)"
+    host = os.uname().release
+    for runtime in ("runc", "runsc"):
+        if runtime not in runtimes:
+            continue
+        config = small_config(runtime=runtime, pool_size=0, pids_limit=128)
+        async with DockerSandboxPool(config) as pool, pool.session() as sb:
+            r = await sb.exec(code)
+        assert r.status == "ok", r.stderr
+        assert r.stdout == ("4.4.0\n" if runtime == "runsc" else f"{host}\n"), (runtime, r.stdout)
 
 
 def test_config_rejects_root_and_nonsense() -> None:
