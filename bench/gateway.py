@@ -131,7 +131,7 @@ PROGRAM: dict[str, Any] = {"calls": 4, "latencies": [], "session": None}
 
 
 def noop_tasks(split: str) -> list[Task]:
-    return list(NoopSpec(PROGRAM["episodes"]).tasks(split)) if split == "train" else []
+    return list(NoopSpec(PROGRAM.get("episodes", 256)).tasks(split)) if split == "train" else []
 
 
 async def agent(task: Task, client: Any) -> float:

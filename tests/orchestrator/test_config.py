@@ -61,7 +61,9 @@ def test_every_group_option_composes_and_instantiates(group: str, option: str) -
         return
     if (group, option) == ("model", "hf"):
         overrides += ["model.path=/nonexistent"]
-    elif group != "model":
+    if (group, option) == ("env", "agent"):  # env.program has no default: bench.gateway's
+        overrides += ["env.program=bench.gateway:agent", "env.tasks=bench.gateway:noop_tasks"]
+    if group != "model":
         overrides += SMALL_MODEL
     cfg = composed(overrides)
     if group != "experiment":  # experiments are overlays on the global package
