@@ -207,18 +207,22 @@ def tiny_model(seed: int) -> dict[str, Any]:
     return {**node, "seed": seed}
 
 
-def torch_engine(model: Mapping[str, Any], weights: WeightUpdate, seed: int,
-                 batching: str) -> InferenceEngine:
-    return TorchEngine(model, weights, max_batch_size=CLIENTS, seed=seed, batching=batching)
+def torch_engine(model: Mapping[str, Any], weights: WeightUpdate | None, seed: int,
+                 batching: str = "continuous", max_batch_size: int = CLIENTS) -> InferenceEngine:
+    return TorchEngine(model, weights, max_batch_size=max_batch_size, seed=seed,
+                       batching=batching)
 
 
-def vllm_engine(model: Mapping[str, Any], weights: WeightUpdate, seed: int) -> InferenceEngine:
+def vllm_engine(model: Mapping[str, Any], weights: WeightUpdate | None, seed: int,
+                **options: Any) -> InferenceEngine:
+    """``options``: more of ``VLLMEngine``'s (``bench.real_model``: no prefix cache)."""
     from orchestrator.engines.vllm_engine import VLLMEngine
 
     # CPU: the KV cache in bytes (1 GiB, kv_cache_bytes=auto); eager (no compile) for a quick
     # start. vLLM has a prefix cache: later turns reuse their conversation's KV.
-    return VLLMEngine(model, weights, kv_cache_bytes="auto", max_num_seqs=CLIENTS,
-                      enforce_eager=not torch.cuda.is_available(), seed=seed)
+    settings = {"kv_cache_bytes": "auto", "max_num_seqs": CLIENTS,
+                "enforce_eager": not torch.cuda.is_available(), "seed": seed, **options}
+    return VLLMEngine(model, weights, **settings)
 
 
 def engines(model: Mapping[str, Any], weights: WeightUpdate,

@@ -83,7 +83,9 @@ from typing import Any
 
 import anyio
 import torch
+from omegaconf import DictConfig
 
+from bench.flops import Shapes
 from bench.peers_trl import (
     BASE,
     REPO,
@@ -182,19 +184,21 @@ def _subprocess(args: list[str], log: Path) -> None:
                          f"{tail}")
 
 
-def run_project(k: int, steps: int, every: int, weights: Path, out: Path) -> Run:
+def run_project(k: int, steps: int, every: int, out: Path, model: Sequence[str],
+                base: Sequence[str] = BASE) -> Run:
+    """``python -m orchestrator`` with experiment ``base`` at ``k``; ``model``: overrides of
+    its model (the warm start's weights, for the default experiment)."""
     run_dir = out / f"k{k}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    _subprocess(["-m", "orchestrator", *BASE, f"pipeline.max_staleness={k}",
+    _subprocess(["-m", "orchestrator", *base, f"pipeline.max_staleness={k}",
                  f"pipeline.num_steps={steps}", "warmstart.steps=0", "eval.num_tasks=0",
                  f"checkpoint.every={every}", f"checkpoint.keep={steps // every + 1}",
-                 "model._target_=bench.peers_trl.warm_policy", f"+model.weights={weights}",
-                 f"hydra.run.dir={run_dir}"], out / f"k{k}.log")
-    return read_project(run_dir, f"polyrl k={k}", every)
+                 *model, f"hydra.run.dir={run_dir}"], out / f"k{k}.log")
+    return read_project(run_dir, f"polyrl k={k}", every, RLSettings.of(experiment(base=base)))
 
 
-def read_project(run_dir: Path, name: str, every: int) -> Run:
+def read_project(run_dir: Path, name: str, every: int, settings: RLSettings) -> Run:
     """A project run from its ``metrics.jsonl`` and periodic checkpoints."""
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     records = sorted((r for r in lines if "reward/mean" in r), key=lambda r: r["step"])
@@ -209,15 +213,18 @@ def read_project(run_dir: Path, name: str, every: int) -> Run:
         final = checkpoints / "final" / "model" / "model.safetensors"
         snapshots.append((len(records), total, final))
     tokens = sum(r["rollout/tokens_per_sample"] for r in records) / len(records)
-    batch = RLSettings.of(experiment()).batch_size
-    return Run(name, [r["reward/mean"] for r in records], total, batch * len(records), snapshots,
-               tokens)
+    return Run(name, [r["reward/mean"] for r in records], total,
+               settings.batch_size * len(records), snapshots, tokens)
 
 
-def run_trl(steps: int, every: int, weights: Path, out: Path, threads: int = TRL_THREADS) -> Run:
+def run_trl(steps: int, every: int, out: Path, threads: int = TRL_THREADS,
+            weights: Path | None = None, name: str = "arithmetic") -> Run:
+    """``python -m bench.peers_trl`` on experiment ``name`` (from ``weights``, the tiny
+    model's warm start, or the experiment's checkpoint)."""
     trl_dir = out / "trl"
     shutil.rmtree(trl_dir, ignore_errors=True)
-    _subprocess(["-m", "bench.peers_trl", "--weights", str(weights), "--out", str(trl_dir),
+    start = ["--weights", str(weights)] if weights is not None else []
+    _subprocess(["-m", "bench.peers_trl", "--experiment", name, *start, "--out", str(trl_dir),
                  "--steps", str(steps), "--every", str(every), "--threads", str(threads)],
                 out / "trl.log")
     return read_trl(trl_dir)
@@ -234,11 +241,10 @@ def read_trl(trl_dir: Path) -> Run:
 # -- evaluation (outside every timed region) ---------------------------------------------------
 
 
-def evaluate_runs(runs: Sequence[Run], weights: Path) -> float:
-    """Greedy accuracy of every run's snapshots (and of the warm start, at 0 s) on the eval
-    split, with one engine; returns the warm start's."""
+def evaluate_runs(runs: Sequence[Run], cfg: DictConfig) -> float:
+    """Greedy accuracy of every run's snapshots (and of the weights ``cfg``'s model starts
+    from, at 0 s) on the eval split, with one engine; returns the start's."""
     torch.set_num_threads(2)
-    cfg = experiment("model._target_=bench.peers_trl.warm_policy", f"+model.weights={weights}")
     model_cfg = section(cfg, "model")
     policy = build_policy(model_cfg)
     spec = build_env(cfg)
@@ -248,16 +254,17 @@ def evaluate_runs(runs: Sequence[Run], weights: Path) -> float:
                                     WeightUpdate.of_module(0, policy.model))
     version = 0
 
-    async def accuracy(path: Path) -> float:
+    async def accuracy(path: Path | None) -> float:
         nonlocal version
-        version += 1
-        load_weights(policy.model, path)
-        await load_into(engine, WeightUpdate.of_module(version, policy.model))
+        if path is not None:
+            version += 1
+            load_weights(policy.model, path)
+            await load_into(engine, WeightUpdate.of_module(version, policy.model))
         return await evaluate(engine, policy.tokenizer, spec, tasks, rollout, Recorder())
 
     async def go() -> float:
         async with engine:
-            warm = await accuracy(weights)
+            warm = await accuracy(None)
             for run in runs:
                 run.accuracy = [(0, 0.0, warm)]
                 for step, at, path in run.snapshots:
@@ -270,48 +277,18 @@ def evaluate_runs(runs: Sequence[Run], weights: Path) -> float:
 # -- the FLOP bound ----------------------------------------------------------------------------
 
 
-def _seconds(fn: Any, min_time: float = 0.03, repeats: int = 5) -> float:
-    """Best mean time of one call of ``fn`` over ``repeats`` rounds of at least ``min_time``
-    (the best: other processes on a shared machine only ever slow it down)."""
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        calls, started = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - started) < min_time or calls < 3:
-            fn()
-            calls += 1
-        best = min(best, elapsed / calls)
-    return best
-
-
-def _linear_seconds(rows: int, fan_in: int, fan_out: int, backward: bool) -> float:
-    """One linear layer's forward on ``rows`` tokens, plus its two backward products."""
-    x, w, dy = torch.randn(rows, fan_in), torch.randn(fan_out, fan_in), torch.randn(rows, fan_out)
-    seconds = _seconds(lambda: torch.nn.functional.linear(x, w))
-    if backward:
-        seconds += _seconds(lambda: dy @ w) + _seconds(lambda: dy.t() @ x)
-    return seconds
-
-
 def flop_bound(tokens_per_sample: float, batch: int) -> dict[str, float]:
     """Samples/s if a step's FLOPs ran at the rate the 2 cores sustain on the model's shapes:
     the better of one process at 2 threads and twice one thread (two workers, a core each)."""
     model = experiment().model
-    h, inter, layers = int(model.hidden_size), int(model.intermediate_size), int(model.num_layers)
-    vocab = CharTokenizer().vocab_size
+    shapes = Shapes.llama(int(model.hidden_size), int(model.intermediate_size),
+                          int(model.num_layers), CharTokenizer().vocab_size)
     prompt = len(CharTokenizer().chat_prompt(arithmetic_spec().tasks("train")[0].messages))
     seq = prompt + tokens_per_sample - 1  # what the trainer (and the rollout) feeds per sample
-    # (in, out) of a layer's matmuls: q k v o, gate up, down
-    shapes = [(h, h)] * 4 + [(h, inter)] * 2 + [(inter, h)]
-    n = layers * sum(i * o for i, o in shapes) + h * vocab  # every matmul's weights, head included
-    attention_fwd = 4 * layers * h * batch * seq * (seq + 1) / 2  # QK^T and AV, causal
-    step_flops = 6 * n * batch * seq + 3 * attention_fwd + 2 * n * batch * seq + attention_fwd
-    all_shapes = [*[s for s in shapes for _ in range(layers)], (h, vocab)]
-
-    def linear_time(rows: int, backward: bool) -> float:
-        return sum(_linear_seconds(rows, i, o, backward) * all_shapes.count((i, o))
-                   for i, o in set(all_shapes))
+    n = shapes.weights  # every matmul's weights, head included
+    # the trainer's forward and backward, and the rollouts' forward (causal attention)
+    step_flops = 4 * batch * shapes.forward_flops(seq, seq * (seq + 1) / 2)
+    linear_time = shapes.linear_time
 
     def sustained(threads: int) -> float:
         torch.set_num_threads(threads)
@@ -335,7 +312,7 @@ def _fmt_time(seconds: float | None, run: Run) -> str:
     return f"{seconds:.1f}" if seconds is not None else f"not reached (best {run.best:.3f})"
 
 
-def report(runs: Sequence[Run], target: float, out: Path) -> float:
+def report(runs: Sequence[Run], target: float, png: Path, **labels: str) -> float:
     """Print the table and write the plot; returns the accuracy the speed-up is taken at."""
     print(f"{'run':<30} {'steps':>6} {'samples/s':>10} {'RL s':>8} {'s to ' + str(target):>24} "
           f"{'acc last':>9} {'acc best':>9} {'reward first/last 10%':>22}")
@@ -347,11 +324,13 @@ def report(runs: Sequence[Run], target: float, out: Path) -> float:
               f"{_fmt_time(run.time_to(target), run):>24} {run.accuracy[-1][2]:>9.3f} "
               f"{run.best:>9.3f} {first:>10.3f} / {last:.3f}")
     common = min(target, *(run.best for run in runs))
-    plot(runs, target, out / "peers.png")
+    plot(runs, target, png, **labels)
     return common
 
 
-def plot(runs: Sequence[Run], target: float, path: Path) -> None:
+def plot(runs: Sequence[Run], target: float, path: Path,
+         reward: str = "training reward (exact match, T=0.85)",
+         held_out: str = "accuracy on the 200 eval tasks") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -367,11 +346,11 @@ def plot(runs: Sequence[Run], target: float, path: Path) -> None:
                   alpha=0.15, lw=0.6)
         right.plot([t for _, t, _ in run.accuracy], [a for _, _, a in run.accuracy], marker=".",
                    color=line.get_color(), label=run.name)
-    left.set(xlabel="train step", ylabel="training reward (exact match, T=0.85)",
+    left.set(xlabel="train step", ylabel=reward,
              title=f"reward per step (faint) and its {window}-step mean")
     right.axhline(target, color="grey", ls="--", lw=0.8)
     right.set(xlabel="RL wall seconds (set-up excluded)", ylabel="held-out greedy accuracy",
-              title="accuracy on the 200 eval tasks")
+              title=held_out)
     left.legend(loc="lower right", fontsize=8)
     right.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -405,14 +384,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     weights, warm = warm_start(out / "warmstart")
     print(f"warm start: {warm['steps']} supervised steps in {warm['seconds']:.1f} s, greedy "
           f"check accuracy {warm['check_accuracy']}; weights in {weights.parent}", flush=True)
-    runs = [run_project(0, steps, args.every, weights, out)]
+    warm = ["model._target_=bench.peers_trl.warm_policy", f"+model.weights={weights}"]
+    runs = [run_project(0, steps, args.every, out, warm)]
     print(runs[-1].line(), flush=True)
-    runs.append(run_project(1, steps, args.every, weights, out))
+    runs.append(run_project(1, steps, args.every, out, warm))
     print(runs[-1].line(), flush=True)
-    runs.append(run_trl(steps, args.every, weights, out, args.trl_threads))
+    runs.append(run_trl(steps, args.every, out, args.trl_threads, weights))
     print(runs[-1].line(), flush=True)
     k0, k1, trl = runs
-    warm_acc = evaluate_runs(runs, weights)
+    warm_acc = evaluate_runs(runs, experiment(*warm))
     settings = RLSettings.of(experiment())
     bound = flop_bound(k1.tokens_per_sample or float(settings.max_tokens), settings.batch_size)
     if not args.keep_snapshots:
@@ -424,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     print(f"warm start greedy accuracy on the eval split: {warm_acc:.3f}; {steps} RL steps of 64 "
           f"samples per run, snapshots every {args.every} steps")
-    common = report(runs, args.target, out)
+    common = report(runs, args.target, out / "peers.png")
     print(f"FLOP bound: {bound['step_gflop']:.2f} GFLOP per step "
           f"({bound['params_matmul'] / 1e6:.2f} M matmul weights, "
           f"{bound['tokens_per_sample_fed']:.1f} tokens fed per sample), "

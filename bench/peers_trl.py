@@ -1,19 +1,24 @@
-"""The TRL side of ``bench.peers``, and what both sides share.
+"""The TRL side of ``bench.peers`` and ``bench.real_model``, and what both sides share.
 
-Shared: the default experiment's config and the RL settings read from it (:class:`RLSettings`),
-the warm-started policy (:func:`warm_policy`, also the project runs' ``model._target_``) and
-the character tokenizer as a Hugging Face one (:func:`char_tokenizer_fast`).
+Shared: an experiment's config (the default one unless told) and the RL settings read from
+it (:class:`RLSettings`), the warm-started policy (:func:`warm_policy`, also the project
+runs' ``model._target_``) and the character tokenizer as a Hugging Face one
+(:func:`char_tokenizer_fast`).
 
-The TRL run (``python -m bench.peers_trl``, started by ``bench.peers`` in a process of its
-own): Hugging Face TRL's ``GRPOTrainer`` on the project's tiny model, task and cores. TRL is
-imported here only, inside :func:`train`.
+The TRL run (``python -m bench.peers_trl``, started by ``bench.peers`` or
+``bench.real_model`` in a process of its own): Hugging Face TRL's ``GRPOTrainer`` on the
+project's model, task and cores. TRL is imported here only, inside :func:`train`.
 
-What it trains: the default ``model=tiny`` policy (:func:`warm_policy`: the tiny
-Llama with eager attention and the supervised warm start's weights) with the character
-tokenizer wrapped as a ``PreTrainedTokenizerFast`` (:func:`char_tokenizer_fast`:
-the same ids, and a chat template that renders the same prompt tokens as
-``CharTokenizer.chat_prompt``), on the arithmetic environment's train split, rewarded by the
-environment's own ``exact_match`` (an async reward function; TRL runs it on its event loop).
+What it trains (:func:`trl_side`): for ``bench.peers``, the default ``model=tiny`` policy
+(:func:`warm_policy`: the tiny Llama with eager attention and the supervised warm start's
+weights) with the character tokenizer wrapped as a ``PreTrainedTokenizerFast``
+(:func:`char_tokenizer_fast`: the same ids, and a chat template that renders the same prompt
+tokens as ``CharTokenizer.chat_prompt``), on the arithmetic environment's train split; for
+``bench.real_model`` (``--experiment rg_smol``, no ``--weights``), the experiment's
+checkpoint (SmolLM2) and its own tokenizer, whose chat template the project renders too. The
+reward is the environment's own, a single-turn episode's (:func:`score`: an async reward
+function; TRL runs it on its event loop). The settings below are the default experiment's;
+any other's are read from its config the same way.
 
 Settings, and why:
 
@@ -70,9 +75,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from envs.base import EnvSpec
+from envs.base import EnvSpec, Task
 from orchestrator.config import build_env, scalar, section, typed
-from orchestrator.models.policy import Policy, tiny_policy
+from orchestrator.models.policy import Policy, build_policy, checkpoint_dir, tiny_policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.rollout import RolloutConfig
 
@@ -80,21 +85,30 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 REPO = Path(__file__).resolve().parents[1]
-BASE = ["experiment=arithmetic", "logger=none", "progress=false", "model.device=cpu"]
+
+
+def base_args(name: str) -> list[str]:
+    """The overrides every run of experiment ``name`` gets here (no logger, no progress bar,
+    on the CPU)."""
+    return [f"experiment={name}", "logger=none", "progress=false", "model.device=cpu"]
+
+
+BASE = base_args("arithmetic")  # the default experiment
 
 # -- what both sides share: the experiment's settings, the model, the tokenizer -----------------
 
 _configs: dict[tuple[str, ...], DictConfig] = {}
 
 
-def experiment(*overrides: str) -> DictConfig:
-    """The default experiment's config (composed once per set of overrides; never at import:
-    ``python -m orchestrator`` imports this module, inside its own Hydra app, for
-    :func:`warm_policy`)."""
-    if overrides not in _configs:
+def experiment(*overrides: str, base: Sequence[str] = BASE) -> DictConfig:
+    """The config of the experiment ``base`` names (the default one unless told), composed
+    once per set of overrides; never at import: ``python -m orchestrator`` imports this
+    module, inside its own Hydra app, for :func:`warm_policy`."""
+    key = (*base, *overrides)
+    if key not in _configs:
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            _configs[overrides] = compose("config", overrides=[*BASE, *overrides])
-    return _configs[overrides]
+            _configs[key] = compose("config", overrides=list(key))
+    return _configs[key]
 
 
 @dataclass(frozen=True)
@@ -180,31 +194,54 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 # -- the TRL run --------------------------------------------------------------------------------
 
 
-def train(weights: Path, out: Path, steps: int, every: int, threads: int, seed: int) -> None:
+async def score(spec: EnvSpec, task: Task, reply: str) -> float:
+    """The reward a single-turn episode answering ``reply`` gets from the environment."""
+    async with spec.make_env() as env:
+        await env.reset(task)
+        await env.step(reply)
+        return (await env.reward()).total
+
+
+def trl_side(cfg: DictConfig, weights: Path | None) -> tuple[torch.nn.Module, Any]:
+    """The model TRL trains and its tokenizer: with ``weights``, the tiny model warm-started
+    from them and the character tokenizer wrapped (:func:`char_tokenizer_fast`); without, the
+    experiment's checkpoint (``model=smollm2``, ``model=hf``) and its own tokenizer, whose
+    chat template renders the prompts as the project's ``HFTokenizer`` does."""
+    node = section(cfg, "model")
+    if weights is not None:
+        tiny = {k: v for k, v in node.items() if k != "_target_"}  # conf/model/tiny
+        return warm_policy(str(weights), **tiny).model, char_tokenizer_fast()
+    from transformers import AutoTokenizer
+
+    directory = checkpoint_dir(node)
+    if directory is None:
+        raise SystemExit("bench.peers_trl: a model built from config needs --weights")
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return build_policy({**node, "device": "cpu"}).model, tokenizer
+
+
+def train(weights: Path | None, out: Path, steps: int, every: int, threads: int, seed: int,
+          base: Sequence[str] = BASE) -> None:
     from datasets import Dataset
     from safetensors.torch import save_file
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from envs.arithmetic import exact_match
-
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    cfg = experiment(f"seed={seed}")
+    cfg = experiment(f"seed={seed}", base=base)
     rl = RLSettings.of(cfg)
     spec = build_env(cfg)
     tasks = {t.id: t for t in spec.tasks("train")}
     dataset = Dataset.from_list([{"prompt": list(t.messages), "task_id": t.id}
                                  for t in tasks.values()])
-    tiny = {k: v for k, v in section(cfg, "model").items() if k != "_target_"}  # conf/model/tiny
-    model = warm_policy(str(weights), **tiny).model
-    tokenizer = char_tokenizer_fast()
+    model, tokenizer = trl_side(cfg, weights)
 
     step_rewards: list[float] = []
 
-    async def exact_match_reward(completions: Sequence[list[dict[str, str]]],
-                                 task_id: Sequence[int], **_: Any) -> list[float]:
-        rewards = [await exact_match(tasks[i], completion[-1]["content"])
+    async def env_reward(completions: Sequence[list[dict[str, str]]],
+                         task_id: Sequence[int], **_: Any) -> list[float]:
+        rewards = [await score(spec, tasks[i], completion[-1]["content"])
                    for completion, i in zip(completions, task_id, strict=True)]
         step_rewards.append(sum(rewards) / len(rewards))
         return rewards
@@ -276,7 +313,7 @@ def train(weights: Path, out: Path, steps: int, every: int, threads: int, seed: 
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / max(rl.warmup_steps, 1)))
     clock = Clock()
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match_reward, args=config,
+    trainer = GRPOTrainer(model=model, reward_funcs=env_reward, args=config,
                           train_dataset=dataset, processing_class=tokenizer,
                           callbacks=[clock], optimizers=(optimizer, schedule))
     trainer.train()
@@ -297,9 +334,12 @@ def train(weights: Path, out: Path, steps: int, every: int, threads: int, seed: 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="TRL GRPOTrainer on the tiny model (bench.peers).")
-    parser.add_argument("--weights", type=Path, required=True,
-                        help="the warm start's model.safetensors")
+    parser = argparse.ArgumentParser(description="TRL GRPOTrainer on an experiment's model and "
+                                                 "task (bench.peers, bench.real_model).")
+    parser.add_argument("--experiment", default="arithmetic",
+                        help="conf/experiment/<name>: its model, task and RL settings")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="the warm start's model.safetensors (the tiny model's)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--every", type=int, required=True, help="steps between weight snapshots")
@@ -307,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    train(args.weights, args.out, args.steps, args.every, args.threads, args.seed)
+    train(args.weights, args.out, args.steps, args.every, args.threads, args.seed,
+          base_args(args.experiment))
 
 
 if __name__ == "__main__":
