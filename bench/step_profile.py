@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = compose("config", overrides=[
             f"pipeline.num_steps={args.steps}", f"warmstart.steps={args.warm_start}",
             "warmstart.target_accuracy=null", "eval.num_tasks=0", "logger=none",
-            "progress=false", "checkpoint.every=0", *args.overrides,
+            "progress=false", "checkpoint.every=0", "checkpoint.every_s=0", *args.overrides,
         ])
         sampler = StackSampler(run_dir / "metrics.jsonl", args.skip, args.steps, args.interval)
         sampler.start()

@@ -10,6 +10,13 @@ One checkpoint directory holds:
   :mod:`orchestrator.resume`);
 * ``MANIFEST.json``, written last: every other file with its size and SHA-256.
 
+A checkpoint is taken in two parts so that the trainer waits only for the first: a
+:class:`TrainerSnapshot` copies the trainer's tensors (:meth:`TrainerSnapshot.capture`), and
+its :meth:`~TrainerSnapshot.write` writes them while training goes on. A snapshot is picklable
+and self-contained: a trainer in a Ray actor hands its snapshot to the driver, which writes
+it into the run directory, so every checkpoint lies beside the run's other files, whichever
+node the trainer ran on.
+
 :class:`CheckpointStore` writes ``<run_dir>/checkpoints/step-<N>/`` atomically: into a
 temporary directory, every file fsynced, the manifest last, then renamed into place. A
 directory without a manifest (a crash mid-write) is never loaded, and one whose files do not
@@ -18,14 +25,17 @@ match their manifest is reported in one line and skipped for the previous one.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -36,34 +46,91 @@ from orchestrator.trainer import TorchTrainer, Trainer
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
+WEIGHTS = "model.safetensors"
+TRAINER_STATE = "trainer.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class Snapshot(Protocol):
+    """A trainer's checkpoint state taken at one moment, written later (in a worker thread)."""
+
+    def write(self, directory: Path) -> Any:
+        """Write the trainer's files (``model/``, ``trainer.pt``) into ``directory``."""
+
+
+@dataclass
+class TrainerSnapshot:
+    """A trainer's checkpoint, copied off its live tensors (:meth:`capture`), so training may
+    go on while it is written (:meth:`write`, in a worker thread). It is self-contained and
+    picklable: a trainer in a Ray actor hands it to the driver, which writes it in the run
+    directory, and a checkpoint read back (:meth:`read`) is shipped the other way to be
+    loaded (:meth:`restore`) wherever the trainer lives."""
+
+    weights: dict[str, torch.Tensor]  # the model's, tied ones once (the first name kept)
+    state: dict[str, Any]  # the rest of the trainer's state_dict: optimiser, schedule, version
+    config: Any = None  # the model's PretrainedConfig (None: read back, not written again)
+    generation_config: Any = None
+    tokenizer: Any = None  # a Hugging Face tokenizer, saved beside the model
+
+    @classmethod
+    def capture(cls, trainer: Trainer) -> TrainerSnapshot:
+        if not isinstance(trainer, TorchTrainer):
+            raise ConfigError(f"cannot checkpoint a {type(trainer).__name__}: only a TorchTrainer "
+                              f"has a model to save")
+        state = dict(trainer.state_dict())
+        model = trainer.model
+        return cls(weights=_untied_copy(state.pop("model")), state=copy.deepcopy(state),
+                   config=model.config, generation_config=getattr(model, "generation_config", None),
+                   tokenizer=getattr(trainer.policy.tokenizer, "_tok", None))
+
+    def write(self, directory: Path) -> Path:
+        from safetensors.torch import save_file
+
+        model_dir = directory / "model"
+        model_dir.mkdir(parents=True, exist_ok=True)
+        if self.config is not None:
+            self.config.save_pretrained(model_dir)
+        if self.generation_config is not None:
+            self.generation_config.save_pretrained(model_dir)
+        save_file(self.weights, str(model_dir / WEIGHTS), metadata={"format": "pt"})
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(model_dir)
+        torch.save(self.state, directory / TRAINER_STATE)
+        return directory
+
+    @classmethod
+    def read(cls, directory: Path) -> TrainerSnapshot:
+        from safetensors.torch import load_file
+
+        return cls(weights=load_file(str(directory / "model" / WEIGHTS)),
+                   state=torch.load(directory / TRAINER_STATE, weights_only=True))
+
+    def restore(self, trainer: TorchTrainer) -> None:
+        trainer.model.load_state_dict(self.weights, strict=False)  # tied weights are saved once
+        trainer.load_state_dict({**self.state, "model": trainer.model.state_dict()})
 
 
 def save_checkpoint(trainer: Trainer, directory: Path) -> Path:
     """Write ``trainer``'s checkpoint (a :class:`TorchTrainer`'s: others have no model here)."""
-    from transformers.utils import logging as hf_logging
-
-    if not isinstance(trainer, TorchTrainer):
-        raise ConfigError(f"cannot checkpoint a {type(trainer).__name__}: only a TorchTrainer "
-                          f"has a model to save")
-    hf_logging.disable_progress_bar()  # the run has its own progress display
-    directory.mkdir(parents=True, exist_ok=True)
-    trainer.model.save_pretrained(directory / "model", safe_serialization=True)
-    tokenizer = getattr(trainer.policy.tokenizer, "_tok", None)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory / "model")
-    state = {k: v for k, v in trainer.state_dict().items() if k != "model"}
-    torch.save(state, directory / "trainer.pt")
-    return directory
+    return TrainerSnapshot.capture(trainer).write(directory)
 
 
 def load_checkpoint(trainer: TorchTrainer, directory: Path) -> None:
-    from safetensors.torch import load_file
+    TrainerSnapshot.read(directory).restore(trainer)
 
-    weights = load_file(str(directory / "model" / "model.safetensors"))
-    trainer.model.load_state_dict(weights, strict=False)  # tied weights are saved once
-    state = torch.load(directory / "trainer.pt", weights_only=True)
-    trainer.load_state_dict({**state, "model": trainer.model.state_dict()})
+
+def _untied_copy(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU copies of ``weights``; a tensor sharing another's storage (a tied LM head) is left
+    out, as ``save_pretrained`` leaves it."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in weights.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        out[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    return out
 
 
 class CorruptCheckpoint(Exception):

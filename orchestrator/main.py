@@ -5,10 +5,11 @@ A training run builds the policy, environment, algorithm and trainer the config 
 (:func:`orchestrator.replay.replay_parts`). Either way the parts go through the one run loop
 (:func:`orchestrator.runloop.run_session`) and the one run-directory writer
 (:class:`orchestrator.rundir.RunDir`): ``config.yaml``, ``metrics.jsonl``, the PolyTrace
-files, ``samples.jsonl``, ``spans.jsonl``, ``timeline.json``, ``summary.json``, periodic
-checkpoints ``checkpoints/step-<N>/`` to resume from (every ``checkpoint.every`` steps, when a
-signal stops the run, and after a crash when the trainer still holds the last step's
-weights) and ``checkpoints/final/``. Everything but the final checkpoint is written even when
+files, ``samples.jsonl``, ``spans/``, ``timeline.json``, ``summary.json``, periodic
+checkpoints ``checkpoints/step-<N>/`` to resume from (at the end of the first step a minute,
+``checkpoint.every_s``, after the last one began, or every ``checkpoint.every`` steps; when a
+signal stops the run; after a crash when the trainer still holds the last step's weights)
+and ``checkpoints/final/``. Everything but the final checkpoint is written even when
 the run fails part-way.
 
 ``run(cfg, run_dir, resume_from=<checkpoint>)`` continues a run in its own directory (see
@@ -40,7 +41,7 @@ from orchestrator.models.policy import build_policy
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.resume import RunState, restore_rng, truncate_after
+from orchestrator.resume import RunState, restore_rng, steps_before, truncate_after
 from orchestrator.rollout import RolloutConfig
 from orchestrator.rundir import RunDir
 from orchestrator.runloop import (
@@ -80,28 +81,44 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> RunR
                 raise ConfigError("a replay has nothing to resume: it runs in virtual time")
             from orchestrator.replay import replay_parts
 
-            parts = replay_parts(cfg)
-        else:
-            check_target(cfg, "launcher")
-            launcher: Launcher = resources.enter_context(instantiate(cfg.launcher))
+            return _run(cfg, replay_parts(cfg), run_dir)
+        check_target(cfg, "launcher")
+        launcher: Launcher = resources.enter_context(instantiate(cfg.launcher))
+        while True:
             parts = training_parts(cfg, launcher, resume_from)
-        return _run(cfg, parts, run_dir)
+            try:
+                return _run(cfg, parts, run_dir)
+            except BaseException as error:
+                # a launcher that replaced what it lost (a dead trainer actor) goes on from the
+                # last checkpoint, as resume= would, without the user
+                if not launcher.recover(error):
+                    raise
+                checkpoint = CheckpointStore(run_dir / "checkpoints").latest_valid()
+                if checkpoint is None:
+                    raise
+                log.warning("restarting from %s", checkpoint)
+                resume_from = checkpoint
 
 
 def _run(cfg: DictConfig, parts: RunParts, run_dir: Path) -> RunResult:
     check_target(cfg, "logger")
     logger: Logger = instantiate(cfg.logger)
+    earlier: list[dict] = []
     if parts.resume is not None:
         truncate_after(run_dir, parts.resume.step)  # steps past the checkpoint are redone
+        earlier = steps_before(run_dir, parts.resume.step)  # the summary covers the whole run
         logger.resume_id = parts.resume.logger_run_id
     out = RunDir(run_dir, OmegaConf.to_container(cfg, resolve=True), [logger],  # type: ignore[arg-type]
                  parts.rollout.max_total_tokens)
     checkpointer = None
-    if parts.checkpoint is not None and parts.save_checkpoint is not None:
+    if parts.checkpoint is not None and parts.snapshot_trainer is not None:
         checkpointer = Checkpointer(
-            CheckpointStore(out.path / "checkpoints", parts.checkpoint.keep), parts.checkpoint.every,
-            parts.save_checkpoint, parts.trainer, logger_run_id=lambda: logger.run_id,
+            CheckpointStore(out.path / "checkpoints", parts.checkpoint.keep), parts.checkpoint,
+            parts.snapshot_trainer, parts.trainer, logger_run_id=lambda: logger.run_id,
             last_saved=parts.resume.step if parts.resume is not None else -1)
+        if parts.resume is not None:
+            carried = parts.resume.extra
+            checkpointer.carried = {**carried, "resumes": carried.get("resumes", 0) + 1}
     result = RunResult(run_dir=run_dir)
     failed = True
     try:
@@ -116,11 +133,11 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path) -> RunResult:
                 if saved is not None:
                     log.warning("the run failed; checkpoint of its last step at %s", saved)
             raise
-        if parts.save_checkpoint:
-            parts.save_checkpoint(out.checkpoint_dir("final"))
+        if parts.snapshot_trainer:
+            parts.snapshot_trainer().write(out.checkpoint_dir("final"))
         failed = False
     finally:
-        result.summary = summarise(result)
+        result.summary = summarise(result, earlier, checkpointer)
         if parts.describe is not None and result.reports:
             result.summary.update(parts.describe(result))
         out.close(result.summary, failed)
@@ -195,7 +212,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None,
         eval_every=eval_cfg.every,
         progress=scalar(cfg, "progress", bool),
         progress_every=scalar(cfg, "progress_every", float),
-        save_checkpoint=partial(launcher.save_checkpoint, trainer),
+        snapshot_trainer=partial(launcher.snapshot, trainer),
     )
 
 

@@ -105,6 +105,16 @@ def truncate_after(run_dir: Path, step: int) -> None:
     drop_steps_from(run_dir, step)
 
 
+def steps_before(run_dir: Path, step: int) -> list[dict[str, Any]]:
+    """The ``metrics.jsonl`` records of steps ``0 .. step - 1`` (a resumed run's summary
+    covers them too)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = [_parse(line) for line in path.read_text().splitlines()]
+    return [r for r in records if r is not None and _metrics_line_kept_record(r, step)]
+
+
 def _parse(line: str) -> dict[str, Any] | None:
     try:
         record = json.loads(line)
@@ -115,8 +125,11 @@ def _parse(line: str) -> dict[str, Any] | None:
 
 def _metrics_line_kept(line: str, step: int) -> bool:
     record = _parse(line)
-    return (record is not None and record.get("step", step) < step
-            and not any(k.startswith("summary/") for k in record))
+    return record is not None and _metrics_line_kept_record(record, step)
+
+
+def _metrics_line_kept_record(record: dict[str, Any], step: int) -> bool:
+    return record.get("step", step) < step and not any(k.startswith("summary/") for k in record)
 
 
 def _sample_line_kept(line: str, step: int) -> bool:

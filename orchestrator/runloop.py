@@ -20,16 +20,18 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import anyio
+from anyio.abc import TaskGroup
 
 from envs.base import Clock, EnvSpec, Task
-from orchestrator.checkpoint import CheckpointStore
+from orchestrator.checkpoint import CheckpointStore, Snapshot
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError, RunAborted
 from orchestrator.evaluate import evaluate
@@ -50,70 +52,159 @@ WarmStart = Callable[[InferenceEngine, Recorder], Awaitable[int]]
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 20  # steps between periodic checkpoints (0: none; a signal still writes one)
+    every_s: float = 60.0  # a checkpoint at the end of the first step this many wall seconds
+    #                        after the last one began (0: not by time)
+    every: int = 0  # and/or every this many steps (0: not by count); a signal always writes one
     keep: int = 2  # the newest periodic checkpoints kept (CheckpointStore checks it)
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ConfigError(f"checkpoint.every must be >= 0, got {self.every}")
+        if self.every_s < 0:
+            raise ConfigError(f"checkpoint.every_s must be >= 0, got {self.every_s}")
 
 
-@dataclass
 class Checkpointer:
-    """The run's periodic checkpoints: every ``every`` steps, and when the run stops early.
+    """The run's periodic checkpoints, written off the trainer's path.
 
-    :meth:`capture` snapshots the run's state at the end of each step (cheap: the sampler's
-    lists, the RNG states); :meth:`save` writes the trainer and that snapshot atomically.
-    After a crash, :meth:`save_last` writes the last snapshot if the trainer still holds the
-    weights it describes (a step that was cut short leaves them changed: then the previous
+    :meth:`capture` notes the run's state at the end of each step (cheap: the sampler's lists,
+    the RNG states). When a checkpoint is due (:meth:`due`: ``every_s`` wall seconds since the
+    last one began, or ``every`` steps), :meth:`checkpoint` takes a snapshot of the trainer
+    (its tensors copied; the only part the trainer waits for) and writes it with that state in
+    a worker thread while training goes on; the next snapshot waits for a write still going,
+    so at most one copy is held. A slow step (longer than ``every_s``) gets a checkpoint after
+    it. Each write is a span (``checkpoint_snapshot`` on the trainer's path,
+    ``checkpoint_write`` in the background) and is logged at DEBUG only: the progress line
+    says how long ago the last one was written.
+
+    After a crash, :meth:`save_last` writes the last captured state if the trainer still holds
+    the weights it describes (a step that was cut short leaves them changed: then the previous
     periodic checkpoint is the one to resume from).
     """
 
-    store: CheckpointStore
-    every: int
-    save_trainer: Callable[[Path], None]
-    trainer: Trainer
-    logger_run_id: Callable[[], str | None] = lambda: None
-    last_saved: int = -1  # the step (``RunState.step``) of the newest checkpoint written
-    _state: RunState | None = None
-    _rng: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, store: CheckpointStore, config: CheckpointConfig,
+                 snapshot: Callable[[], Snapshot], trainer: Trainer,
+                 logger_run_id: Callable[[], str | None] = lambda: None, last_saved: int = -1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.config = config
+        self.snapshot = snapshot  # the trainer's state, copied (blocking: call in a thread)
+        self.trainer = trainer
+        self.logger_run_id = logger_run_id
+        self.last_saved = last_saved  # the step (``RunState.step``) of the newest one written
+        self.last_saved_at: float | None = None  # when (``clock``) it was written
+        self.on_written: Callable[[int], None] = lambda step: None
+        self.recorder = Recorder()
+        self._clock = clock
+        self._last_begun = clock()  # the run's start counts as a checkpoint for every_s
+        self._begun_step = last_saved
+        self._state: RunState | None = None
+        self._rng: dict[str, Any] = {}
+        self._written: anyio.Event | None = None  # set when the write in progress ends
+        self._tg: TaskGroup | None = None
+        self._count = 0
+        self.carried: dict[str, float] = {}  # totals of the run's earlier processes (resumed)
 
-    def capture(self, pipeline: Pipeline, result: RunResult, step: int) -> None:
+    def totals(self) -> dict[str, float]:
+        """The whole run's checkpoints: how many, the seconds the trainer waited for their
+        snapshots (``checkpoint_pause_s``) and the seconds spent writing them in the
+        background (``checkpoint_write_s``), and how many times the run was resumed."""
+        now = {"checkpoints": self._count,
+               "checkpoint_pause_s": self.recorder.seconds("checkpoint_snapshot"),
+               "checkpoint_write_s": self.recorder.seconds("checkpoint_write")}
+        totals = {k: self.carried.get(k, 0) + v for k, v in now.items()}
+        totals["resumes"] = self.carried.get("resumes", 0)
+        return totals
+
+    @asynccontextmanager
+    async def writing(self) -> AsyncIterator[Self]:
+        """Background writes run in here; leaving waits for the last one."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            try:
+                yield self
+            finally:
+                self._tg = None
+
+    def capture(self, sampler: TaskSampler, dropped: int, result: RunResult, step: int) -> None:
         self._state = RunState(
-            step=step, version=self.trainer.version, sampler=pipeline.sampler.state_dict(),
-            dropped=pipeline.staleness.dropped, warm_start_steps=result.warm_start_steps,
+            step=step, version=self.trainer.version, sampler=sampler.state_dict(),
+            dropped=dropped, warm_start_steps=result.warm_start_steps,
             eval_before=result.eval_before, logger_run_id=self.logger_run_id())
         self._rng = capture_rng()
 
     def due(self) -> bool:
-        return (self.every > 0 and self._state is not None
-                and self._state.step % self.every == 0)
+        state, cfg = self._state, self.config
+        if state is None or state.step == self._begun_step:
+            return False
+        return ((cfg.every > 0 and state.step % cfg.every == 0)
+                or (cfg.every_s > 0 and self._clock() - self._last_begun >= cfg.every_s))
+
+    async def checkpoint(self) -> None:
+        """Snapshot the trainer now and write the checkpoint in the background."""
+        state, rng = self._state, self._rng
+        if state is None or state.step == self._begun_step:
+            return
+        await self._wait_written()
+        self._begun_step, self._last_begun = state.step, self._clock()
+        with self.recorder.span("checkpoint_snapshot", "trainer", state.version, step=state.step):
+            snapshot = await anyio.to_thread.run_sync(self.snapshot)
+        self._written = written = anyio.Event()
+        if self._tg is None:  # not inside writing(): write it here
+            await self._write_in_thread(state, rng, snapshot, written)
+        else:
+            self._tg.start_soon(self._write_in_thread, state, rng, snapshot, written)
 
     async def save(self) -> Path | None:
-        """The last snapshot, written (once) in a worker thread; its path, or None if no step
-        has finished."""
-        return await anyio.to_thread.run_sync(self._save_snapshot)
+        """The last captured state, written now (once); its path, or None if no step has
+        finished. Returns when it is on disk."""
+        await self.checkpoint()
+        await self._wait_written()
+        return self.store.path(self.last_saved) if self.last_saved >= 0 else None
 
     def save_last(self) -> Path | None:
-        """After a crash: the last snapshot, when the trainer is still at its version."""
-        if self._state is None or self.trainer.version != self._state.version:
-            return None
-        return self._save_snapshot()
-
-    def _save_snapshot(self) -> Path | None:
-        state, rng = self._state, self._rng
+        """After a crash (outside the event loop): the last captured state, when the trainer is
+        still at its version."""
+        state = self._state
         if state is None:
             return None
         if state.step == self.last_saved:
             return self.store.path(state.step)
+        if self.trainer.version != state.version:
+            return None
+        try:
+            snapshot = self.snapshot()
+        except RunAborted as error:  # the trainer itself is gone
+            log.warning("no checkpoint of the last step: %s", error)
+            return None
+        return self._write(state, self._rng, snapshot)
+
+    async def _wait_written(self) -> None:
+        if self._written is not None:
+            await self._written.wait()
+
+    async def _write_in_thread(self, state: RunState, rng: dict[str, Any], snapshot: Snapshot,
+                               written: anyio.Event) -> None:
+        try:
+            with self.recorder.span("checkpoint_write", "checkpointer", state.version,
+                                    step=state.step):
+                await anyio.to_thread.run_sync(self._write, state, rng, snapshot)
+        finally:
+            written.set()
+
+    def _write(self, state: RunState, rng: dict[str, Any], snapshot: Snapshot) -> Path:
+        totals = self.totals()  # as of this snapshot (its own write still going)
+        counted = replace(state, extra={**totals, "checkpoints": totals["checkpoints"] + 1})
 
         def write(directory: Path) -> None:
-            self.save_trainer(directory)
-            state.write(directory, rng)
+            snapshot.write(directory)
+            counted.write(directory, rng)
 
         path = self.store.save(state.step, write)
-        self.last_saved = state.step
-        log.info("checkpoint: step %d at %s", state.step, path)
+        self.last_saved, self.last_saved_at = state.step, self._clock()
+        self._count += 1
+        log.debug("checkpoint: step %d at %s", state.step, path)
+        self.on_written(state.step)
         return path
 
 
@@ -135,12 +226,13 @@ class RunParts:
     eval_every: int = 0  # steps between evaluations during RL (0: before and after only)
     progress: bool = False
     progress_every: float = 10.0  # seconds between progress lines when stdout is not a TTY
-    save_checkpoint: Callable[[Path], None] | None = None
+    # the trainer's state copied for a checkpoint (blocking); None: no checkpoints
+    snapshot_trainer: Callable[[], Snapshot] | None = None
     anyio_backend: str = "asyncio"
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     # (result) -> extra summary entries: replay adds its virtual-time figures
     describe: Callable[[RunResult], dict[str, Any]] | None = None
-    checkpoint: CheckpointConfig | None = None  # periodic checkpoints (with save_checkpoint)
+    checkpoint: CheckpointConfig | None = None  # periodic checkpoints (with snapshot_trainer)
     keep_batches: bool = False  # keep each report's trained groups in RunResult.reports
     resume: RunState | None = None  # the checkpoint a resumed run goes on from
 
@@ -177,7 +269,7 @@ async def run_session(parts: RunParts, result: RunResult,
     recorder = make_recorder(parts.clock)
     result.recorder = recorder
     resume = parts.resume
-    async with parts.spec.running():
+    async with parts.spec.running(), _checkpoints(checkpointer, recorder):
         update = await parts.trainer.weights()
         engine = parts.make_engine(update, recorder)
         update.release()
@@ -192,6 +284,11 @@ async def run_session(parts: RunParts, result: RunResult,
                 if parts.eval_tasks:
                     result.eval_before = await _evaluate(engine, parts, recorder)
                     log.info("eval before RL: %.3f", result.eval_before)
+                if checkpointer is not None:  # a long warm start is work worth keeping too
+                    checkpointer.capture(parts.sampler, 0, result, 0)
+                    if checkpointer.due():
+                        await checkpointer.checkpoint()
+
             async def step_done(report: StepReport) -> None:
                 # The batch goes to on_step (the run directory) and is dropped here, unless the
                 # parts need it afterwards (a replay's fidelity figures): memory stays bounded.
@@ -200,13 +297,16 @@ async def run_session(parts: RunParts, result: RunResult,
                     on_step(report)
                 progress.update(report)
                 if checkpointer is not None:
-                    checkpointer.capture(pipeline, result, report.step + 1)
+                    checkpointer.capture(pipeline.sampler, pipeline.staleness.dropped, result,
+                                         report.step + 1)
                     if checkpointer.due():
-                        await checkpointer.save()
+                        await checkpointer.checkpoint()
 
             start = resume.step if resume is not None else 0
             with StepProgress(parts.pipeline.num_steps, enabled=parts.progress,
                               completed=start, interval=parts.progress_every) as progress:
+                if checkpointer is not None:
+                    checkpointer.on_written = progress.checkpointed
                 pipeline = Pipeline(parts.pipeline, parts.rollout, engine, parts.trainer,
                                     parts.tokenizer, parts.spec, parts.sampler, recorder, step_done,
                                     start_step=start, dropped=resume.dropped if resume else 0,
@@ -227,6 +327,16 @@ async def run_session(parts: RunParts, result: RunResult,
             if parts.eval_tasks:
                 result.eval_after = await _evaluate(engine, parts, recorder)
                 log.info("eval after RL: %.3f", result.eval_after)
+
+
+@asynccontextmanager
+async def _checkpoints(checkpointer: Checkpointer | None, recorder: Recorder) -> AsyncIterator[None]:
+    if checkpointer is None:
+        yield
+        return
+    checkpointer.recorder = recorder
+    async with checkpointer.writing():
+        yield
 
 
 async def _stop_on_signal(pipeline: Pipeline, result: RunResult, scope: anyio.CancelScope) -> None:
@@ -251,23 +361,34 @@ async def _evaluate(engine: InferenceEngine, parts: RunParts, recorder: Recorder
                           recorder)
 
 
-def summarise(result: RunResult) -> dict[str, Any]:
-    reports = result.reports
-    if not reports:
+def summarise(result: RunResult, earlier: Sequence[Mapping[str, Any]] = (),
+              checkpointer: Checkpointer | None = None) -> dict[str, Any]:
+    """The run's figures. A resumed run's cover the whole run: ``earlier`` are the
+    ``metrics.jsonl`` records of the steps before this process's first (see
+    :func:`orchestrator.resume.steps_before`)."""
+    steps = [(m["reward/mean"], m["time/step"], m["throughput/samples_per_s"] * m["time/step"])
+             for m in earlier]
+    steps += [(r.reward_mean, r.elapsed, r.samples) for r in result.reports]
+    if not steps:
         return {}
-    tenth = max(1, len(reports) // 10)
-    first = sum(r.reward_mean for r in reports[:tenth]) / tenth
-    last = sum(r.reward_mean for r in reports[-tenth:]) / tenth
-    wall = sum(r.elapsed for r in reports)
-    samples = sum(r.samples for r in reports)
-    return {
-        "steps": len(reports),
+    tenth = max(1, len(steps) // 10)
+    first = sum(r for r, _, _ in steps[:tenth]) / tenth
+    last = sum(r for r, _, _ in steps[-tenth:]) / tenth
+    wall = sum(e for _, e, _ in steps)
+    samples = sum(n for _, _, n in steps)
+    dropped = (result.reports[-1].dropped_total if result.reports
+               else int(earlier[-1]["staleness/dropped_total"]))
+    summary = {
+        "steps": len(steps),
         "warm_start_steps": result.warm_start_steps,
         "reward_first_10pct": first,
         "reward_last_10pct": last,
         "eval_before": result.eval_before,
         "eval_after": result.eval_after,
-        "dropped_stale": reports[-1].dropped_total,
+        "dropped_stale": dropped,
         "samples_per_s": samples / max(wall, 1e-9),
         "rl_seconds": wall,
     }
+    if checkpointer is not None:
+        summary.update(checkpointer.totals())
+    return summary

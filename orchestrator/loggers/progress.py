@@ -3,7 +3,9 @@
 When stdout is a terminal the bar shows the step, reward (an exponential average),
 throughput and the time left. When it is not (CI logs, ``nohup``, a pipe into a file) a bar
 would print nothing readable, so every ``interval`` seconds one line is logged instead —
-step, reward, samples/s over the interval, ETA — and the last step always gets its line.
+step, reward, samples/s over the interval, ETA, how long ago the last checkpoint was written
+(:meth:`StepProgress.checkpointed`; checkpoints log nothing of their own at INFO) — and the
+last step always gets its line.
 """
 
 from __future__ import annotations
@@ -57,15 +59,29 @@ class StepProgress:
             TextColumn("{task.fields[samples_per_s]:.0f} samples/s"),
             TextColumn("{task.fields[tokens_per_s]:.0f} tok/s"),
             TextColumn("stale-dropped {task.fields[dropped]}"),
+            TextColumn("{task.fields[checkpoint]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             disable=not (enabled and self.interactive),
         )
         self._task = self._progress.add_task(
-            description, total=total, completed=completed, reward=0.0, samples_per_s=0.0, tokens_per_s=0.0, dropped=0
+            description, total=total, completed=completed, reward=0.0, samples_per_s=0.0, tokens_per_s=0.0, dropped=0,
+            checkpoint=""
         )
         self._reward_ema: float | None = None
         self._samples_since_line = 0
+        self._checkpoint: tuple[int, float] | None = None  # (step, when) of the last written
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint of ``step`` steps is on disk (called from any thread)."""
+        self._checkpoint = (step, self._clock())
+        self._progress.update(self._task, checkpoint=f"checkpoint @{step}")
+
+    def _checkpoint_age(self, now: float) -> str:
+        if self._checkpoint is None:
+            return "no checkpoint yet"
+        step, at = self._checkpoint
+        return f"checkpoint @{step} {_duration(now - at)} ago"
 
     def __enter__(self) -> Self:
         self._progress.start()
@@ -97,10 +113,10 @@ class StepProgress:
     def _log_line(self, now: float) -> None:
         window = max(now - self._last_line, 1e-9)
         per_step = (now - self._started) / max(self._done - self._done_at_start, 1)
-        log.info("%s step %d/%d (%d%%)  reward %.3f  %.0f samples/s  stale-dropped %d  ETA %s",
+        log.info("%s step %d/%d (%d%%)  reward %.3f  %.0f samples/s  stale-dropped %d  %s  ETA %s",
                  self.description, self._done, self.total, 100 * self._done // max(self.total, 1),
                  self._reward_ema or 0.0, self._samples_since_line / window,
-                 self._progress.tasks[0].fields["dropped"],
+                 self._progress.tasks[0].fields["dropped"], self._checkpoint_age(now),
                  _duration(per_step * (self.total - self._done)))
         self._last_line = now
         self._samples_since_line = 0

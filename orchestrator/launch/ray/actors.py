@@ -20,7 +20,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -40,7 +39,7 @@ from orchestrator.weights import WeightUpdate
 
 class WeightsLost(RunAborted):
     """An engine could not pull weights from the object store: their owner, the trainer actor,
-    died (a trainer is not restarted)."""
+    died."""
 
 
 @contextmanager
@@ -50,8 +49,7 @@ def _pulling(update: WeightUpdate) -> Iterator[None]:
     except ObjectLostError as error:
         raise WeightsLost(
             f"the weights of version {update.version} are gone from the object store "
-            f"({type(error).__name__}): the trainer actor that put them died; launcher=ray does "
-            f"not restart a trainer, so the run ends here") from error
+            f"({type(error).__name__}): the trainer actor that put them died") from error
 
 
 @dataclass(frozen=True)
@@ -243,16 +241,20 @@ class TrainerActor(_Reporting):
         trainer.load_state_dict(state)
         return trainer.version
 
-    async def save_checkpoint(self, directory: str) -> None:
-        """A checkpoint written on this actor's node (its file system, not the driver's)."""
-        from orchestrator.checkpoint import save_checkpoint
-        await anyio.to_thread.run_sync(save_checkpoint, self._built(), Path(directory))
+    async def snapshot(self) -> list[Any]:
+        """The trainer's checkpoint state, copied before this returns (so no step can change
+        it) and put into the object store for the driver to write: ``[ref]`` (a ref in a list
+        is handed back as a ref, not fetched)."""
+        from orchestrator.checkpoint import TrainerSnapshot
 
-    async def load_checkpoint(self, directory: str) -> int:
-        """Load a checkpoint from this actor's node; returns the restored version."""
-        from orchestrator.checkpoint import load_checkpoint
+        with self._spans.span("checkpoint_copy", self._built().version):
+            snapshot = TrainerSnapshot.capture(self._built())
+        return [await anyio.to_thread.run_sync(ray.put, snapshot)]
+
+    async def restore(self, snapshot: Any) -> int:
+        """Load a checkpoint the driver read from the run directory; returns its version."""
         trainer = self._built()
-        await anyio.to_thread.run_sync(load_checkpoint, trainer, Path(directory))
+        await anyio.to_thread.run_sync(snapshot.restore, trainer)
         return trainer.version
 
     async def version(self) -> int:

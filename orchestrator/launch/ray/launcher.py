@@ -15,8 +15,9 @@ that asks for resources no node has, ends with one sentence naming the key to ch
 
 Weights: after each step the trainer actor puts the new weights into the object store once and
 every engine actor pulls them (see :mod:`orchestrator.weights`); engine faults are survived
-(:mod:`~.engines`), a trainer fault ends the run (:mod:`~.trainer`); spans come back from every
-actor (:mod:`~.spans`).
+(:mod:`~.engines`); a dead trainer actor is replaced and the run goes on from its last
+checkpoint, written by the driver in its own run directory (:meth:`RayLauncher.recover`,
+:mod:`~.trainer`); spans come back from every actor (:mod:`~.spans`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orchestrator.checkpoint import Snapshot
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
-from orchestrator.launch.ray.actors import ActorInfo, EngineActor, TrainerActor
+from orchestrator.launch.ranks import RankGroup, world_size
+from orchestrator.launch.ray.actors import ActorInfo, EngineActor, TrainerActor, WeightsLost
 from orchestrator.launch.ray.engines import EngineRouter, RayEngine
+from orchestrator.launch.ray.ranks import RankActor, ray_rank_group
 from orchestrator.launch.ray.remote import RayActorError, result_now
 from orchestrator.launch.ray.spans import SpanCollector
 from orchestrator.launch.ray.trainer import RayTrainer, TrainerLost
@@ -123,8 +127,12 @@ class RayConfig:
     span_flush_s: float = 5.0
     affinity_slack: int | None = 8
     namespace: str = "polyrl"
+    trainer_max_restarts: int = 3  # launcher.trainer.max_restarts
 
     def __post_init__(self) -> None:
+        if self.trainer_max_restarts < 0:
+            raise ConfigError(f"launcher.trainer.max_restarts must be >= 0, got "
+                              f"{self.trainer_max_restarts}")
         if self.num_engines < 1:
             raise ConfigError(f"launcher.num_engines must be >= 1, got {self.num_engines}")
         if self.placement not in PLACEMENTS:
@@ -145,19 +153,31 @@ class RayLauncher(Launcher):
                  engine: Mapping[str, Any] | None = None, trainer: Mapping[str, Any] | None = None,
                  placement: str = "pack", connect_timeout_s: float = 30.0,
                  engine_restart_timeout_s: float = 120.0, span_flush_s: float = 5.0,
-                 affinity_slack: int | None = 8, namespace: str = "polyrl") -> None:
+                 affinity_slack: int | None = 8, namespace: str = "polyrl",
+                 trainer_ranks: int | None = None) -> None:
+        if trainer_ranks is not None and (not isinstance(trainer_ranks, int) or trainer_ranks < 1):
+            raise ConfigError(f"trainer.world_size must be an integer >= 1 or null, got "
+                              f"{trainer_ranks!r}")
+        self.ranks = trainer_ranks or 1  # trainer bundles: one per rank (trainer.world_size)
+        trainer = dict(trainer or {})
+        max_restarts = trainer.pop("max_restarts", RayConfig.trainer_max_restarts)
+        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool):
+            raise ConfigError(f"launcher.trainer.max_restarts must be a whole number, got "
+                              f"{max_restarts!r}")
         self.config = RayConfig(
             address=str(address) if address else None, num_engines=num_engines,
             engine=ActorResources.of("launcher.engine", engine),
             trainer=ActorResources.of("launcher.trainer", trainer), placement=placement,
             connect_timeout_s=connect_timeout_s, engine_restart_timeout_s=engine_restart_timeout_s,
-            span_flush_s=span_flush_s, affinity_slack=affinity_slack, namespace=namespace)
+            span_flush_s=span_flush_s, affinity_slack=affinity_slack, namespace=namespace,
+            trainer_max_restarts=max_restarts)
         self.run_id = f"polyrl-{uuid.uuid4().hex[:8]}"  # names this run's actors in the cluster
         self.spans = SpanCollector()
         self._owns_ray = False
         self._group: PlacementGroup | None = None
         self._actors: list[Any] = []
         self._trainer: RayTrainer | None = None
+        self.trainer_restarts = 0
 
     # -- connecting and placing ------------------------------------------------------------
 
@@ -194,7 +214,7 @@ class RayLauncher(Launcher):
 
     def _place(self) -> None:
         config = self.config
-        bundles = [config.trainer.bundle()] + [config.engine.bundle()] * config.num_engines
+        bundles = [config.trainer.bundle()] * self.ranks + [config.engine.bundle()] * config.num_engines
         self._check_fits()
         group = placement_group(bundles, strategy=PLACEMENTS[config.placement],
                                 name=self.run_id)
@@ -222,7 +242,9 @@ class RayLauncher(Launcher):
             if not any(all(node.get(r, 0.0) >= a for r, a in bundle.items()) for node in nodes):
                 raise ConfigError(f"{key} asks for {bundle}, which no single node has "
                                   f"(cluster: {cluster})")
-        need: Counter[str] = Counter(config.trainer.bundle())
+        need: Counter[str] = Counter()
+        for _ in range(self.ranks):
+            need.update(config.trainer.bundle())
         for _ in range(config.num_engines):
             need.update(config.engine.bundle())
         for resource, amount in need.items():
@@ -241,8 +263,11 @@ class RayLauncher(Launcher):
     # -- Launcher --------------------------------------------------------------------------
 
     def trainer(self, recipe: TrainerRecipe) -> Trainer:
+        size = world_size(recipe)
+        if size is not None:
+            return self._rank_group(recipe, size)
         spec = self.config.trainer
-        name = f"{self.run_id}-trainer"
+        name = f"{self.run_id}-trainer" + (f"-{self.trainer_restarts}" if self.trainer_restarts else "")
         actor = ray.remote(TrainerActor).options(
             name=name, max_restarts=0, scheduling_strategy=self._bundle(0), **spec.options(),
         ).remote(recipe, "trainer", spec.threads)
@@ -267,7 +292,7 @@ class RayLauncher(Launcher):
             name = f"engine-{i}"
             actor = ray.remote(EngineActor).options(
                 name=f"{self.run_id}-{name}", max_restarts=-1, max_task_retries=0,
-                scheduling_strategy=self._bundle(1 + i), **spec.options(),
+                scheduling_strategy=self._bundle(self.ranks + i), **spec.options(),
             ).remote(_seeded(recipe, i), name, spec.threads)
             self._actors.append(actor)
             engines.append(RayEngine(actor, name))
@@ -282,26 +307,89 @@ class RayLauncher(Launcher):
         """Send the actors' spans to the run's ``recorder`` (on its clock)."""
         self.spans.record_to(recorder)
 
-    def save_checkpoint(self, trainer: Trainer, directory: Path) -> None:
+    def _rank_group(self, recipe: TrainerRecipe, size: int) -> RankGroup:
+        """``trainer.world_size`` rank actors on the first bundles (:mod:`~.ranks`)."""
+        if size != self.ranks:
+            raise ConfigError(f"trainer.world_size={size} but the placement group has "
+                              f"{self.ranks} trainer bundles (launcher.trainer_ranks)")
+        spec = self.config.trainer
+
+        def place(rank: int) -> Any:
+            actor = ray.remote(RankActor).options(
+                name=f"{self.run_id}-trainer-rank-{rank}", max_restarts=0,
+                scheduling_strategy=self._bundle(rank), **spec.options(),
+            ).remote(f"trainer-{rank}", spec.threads)
+            self._actors.append(actor)
+            self.spans.watch(f"trainer-{rank}", actor)
+            return actor
+
+        return ray_rank_group(recipe, size, place)
+
+    def snapshot(self, trainer: Trainer) -> Snapshot:
+        if isinstance(trainer, RankGroup):
+            return trainer.snapshot()
         if not isinstance(trainer, RayTrainer):
             raise ConfigError(f"launcher=ray cannot checkpoint a {type(trainer).__name__}")
-        trainer.save_checkpoint(directory)
+        return trainer.snapshot()
 
     def load_checkpoint(self, trainer: Trainer, directory: Path) -> None:
+        if isinstance(trainer, RankGroup):
+            trainer.load(directory)
+            return
         if not isinstance(trainer, RayTrainer):
             raise ConfigError(f"launcher=ray cannot load a checkpoint into a {type(trainer).__name__}")
         trainer.load_checkpoint(directory)
 
-    def close(self) -> None:
+    def recover(self, error: BaseException) -> bool:
+        """A dead trainer actor (``error`` holds a :class:`TrainerLost` or
+        :class:`WeightsLost`): every actor of the run is stopped, so that the next
+        :meth:`trainer` and :meth:`engine` build them again in the same placement group, and
+        the run goes on from its last checkpoint; at most ``launcher.trainer.max_restarts``
+        times, after which the run ends in one line saying so."""
+        lost = _trainer_lost(error)
+        if lost is None:
+            return False
+        limit = self.config.trainer_max_restarts
+        if self.trainer_restarts >= limit:
+            raise TrainerLost(f"{lost}; restarted {self.trainer_restarts} times already "
+                              f"(launcher.trainer.max_restarts={limit}): resume the run with "
+                              f"resume=<run_dir> once the cause is fixed") from error
+        self.trainer_restarts += 1
+        log.warning("%s: restarting the trainer (%d of launcher.trainer.max_restarts=%d) and "
+                    "the engines from the last checkpoint", lost, self.trainer_restarts, limit)
+        self._kill_actors()
+        return True
+
+    def _kill_actors(self) -> None:
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         self._actors.clear()
+        self._trainer = None
+
+    def close(self) -> None:
+        self._kill_actors()
         if self._group is not None:
             remove_placement_group(self._group)
             self._group = None
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+
+
+def _trainer_lost(error: BaseException) -> BaseException | None:
+    """The :class:`TrainerLost` or :class:`WeightsLost` in ``error``, its causes and groups."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, TrainerLost | WeightsLost):
+            return e
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None
 
 
 def _probe(address: str, timeout: float) -> None:

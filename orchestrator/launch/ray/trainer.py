@@ -7,8 +7,15 @@ weights once and every engine actor pulls them from there. ``state_dict`` and
 ``load_state_dict`` are blocking (the interface is synchronous): call them outside the run's
 event loop, as checkpoints do.
 
-A trainer actor is not restarted: when it dies the run ends with :class:`TrainerLost` (resuming
-a run from a checkpoint is its own feature).
+Checkpoints: :meth:`RayTrainer.snapshot` has the actor copy its state and put it into the
+object store; the driver writes it into its own run directory (in a worker thread, while the
+actor trains on), so a run's checkpoints are on the driver's disk whichever node trained, and
+``resume=`` finds them there. Loading goes the other way: the driver reads the checkpoint and
+ships it to the actor.
+
+When the trainer actor dies its calls raise :class:`TrainerLost`; the launcher then builds a
+new one and the run goes on from its last checkpoint, up to ``launcher.trainer.max_restarts``
+times (:meth:`~orchestrator.launch.ray.RayLauncher.recover`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from ray.exceptions import ObjectLostError
 
 from orchestrator.errors import RunAborted
 from orchestrator.launch.ray.actors import ActorInfo, StepResult
@@ -26,7 +35,8 @@ from orchestrator.weights import WeightUpdate
 
 
 class TrainerLost(RunAborted):
-    """The trainer's actor died; ``launcher=ray`` does not restart a trainer."""
+    """The trainer's actor died (the launcher restarts it from the last checkpoint while
+    ``launcher.trainer.max_restarts`` allows)."""
 
 
 class RayTrainer(Trainer):
@@ -40,8 +50,7 @@ class RayTrainer(Trainer):
         if self._death is None:
             self._death = (
                 f"the trainer actor (pid {self.info.pid} on Ray node {self.info.node[:8]}, "
-                f"{self.info.ip}) died (found by {doing}: {first_line(error)}); launcher=ray "
-                f"does not restart a trainer, so the run ends here")
+                f"{self.info.ip}) died (found by {doing}: {first_line(error)})")
         return TrainerLost(self._death)
 
     async def _call(self, doing: str, ref: Any) -> Any:
@@ -79,11 +88,31 @@ class RayTrainer(Trainer):
         self.version = self._call_now("load_state_dict",
                                       self.actor.load_state_dict.remote(dict(state)))
 
-    def save_checkpoint(self, directory: Path) -> None:
-        """Write the checkpoint on the trainer's node (its file system: shared storage on a
-        cluster, or the same machine)."""
-        self._call_now("a checkpoint", self.actor.save_checkpoint.remote(str(directory)))
+    def snapshot(self) -> RemoteSnapshot:
+        """The actor's checkpoint state, copied and put into the object store (blocking: call
+        it outside the event loop, or in a worker thread); the driver writes it."""
+        [ref] = self._call_now("a checkpoint", self.actor.snapshot.remote())
+        return RemoteSnapshot(ref)
 
     def load_checkpoint(self, directory: Path) -> None:
-        self.version = self._call_now("a checkpoint load",
-                                      self.actor.load_checkpoint.remote(str(directory)))
+        """Load a checkpoint of the driver's run directory: read here, shipped to the actor
+        (whose node need not see the driver's files)."""
+        from orchestrator.checkpoint import TrainerSnapshot
+
+        snapshot = TrainerSnapshot.read(directory)
+        self.version = self._call_now("a checkpoint load", self.actor.restore.remote(snapshot))
+
+
+class RemoteSnapshot:
+    """A trainer actor's snapshot in the object store, written by the driver."""
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+    def write(self, directory: Path) -> Path:
+        try:
+            snapshot = result_now(self.ref)
+        except (RayActorError, ObjectLostError) as error:
+            raise TrainerLost(f"the trainer actor died before its checkpoint reached the driver "
+                              f"({first_line(error)})") from error
+        return snapshot.write(directory)

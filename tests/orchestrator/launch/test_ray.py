@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -24,7 +26,7 @@ import torch
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
 
-from helpers import quick_config, run_spans, run_step_files
+from helpers import REPO, quick_config, run_spans, run_step_files
 from ray.cluster_utils import Cluster
 
 from orchestrator.__main__ import explain
@@ -72,10 +74,12 @@ class Killer(threading.Thread):
     ``after_steps`` steps and the actor has a request in flight (engines), from a thread
     beside the run, as an operator or the kernel would."""
 
-    def __init__(self, run_dir: Path, namespace: str, suffix: str, after_steps: int = 1) -> None:
+    def __init__(self, run_dir: Path, namespace: str, suffix: str, after_steps: int = 1,
+                 after_checkpoint: bool = False) -> None:
         super().__init__(daemon=True)
         self.run_dir, self.namespace, self.suffix, self.after_steps = (
             run_dir, namespace, suffix, after_steps)
+        self.after_checkpoint = after_checkpoint  # and a periodic checkpoint is on disk
         self.killed: int | None = None
         self.error: BaseException | None = None
 
@@ -89,7 +93,9 @@ class Killer(threading.Thread):
         metrics = self.run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= self.after_steps:
+            if (metrics.exists() and len(metrics.read_text().splitlines()) >= self.after_steps
+                    and (not self.after_checkpoint
+                         or list(self.run_dir.glob("checkpoints/step-*/MANIFEST.json")))):
                 break
             time.sleep(0.05)
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -198,13 +204,45 @@ def test_a_killed_engine_is_restarted_and_its_requests_run_again_elsewhere(
     assert last["faults/episodes_rerun"] >= 1
 
 
-def test_a_dead_trainer_ends_the_run_with_one_line(cluster: Cluster, tmp_path: Path) -> None:
+def check_whole_run(run_dir: Path, num_steps: int, batch: int) -> dict[str, Any]:
+    """A run that went on from a checkpoint: its records cover every step once, every trained
+    sample appears once, the summary covers the whole run. Returns the summary."""
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "step" in m
+               and not any(k.startswith("summary/") for k in m)]
+    assert [m["step"] for m in metrics] == list(range(num_steps))
+    assert [m["policy/version"] for m in metrics] == list(range(num_steps))
+    files = run_step_files(run_dir)
+    episodes = Counter((r["prompt_group_id"], r["sample_id"]) for step in range(num_steps)
+                       for r in files[f"multiturn_workload_step_{step}.jsonl"])
+    assert sum(episodes.values()) == num_steps * batch and max(episodes.values()) == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == num_steps
+    return summary
+
+
+def test_a_dead_trainer_is_restarted_from_the_last_checkpoint(cluster: Cluster,
+                                                               tmp_path: Path) -> None:
+    namespace = unique_run()
+    killer = Killer(tmp_path, namespace, "trainer", after_steps=2, after_checkpoint=True)
+    killer.start()
+    run(ray_config(cluster, namespace, "pipeline.num_steps=5", "warmstart.steps=0",
+                   "eval.num_tasks=0", "checkpoint.every=1"), tmp_path)
+    killer.join(timeout=10)
+    assert killer.error is None and killer.killed is not None
+    summary = check_whole_run(tmp_path, num_steps=5, batch=8)
+    assert summary["resumes"] == 1
+    # the checkpoints were written by the driver into its run directory
+    assert list((tmp_path / "checkpoints").glob("step-*/model/model.safetensors"))
+
+
+def test_a_trainer_that_keeps_dying_ends_the_run_with_one_line(cluster: Cluster,
+                                                               tmp_path: Path) -> None:
     namespace = unique_run()
     killer = Killer(tmp_path, namespace, "trainer", after_steps=1)
     killer.start()
     with pytest.raises(BaseException) as info:  # the run's own error, found below
         run(ray_config(cluster, namespace, "pipeline.num_steps=50", "warmstart.steps=0",
-                       "eval.num_tasks=0"), tmp_path)
+                       "eval.num_tasks=0", "launcher.trainer.max_restarts=0"), tmp_path)
     killer.join(timeout=10)
     assert killer.killed is not None
     # Whoever finds it first says so: the trainer's proxy (a step, a weight update), or an
@@ -212,7 +250,40 @@ def test_a_dead_trainer_ends_the_run_with_one_line(cluster: Cluster, tmp_path: P
     assert find(info.value, (TrainerLost, WeightsLost)) is not None, info.value
     message = explain(info.value)  # what the command line prints, and nothing else
     assert message is not None and "\n" not in message
-    assert "the trainer actor" in message and "died" in message and "run ends here" in message
+    assert "the trainer actor" in message and "died" in message
+    assert "launcher.trainer.max_restarts=0" in message and "resume=" in message
+
+
+def test_a_sigkilled_driver_resumes_with_resume_auto(cluster: Cluster, tmp_path: Path) -> None:
+    """The driver is SIGKILLed mid-run and the same command with resume=auto goes on from the
+    checkpoints it wrote into its run directory (the trainer actor's state, shipped back)."""
+    run_dir = tmp_path / "run"
+    small = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
+             "pipeline.batch_size=8", "pipeline.num_workers=2", "env.train_size=32",
+             "env.eval_size=4"]
+    command = [sys.executable, "-m", "orchestrator", "experiment=smoke", "logger=none",
+               "progress=false", "model.device=cpu", *small, "launcher=ray",
+               f"launcher.address='{cluster.address}'",
+               f"launcher.namespace={unique_run()}", "launcher.num_engines=2",
+               "launcher.engine.resources={engine_node: 1}",
+               "launcher.trainer.resources={head_node: 1}", "pipeline.num_steps=6",
+               "warmstart.steps=2", "eval.num_tasks=4", "checkpoint.every=1", "resume=auto",
+               f"hydra.run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not list(run_dir.glob("checkpoints/step-2/MANIFEST.json")):
+        assert driver.poll() is None, driver.communicate()[1][-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=200, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = check_whole_run(run_dir, num_steps=6, batch=8)
+    assert summary["resumes"] == 1 and summary["eval_before"] is not None
 
 
 def find(error: BaseException,

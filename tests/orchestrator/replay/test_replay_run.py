@@ -9,8 +9,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from hydra import compose, initialize_config_dir
 from helpers import run_spans
+from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.errors import ConfigError
@@ -74,7 +74,7 @@ def test_experiment_replay_composes_only_what_it_uses() -> None:
         assert OmegaConf.select(cfg, key) is None, key
     parts = replay_parts(cfg)
     assert isinstance(parts.trainer, SimulatedTrainer)
-    assert parts.warm_start is None and not parts.eval_tasks and parts.save_checkpoint is None
+    assert parts.warm_start is None and not parts.eval_tasks and parts.snapshot_trainer is None
     assert parts.anyio_backend == "trio" and parts.pipeline.batch_size == 16 * 8
     # a checkpoint's model swaps in for any experiment on the command line, replay included
     assert composed("experiment=replay", "model=hf", "model.path=/x").model.path == "/x"
