@@ -30,7 +30,35 @@ steps of its start to be trained, so about ``max(l) / k`` a step is a floor for 
 trains every sample (:meth:`Bound.staleness_floor`; of the bench's policies it nearly binds
 ``k = 1`` on the math workload, whose longest samples take 260 s alone).
 
-What the bound leaves out, and so what a policy loses against it: replicas idle or decoding
+This *workload* bound is an estimate, not a guarantee: it assumes the samples a policy trains
+are a fair draw of the workload. A policy that drops long samples as stale trains a cheaper
+mix, and can beat it (bounded staleness k = 4 on the generated math workload reached 1.005 of
+it, training 1% shorter samples on a trainer-bound workload).
+
+**The bound of a run** (:class:`RunBound`, measured by :class:`BoundMeter`) holds by
+construction, for any policy, on any workload, from what the run itself trained. Over the
+steady window (report ``skip - 1`` to the last report, ``seconds`` long), with ``B_w`` samples
+trained in it:
+
+    seconds  >=  max( sum of the window's train steps,
+                      sum of w(turn) over the turns submitted in the window and trained in it / E )
+
+so ``B_w / seconds <= B_w / max(...)``, its samples/s. It rests on three facts of the replay,
+each true whatever the scheduler does: the trainer runs one step at a time, each inside the
+window (it starts after the previous report; the last ends before the last report); a turn
+submitted after the window opens and trained before it closes was served inside it, on one
+replica, which spent at least ``w(turn)`` busy on it (the work above: prefill of its uncached
+tokens, then per token at most ``max_running`` share a decode iteration, and its own context
+costs ``step_per_1k_tokens`` whatever the batch); and ``E`` replicas are busy at most
+``E × seconds`` in all. Turns submitted before the window opens are left out (their work may
+lie before it), so are dropped samples' and unfinished ones' (work a policy spent and did not
+train: a loss the fraction shows), which only lowers the right-hand side. So no policy's
+steady samples/s can exceed its run bound: its fraction (``bound_frac`` in
+``bench.async_replay``) is at most 1, and what it lacks of 1 is what the schedule lost — idle
+or small-batch replicas, a trainer waiting, work thrown away, imbalance — on the mix it
+chose to train. (Weight loads pause replicas, which only adds to their time: left out.)
+
+What the workload bound leaves out, and so what a policy loses against it: replicas idle or decoding
 at small batches (the tail of a step, too few requests in flight, tool waits), work thrown
 away (samples dropped as stale), imbalance between replicas, prefills repeated when an
 episode changes replica, and the start of a run, before the first batch exists (the bench
@@ -46,6 +74,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from envs.replay import EpisodePlan
+from orchestrator.pipeline import StepReport
+from orchestrator.recorder import Recorder
 from orchestrator.replay.model import ServerParams
 
 
@@ -56,16 +86,27 @@ class SampleCost:
     tokens: int  # trained sequence length: prompt, generated and observation tokens
 
 
+def turn_work(prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+              p: ServerParams) -> float:
+    """The least replica-seconds one request (a turn) costs the fitted server: its prefill,
+    then per decoded token its share of an iteration at the largest batch allowed, plus its
+    own context's per-token cost (the fluid model's integral)."""
+    prefill = p.prefill_base + p.prefill_per_1k * max(prompt_tokens - cached_tokens, 0) / 1000.0
+    n = max(1, completion_tokens)
+    resident = n * prompt_tokens + n * n / 2.0
+    return (prefill + n * (p.step_per_seq + p.step_base / p.max_running)
+            + p.step_per_1k_tokens * resident / 1000.0)
+
+
 def sample_cost(plan: EpisodePlan, p: ServerParams) -> SampleCost:
     """The cost of ``plan`` as the replay plays it (:mod:`envs.replay`, :mod:`.engine`)."""
-    per_token_min = p.step_per_seq + p.step_base / p.max_running
     work = floor = 0.0
     context = plan.prompt_tokens
     for i, turn in enumerate(plan.turns):
         prefill = p.prefill_base + p.prefill_per_1k * max(context - turn.cached_tokens, 0) / 1000.0
         n = max(1, turn.completion_tokens)
         resident = n * context + n * n / 2.0  # the fluid model's integral of the context
-        work += prefill + n * per_token_min + p.step_per_1k_tokens * resident / 1000.0
+        work += turn_work(context, turn.cached_tokens, turn.completion_tokens, p)
         floor += prefill + n * (p.step_base + p.step_per_seq) + p.step_per_1k_tokens * resident / 1000.0
         context += n
         if not turn.tools or i == len(plan.turns) - 1:
@@ -120,3 +161,63 @@ def workload_bound(plans: Sequence[EpisodePlan], params: ServerParams, *, engine
 
 def mean_tokens(plans: Sequence[EpisodePlan], params: ServerParams) -> float:
     return statistics.fmean(sample_cost(p, params).tokens for p in plans)
+
+
+@dataclass(frozen=True)
+class RunBound:
+    """The bound of one run's steady window, by construction (the module's docstring)."""
+
+    seconds: float  # the window, as measured
+    samples: int  # trained in it
+    train_s: float  # the window's train steps, summed
+    engine_s: float  # replica work of the turns submitted and trained in it, over E
+
+    @property
+    def bound_s(self) -> float:
+        return max(self.train_s, self.engine_s)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.bound_s if self.bound_s > 0 else float("inf")
+
+    @property
+    def fraction(self) -> float:
+        """The run's steady samples/s over its bound: at most 1."""
+        return self.bound_s / self.seconds
+
+    @property
+    def bound_by(self) -> str:
+        return "engines" if self.engine_s >= self.train_s else "trainer"
+
+
+class BoundMeter:
+    """An ``on_step`` for a replay that keeps, per trained step, each trained turn's submission
+    time and least work (:func:`turn_work`; floats, not the trajectories), then gives the run's
+    :class:`RunBound` over the steps after the first ``skip``."""
+
+    def __init__(self, params: ServerParams, engines: int) -> None:
+        self.params = params
+        self.engines = engines
+        self.turns: list[list[tuple[float, float]]] = []  # per step: (submitted, work)
+
+    def __call__(self, report: StepReport) -> None:
+        self.turns.append([
+            (turn.start, turn_work(turn.prompt_tokens, turn.cached_tokens,
+                                   turn.completion_tokens, self.params))
+            for group in report.groups for t in group.trajectories for turn in t.turns])
+
+    def bound(self, reports: Sequence[StepReport], recorder: Recorder, skip: int) -> RunBound:
+        """The bound of steps ``skip ..`` of the run that produced ``reports`` (its recorder
+        holding every span: a replay from Python)."""
+        later = reports[skip:]
+        if not later or len(self.turns) != len(reports):
+            raise ValueError(f"need the meter's steps ({len(self.turns)}) for every report "
+                             f"({len(reports)}) and some after the first {skip}")
+        # The window opens at report skip - 1 (the trainer loop's start for skip 0); the next
+        # step's wait for its batch starts after it, so a turn submitted from then on, or a
+        # train step, lies inside the window.
+        opens = recorder.of("wait_batch")[skip].start
+        train = recorder.of("train_step")[skip:len(reports)]
+        work = sum(w for step in self.turns[skip:] for start, w in step if start >= opens)
+        return RunBound(seconds=sum(r.elapsed for r in later), samples=sum(r.samples for r in later),
+                        train_s=sum(s.duration for s in train), engine_s=work / self.engines)
