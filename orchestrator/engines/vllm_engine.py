@@ -51,7 +51,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.models.policy import build_policy, checkpoint_dir
 from orchestrator.types import FinishReason, Generation, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights import AdapterMerger, WeightUpdate
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_KV_CACHE_BYTES = 1 << 30  # kv_cache_bytes=auto on CPU
@@ -116,6 +116,7 @@ class VLLMEngine(InferenceEngine):
         self._model = dict(model)
         self._served = checkpoint_dir(self._model)  # None: built from config, written at start
         self._weights = weights
+        self._adapters = AdapterMerger()  # LoRA updates: merged into the weights they adapt
         self._options: dict[str, Any] = {
             "gpu_memory_utilization": gpu_memory_utilization,
             "max_num_seqs": max_num_seqs,
@@ -179,7 +180,7 @@ class VLLMEngine(InferenceEngine):
             return str(self._served)
         policy = build_policy({**self._model, "device": "cpu"})
         self._workdir = Path(tempfile.mkdtemp(prefix="polyrl-vllm-"))
-        state = dict(self._weights.tensors()) if self._weights is not None else None
+        state = self._adapters.merged(self._weights) if self._weights is not None else None
         policy.model.save_pretrained(self._workdir, state_dict=state)
         if self._weights is not None:
             self._weights.release()
@@ -249,6 +250,9 @@ class VLLMEngine(InferenceEngine):
         await self._load(update)
 
     async def _load(self, update: WeightUpdate) -> None:
+        if update.adapters is not None:  # LoRA: the adapted weights, merged here, are loaded
+            merged = await anyio.to_thread.run_sync(self._adapters.merged, update)
+            update = WeightUpdate.by_reference(update.version, merged, leased=False)
         if update.path is not None:
             await self._llm.collective_rpc("polyrl_load_file", args=(str(update.path),))
         else:
