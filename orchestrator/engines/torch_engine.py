@@ -36,8 +36,15 @@ the next step finds a newer version it discards the KV cache and re-prefills eve
 sequence over prompt + tokens generated so far under the new weights; every token carries
 the version that produced it. This is the "continue under new weights" behaviour.
 
-Limits: no prefix cache (an episode's next turn re-prefills its whole conversation);
-prefills are not chunked nor fused with the decode step (a step with newcomers runs two
+Prefix cache (:class:`PrefixCache`): a finished sequence's keys and values are parked; an
+episode's next turn, which extends them with an observation, takes them back and only its
+new tokens go through the model, fed one per decode step in the running batch (nothing is
+sampled for it until they are all in), instead of prefilling the whole conversation again.
+
+Limits: a prefix is reused only by a request that extends a whole finished sequence (an
+episode's next turn; not a shared system prompt); a long observation is fed one token per
+step (a prefill would take it in one pass); prefills are not chunked nor fused with the
+decode step (a step with newcomers runs two
 or more forward passes); attention is over the padded window (its padding is at most the
 longest resident sequence minus each one's length); sliding-window layers are cached in
 full, and models whose cache is not plain key/value layers (recurrent or linear attention)
@@ -46,6 +53,7 @@ are not supported. Good enough for small models; vLLM is the engine for throughp
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -80,6 +88,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    fed: int = 0  # tokens of prompt + generated that are in the KV cache
 
     @property
     def finished(self) -> bool:
@@ -88,6 +97,11 @@ class _Request:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.token_ids)
+
+    def token(self, i: int) -> int:
+        """Token ``i`` of prompt + generated."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.token_ids[i - n]
 
     def add(self, token: int, logprob: float, version: int) -> None:
         """Record one sampled token; it stops on a stop token or at its budget."""
@@ -147,6 +161,7 @@ class TorchEngine(InferenceEngine):
         seed: int = 0,
         queue_size: int = 1024,
         batching: str = "continuous",
+        prefix_cache_tokens: int = 16384,
     ) -> None:
         if max_batch_size < 1:
             raise ConfigError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
@@ -154,6 +169,8 @@ class TorchEngine(InferenceEngine):
             raise ConfigError(f"engine.queue_size must be >= 1, got {queue_size}")
         if batching not in BATCHING:
             raise ConfigError(f"engine.batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+        if prefix_cache_tokens < 0:
+            raise ConfigError(f"engine.prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         policy = build_policy(model)  # the engine's own copy: the trainer updates its own
         self.model = policy.model.eval()
         self.device = policy.device
@@ -166,6 +183,7 @@ class TorchEngine(InferenceEngine):
         if weights is not None:
             self._load(weights)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.prefixes = PrefixCache(prefix_cache_tokens)
         self._send, self._receive = anyio.create_memory_object_stream[_Request](queue_size)
         self._step_gate = Gate()
         self._paused = False
@@ -238,6 +256,7 @@ class TorchEngine(InferenceEngine):
                     self._join(batch, request)
                     while batch.active:
                         await self._step(batch)
+                    await anyio.to_thread.run_sync(self._park_drained, batch)
                     # Drained: the next batch reuses the buffers (growing them again from
                     # one slot, every step of a run, cost more than the decode steps did).
                     batch = _Batch(batch.cache.cleared())
@@ -251,6 +270,8 @@ class TorchEngine(InferenceEngine):
             version = self.version
             tokens, logprobs = await anyio.to_thread.run_sync(self._advance, batch)
         for request, token, logprob in zip(batch.rows, tokens, logprobs, strict=True):
+            if request.fed < request.length:  # still feeding a cached prefix's new tokens
+                continue
             request.add(token, logprob, version)
             if request.finished:
                 batch.stopped.append(request)
@@ -310,6 +331,8 @@ class TorchEngine(InferenceEngine):
                 batch.joining = batch.rows + batch.joining
                 batch.rows = []
                 batch.cache.clear()
+            batch.version = self.version
+            self._resume_cached(batch)
             logits = []
             if batch.rows:
                 logits.append(self._decode(batch))
@@ -319,16 +342,40 @@ class TorchEngine(InferenceEngine):
                 batch.cache.add(cache)
                 logits.append(joined)
             batch.rows, batch.joining = batch.rows + joining, []
-            batch.version = self.version
             temperature = torch.tensor([r.sampling.temperature for r in batch.rows], device=self.device)
             tokens, logprobs = self._sample(torch.cat(logits), temperature)
         return tokens.tolist(), logprobs.tolist()
 
+    def _park_drained(self, batch: _Batch) -> None:
+        """The last rows of a drained batch finished too: their prefixes are parked as well."""
+        with torch.inference_mode():
+            self._drop_finished(batch)
+
     def _drop_finished(self, batch: _Batch) -> None:
         keep = [i for i, r in enumerate(batch.rows) if not r.finished]
         if len(keep) < len(batch.rows):
+            if self.prefixes.max_tokens:
+                done = [i for i, r in enumerate(batch.rows) if r.finished]
+                self.prefixes.park([batch.rows[i] for i in done], batch.cache.rows_kv(
+                    done, [batch.rows[i].fed for i in done]), batch.version)
             batch.rows = [batch.rows[i] for i in batch.cache.retain(keep)]
-            batch.cache.trim(max((r.length for r in batch.rows), default=1) - 1)
+            batch.cache.trim(max((r.fed for r in batch.rows), default=1))
+
+    def _resume_cached(self, batch: _Batch) -> None:
+        """Joining requests that extend a parked sequence (an episode's next turn) take its
+        cached keys and values and join the resident rows; the decode steps feed them their
+        new tokens one at a time (``fed < length``: nothing is sampled until all are in)."""
+        if batch.joining and self.prefixes:
+            fresh = []
+            for request in batch.joining:
+                kv = self.prefixes.take(request, self.version)
+                if kv is None:
+                    fresh.append(request)
+                    continue
+                batch.cache.add(kv)
+                batch.rows.append(request)
+                request.fed = kv.get_seq_length()
+            batch.joining = fresh
 
     def _prefill(self, requests: list[_Request]) -> tuple[DynamicCache, torch.Tensor]:
         """A fresh cache for ``requests`` (prompt + tokens so far, left-padded) and the logits
@@ -343,6 +390,8 @@ class TorchEngine(InferenceEngine):
         for i, s in enumerate(sequences):  # left padding keeps every sequence's end aligned
             ids[i, width - len(s) :] = torch.tensor(s)
             attention[i, width - len(s) :] = 1
+        for r in requests:
+            r.fed = r.length
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()  # no config: plain full-attention layers, as SlotCache keeps
         out = self.model(
@@ -360,11 +409,14 @@ class TorchEngine(InferenceEngine):
         return cache, logits
 
     def _decode(self, batch: _Batch) -> torch.Tensor:
-        """Feed every row its last sampled token; the cache's window grows by one column."""
+        """Feed every row its next token (its last sampled one, or the next new token of a
+        sequence resumed from the prefix cache); the cache's window grows by one column."""
         cache = batch.cache
         cache.reserve(cache.rows, 0, 1)
-        lengths = torch.tensor([r.length for r in batch.rows])
-        last = torch.tensor([[r.token_ids[-1]] for r in batch.rows])
+        lengths = torch.tensor([r.fed + 1 for r in batch.rows])
+        last = torch.tensor([[r.token(r.fed)] for r in batch.rows])
+        for r in batch.rows:
+            r.fed += 1
         width = cache.width + 1
         attention = (torch.arange(width) >= width - lengths[:, None]).long()
         out = self.model(
@@ -400,6 +452,75 @@ def _buckets(lengths: list[int], call_tokens: int) -> list[slice]:
         runs.append(slice(start[j], j))
         j = start[j]
     return runs[::-1]
+
+
+# -- the prefix cache --------------------------------------------------------------------------
+
+
+class PrefixCache:
+    """Finished sequences' keys and values, kept for the next turn of their episode.
+
+    A multi-turn episode's next request is its previous prompt and completion plus an
+    observation. Without this, every turn prefills the whole conversation again. A finished
+    sequence's cached keys and values (prompt + completion, less its last token, which never
+    went through the model) are parked under those token ids, newest last; a request whose
+    ids extend a parked sequence (of the same weights) takes it and only its new tokens go
+    through the model, fed by the decode steps (one per step, in the running batch). Oldest
+    entries go first past ``max_tokens`` parked tokens; a weight update drops them all (they
+    were computed by the old weights); 0 turns it off.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.version = -1
+        self.hits = 0  # requests that resumed a parked sequence
+        self.reused = 0  # tokens they did not prefill again
+        self._entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = \
+            OrderedDict()
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def park(self, requests: Sequence[_Request], kvs: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
+             version: int) -> None:
+        self._at(version)
+        for request, kv in zip(requests, kvs, strict=True):
+            if request.finish_reason is FinishReason.ABORTED or request.fed == 0:
+                continue
+            key = tuple((request.prompt_ids + request.token_ids)[: request.fed])
+            if key in self._entries:
+                self.tokens -= len(key)
+            self._entries[key] = kv
+            self.tokens += len(key)
+        while self.tokens > self.max_tokens:
+            self.tokens -= len(self._entries.popitem(last=False)[0])
+
+    def take(self, request: _Request, version: int) -> DynamicCache | None:
+        """The cache of the longest parked sequence ``request`` extends (it leaves the store:
+        the request's row holds it now), or None."""
+        self._at(version)
+        ids = request.prompt_ids + request.token_ids
+        best: tuple[int, ...] | None = None
+        for key in self._entries:
+            n = len(key)
+            if n < len(ids) and (best is None or n > len(best)) and ids[n - 1] == key[-1] \
+                    and tuple(ids[:n]) == key:
+                best = key
+        if best is None:
+            return None
+        self.tokens -= len(best)
+        self.hits += 1
+        self.reused += len(best)
+        cache = DynamicCache()
+        for i, (keys, values) in enumerate(self._entries.pop(best)):
+            cache.update(keys[None], values[None], i)
+        return cache
+
+    def _at(self, version: int) -> None:
+        if version != self.version:  # computed by other weights: of no use now
+            self._entries.clear()
+            self.tokens, self.version = 0, version
 
 
 # -- the batch's KV cache ----------------------------------------------------------------------
@@ -489,6 +610,19 @@ class SlotCache(DynamicCache):
         self.rows += n
         self.start = min(self.start, self.end - width)
         self._show()
+
+    def rows_kv(self, rows: list[int], widths: list[int]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Copies of the last ``widths[i]`` cached columns of each row in ``rows``, per layer
+        (one gather per layer; each row's are views of it)."""
+        if not rows:
+            return []
+        width = max(widths)
+        index = torch.tensor(rows, device=self.buffers[0][0].device)
+        window = slice(self.end - width, self.end)
+        gathered = [(k[:, :, window].index_select(0, index), v[:, :, window].index_select(0, index))
+                    for k, v in self.buffers]
+        return [[(k[i, :, width - w :], v[i, :, width - w :]) for k, v in gathered]
+                for i, w in enumerate(widths)]
 
     def retain(self, keep: list[int]) -> list[int]:
         """Keep rows ``keep``, packed into ``[0, len(keep))`` by moving the last ones

@@ -626,3 +626,53 @@ async def test_closing_an_engine_that_never_started_releases_its_streams(tiny: A
         gc.collect()
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
 
+
+
+@pytest.mark.parametrize("batching", BATCHING)
+async def test_an_episodes_next_turn_reuses_its_cached_prefix(tiny: Any, batching: str) -> None:
+    """Turn two extends turn one's prompt and completion with an observation: only the new
+    tokens go through the model (fed by decode steps), and every log-prob is still what one
+    unpadded forward pass over the whole conversation gives; episodes run side by side."""
+    vocab = tiny.tokenizer.vocab_size
+    ps = prompts(4, vocab, seed=5)
+    observations = prompts(4, vocab, seed=6)  # 3 to 18 new tokens after each turn
+    async with engine_for(tiny, max_batch_size=8, seed=1, batching=batching) as engine:
+
+        async def episode(i: int) -> None:
+            conversation = list(ps[i])
+            for turn in range(3):
+                sampling = SamplingParams(max_tokens=4 + turn + i, temperature=1.0)
+                gen = await engine.generate(conversation, sampling)
+                assert_teacher_forced(tiny.model, conversation, gen)
+                conversation += [*gen.token_ids, *observations[(i + turn) % 4]]
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(episode, i)
+    assert engine.prefixes.hits == 8  # turns two and three of every episode
+    assert engine.prefixes.reused > 8 * 3
+
+
+async def test_a_weight_update_drops_the_cached_prefixes(make_policy: Any) -> None:
+    first, second = make_policy(0), make_policy(1)
+    prompt = prompts(1, first.tokenizer.vocab_size, seed=9)[0]
+    async with engine_for(first, seed=0) as engine:
+        gen = await engine.generate(prompt, SamplingParams(max_tokens=5, temperature=1.0))
+        await engine.pause()
+        await engine.update_weights(WeightUpdate.of_module(1, second.model))
+        await engine.resume()
+        follow = prompt + list(gen.token_ids) + [9, 10]
+        again = await engine.generate(follow, SamplingParams(max_tokens=3, temperature=1.0))
+    assert engine.prefixes.hits == 0  # the parked prefix came from the old weights
+    assert_teacher_forced(second.model, follow, again)
+
+
+async def test_the_prefix_cache_can_be_turned_off_and_is_checked(tiny: Any) -> None:
+    with pytest.raises(ConfigError, match="engine.prefix_cache_tokens must be >= 0, got -1"):
+        engine_for(tiny, prefix_cache_tokens=-1)
+    prompt = prompts(1, tiny.tokenizer.vocab_size)[0]
+    async with engine_for(tiny, prefix_cache_tokens=0) as engine:
+        gen = await engine.generate(prompt, SamplingParams(max_tokens=3, temperature=1.0))
+        await engine.generate(prompt + list(gen.token_ids) + [8], SamplingParams(max_tokens=3))
+    assert engine.prefixes.hits == 0 and not engine.prefixes
