@@ -170,14 +170,17 @@ async def _engine_rows(name: str, engine: InferenceEngine, prompts: list[list[in
     return rows
 
 
-def generation(budget: Budget, threads: int) -> list[dict[str, Any]]:
+def prompts() -> list[list[int]]:
+    """The experiment's train prompts through the model's chat template."""
+    cfg = config()
+    tokenizer = HFTokenizer(str(checkpoint_dir(model_node(cfg))))
+    return [tokenizer.chat_prompt(t.messages) for t in build_env(cfg).tasks("train")]
+
+
+def generation(budget: Budget, threads: int, prompts: list[list[int]]) -> list[dict[str, Any]]:
     """Both engines' rows, in this process (where vLLM imports, or without it)."""
     torch.set_num_threads(threads)
-    cfg = config()
-    node = model_node(cfg)
-    directory = checkpoint_dir(node)
-    tokenizer = HFTokenizer(str(directory))
-    prompts = [tokenizer.chat_prompt(t.messages) for t in build_env(cfg).tasks("train")]
+    node = model_node(config())
     top = max(budget.concurrency)
     engines: list[tuple[str, Callable[[], InferenceEngine]]] = [
         ("torch", lambda: torch_engine(node, None, 0, max_batch_size=top))]
@@ -191,15 +194,18 @@ def generation(budget: Budget, threads: int) -> list[dict[str, Any]]:
 
 
 def generation_anywhere(budget: Budget, threads: int, out: Path) -> list[dict[str, Any]]:
-    """:func:`generation` here if vLLM imports (or is not wanted), else under .venv-vllm."""
+    """:func:`generation` here if vLLM imports (or is not wanted), else under .venv-vllm
+    (given the prompts' ids: the environment's package need not be there)."""
+    ids = prompts()
     if not budget.vllm or importlib.util.find_spec("vllm") is not None:
-        return generation(budget, threads)
+        return generation(budget, threads, ids)
     if not VLLM_PYTHON.exists():
         print(f"vLLM is not importable here and {VLLM_PYTHON} is missing (bash "
               "scripts/setup_vllm.sh): the torch engine only")
-        return generation(Budget(**{**asdict(budget), "vllm": False}), threads)
+        return generation(Budget(**{**asdict(budget), "vllm": False}), threads, ids)
     path = out / "generation.json"
     log = out / "generation.log"
+    (out / "prompts.json").write_text(json.dumps(ids))
     command = [str(VLLM_PYTHON), "-m", "bench.real_model", "--generation-json", str(path),
                "--threads", str(threads), "--budget", json.dumps(asdict(budget))]
     print(f"generation in {VLLM_PYTHON} (log {log})", flush=True)
@@ -413,7 +419,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.generation_json is not None:  # the generation part, under .venv-vllm
         budget = Budget(**{k: tuple(v) if isinstance(v, list) else v
                            for k, v in json.loads(args.budget).items()})
-        args.generation_json.write_text(json.dumps(generation(budget, args.threads)))
+        ids = json.loads((args.generation_json.parent / "prompts.json").read_text())
+        args.generation_json.write_text(json.dumps(generation(budget, args.threads, ids)))
         return
     budget = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.steps is not None or args.every is not None:
