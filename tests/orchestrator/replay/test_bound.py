@@ -30,7 +30,8 @@ def workload(name: str, tmp: Path) -> tuple[list[EpisodePlan], EngineFit, int, i
         fit = replace(fit, server=fit.server.thinned(scale), tokens_per_step=fit.tokens_per_step / scale)
         pool, _ = load_plans(TraceDir.open(SHIPPED_SAMPLE), None, None, 0)
         return resample_groups(pool, groups * (STEPS + 8), 0), fit, 1, groups
-    out = generate_workload(name, STEPS + 8, 64, 0, tmp / name, max_response_tokens=4096,
+    batch = 64 if name == "math" else 32  # tool calling: 32 sessions of up to 10 calls a step
+    out = generate_workload(name, STEPS + 8, batch, 0, tmp / name, max_response_tokens=4096,
                             group_size=8)
     plans, groups = load_plans(TraceDir.open(out), None, None, 0)
     return plans, fit, 4, groups
