@@ -38,12 +38,13 @@ the version that produced it. This is the "continue under new weights" behaviour
 
 Prefix cache (:class:`PrefixCache`): a finished sequence's keys and values are parked; an
 episode's next turn, which extends them with an observation, takes them back and only its
-new tokens go through the model, fed one per decode step in the running batch (nothing is
-sampled for it until they are all in), instead of prefilling the whole conversation again.
+new tokens go through the model (a few are fed one per decode step in the running batch,
+nothing being sampled for it until they are all in; more take one pass of their own),
+instead of prefilling the whole conversation again.
 
 Limits: a prefix is reused only by a request that extends a whole finished sequence (an
-episode's next turn; not a shared system prompt); a long observation is fed one token per
-step (a prefill would take it in one pass); prefills are not chunked nor fused with the
+episode's next turn; not a shared system prompt); a resumed request with more than
+``FEED_STEPS`` new tokens takes a forward pass of its own for them; prefills are not chunked nor fused with the
 decode step (a step with newcomers runs two
 or more forward passes); attention is over the padded window (its padding is at most the
 longest resident sequence minus each one's length); sliding-window layers are cached in
@@ -75,6 +76,9 @@ BATCHING = ("continuous", "waves")
 # many per forward pass: a pass's fixed cost in tokens of compute (~64 for the tiny model on
 # one CPU thread, where a pass costs ~3 ms and a token ~45 us).
 PREFILL_CALL_TOKENS = 64
+# A request resumed from the prefix cache with up to this many new tokens has them fed by the
+# decode steps (no pass of its own); more go through one forward pass on top of its cache.
+FEED_STEPS = 8
 
 
 @dataclass
@@ -372,10 +376,22 @@ class TorchEngine(InferenceEngine):
                 if kv is None:
                     fresh.append(request)
                     continue
+                request.fed = kv.get_seq_length()
+                if request.length - request.fed > FEED_STEPS:
+                    self._extend(request, kv)
                 batch.cache.add(kv)
                 batch.rows.append(request)
-                request.fed = kv.get_seq_length()
             batch.joining = fresh
+
+    def _extend(self, request: _Request, kv: DynamicCache) -> None:
+        """One forward pass over a resumed request's new tokens but the last (which the next
+        decode step feeds), on top of its cached prefix."""
+        start, end = request.fed, request.length - 1
+        ids = torch.tensor([[request.token(i) for i in range(start, end)]], device=self.device)
+        self.model(input_ids=ids, position_ids=torch.arange(start, end, device=self.device)[None],
+                   attention_mask=torch.ones((1, end), dtype=torch.long, device=self.device),
+                   past_key_values=kv, use_cache=True, logits_to_keep=1)
+        request.fed = end
 
     def _prefill(self, requests: list[_Request]) -> tuple[DynamicCache, torch.Tensor]:
         """A fresh cache for ``requests`` (prompt + tokens so far, left-padded) and the logits

@@ -635,7 +635,8 @@ async def test_an_episodes_next_turn_reuses_its_cached_prefix(tiny: Any, batchin
     unpadded forward pass over the whole conversation gives; episodes run side by side."""
     vocab = tiny.tokenizer.vocab_size
     ps = prompts(4, vocab, seed=5)
-    observations = prompts(4, vocab, seed=6)  # 3 to 18 new tokens after each turn
+    observations = prompts(4, vocab, seed=6)  # 3 to 18 new tokens after each turn: fed by
+    # decode steps, or (more than FEED_STEPS) by a pass of their own
     async with engine_for(tiny, max_batch_size=8, seed=1, batching=batching) as engine:
 
         async def episode(i: int) -> None:
