@@ -89,12 +89,15 @@ def spans_path(run_dir: Path) -> Path:
     return folder if folder.is_dir() else Path(run_dir) / PLAIN_SPANS
 
 
-def read_spans(path: Path) -> Iterator[Span]:
+def read_spans(path: Path, stage: str | None = None) -> Iterator[Span]:
     """The spans of a JSONL file (plain, ``.zst`` or ``.gz``) or a folder of segments,
-    streamed in the order written; a last line cut short is skipped."""
+    streamed in the order written (only those of ``stage``, if given: other lines are not
+    parsed); a last line cut short is skipped."""
+    prefix = None if stage is None else f'{{"stage": {json.dumps(stage)},'
     for file in span_files(Path(path)):
         for line in read_lines(file):
-            yield Span(**json.loads(line))
+            if prefix is None or line.startswith(prefix):
+                yield Span(**json.loads(line))
 
 
 class Recorder:

@@ -161,7 +161,7 @@ def write_timeline(spans: Path, path: Path, process: str = "polyrl",
     :func:`read_spans`), written to ``path`` event by event; only the spans of ``steps`` (a
     slice over the run's train steps) if given. Returns which steps it holds."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    start, end, label = (step_window(read_spans(spans), steps) if steps is not None
+    start, end, label = (step_window(read_spans(spans, "train_step"), steps) if steps is not None
                          else (-float("inf"), float("inf"), "all"))
 
     def window() -> Iterator[Span]:
