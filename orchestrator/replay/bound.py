@@ -41,18 +41,23 @@ steady window (report ``skip - 1`` to the last report, ``seconds`` long), with `
 trained in it:
 
     seconds  >=  max( sum of the window's train steps,
-                      sum of w(turn) over the turns submitted in the window and trained in it / E )
+                      sum over the turns trained in it of (w(turn) - before(turn)) / E )
+
+where ``before(turn)`` is how long the turn had been submitted when the window opened (0 for
+one submitted inside it), capped at ``w(turn)``.
 
 so ``B_w / seconds <= B_w / max(...)``, its samples/s. It rests on three facts of the replay,
 each true whatever the scheduler does: the trainer runs one step at a time, each inside the
 window (it starts after the previous report; the last ends before the last report); a turn
-submitted after the window opens and trained before it closes was served inside it, on one
-replica, which spent at least ``w(turn)`` busy on it (the work above: prefill of its uncached
-tokens, then per token at most ``max_running`` share a decode iteration, and its own context
-costs ``step_per_1k_tokens`` whatever the batch); and ``E`` replicas are busy at most
-``E × seconds`` in all. Turns submitted before the window opens are left out (their work may
-lie before it), so are dropped samples' and unfinished ones' (work a policy spent and did not
-train: a loss the fraction shows), which only lowers the right-hand side. So no policy's
+trained before the window closes was served by then, on one replica, which spent at least
+``w(turn)`` busy on it (the work above: prefill of its uncached tokens, then per token at most
+``max_running`` share a decode iteration, and its own context costs ``step_per_1k_tokens``
+whatever the batch) — and that share accrues at most as fast as wall time (a prefill runs
+alone; a token's share of an iteration is at most the iteration), so a turn submitted
+``before`` seconds ahead of the window had at most that much of it done by then; and ``E``
+replicas are busy at most ``E × seconds`` in all. Dropped samples' and unfinished ones' work
+is left out (work a policy spent and did not train: a loss the fraction shows), which only
+lowers the right-hand side. So no policy's
 steady samples/s can exceed its run bound: its fraction (``bound_frac`` in
 ``bench.async_replay``) is at most 1, and what it lacks of 1 is what the schedule lost — idle
 or small-batch replicas, a trainer waiting, work thrown away, imbalance — on the mix it
@@ -170,7 +175,7 @@ class RunBound:
     seconds: float  # the window, as measured
     samples: int  # trained in it
     train_s: float  # the window's train steps, summed
-    engine_s: float  # replica work of the turns submitted and trained in it, over E
+    engine_s: float  # replica work of the turns trained in it that lies inside it, over E
 
     @property
     def bound_s(self) -> float:
@@ -214,10 +219,12 @@ class BoundMeter:
             raise ValueError(f"need the meter's steps ({len(self.turns)}) for every report "
                              f"({len(reports)}) and some after the first {skip}")
         # The window opens at report skip - 1 (the trainer loop's start for skip 0); the next
-        # step's wait for its batch starts after it, so a turn submitted from then on, or a
-        # train step, lies inside the window.
+        # step's wait for its batch starts after it, so a train step, or the work of a turn
+        # submitted from then on, lies inside the window; a turn submitted earlier did at most
+        # `opens - start` of its work before.
         opens = recorder.of("wait_batch")[skip].start
         train = recorder.of("train_step")[skip:len(reports)]
-        work = sum(w for step in self.turns[skip:] for start, w in step if start >= opens)
+        work = sum(max(0.0, w - max(0.0, opens - start))
+                   for step in self.turns[skip:] for start, w in step)
         return RunBound(seconds=sum(r.elapsed for r in later), samples=sum(r.samples for r in later),
                         train_s=sum(s.duration for s in train), engine_s=work / self.engines)
