@@ -40,6 +40,10 @@ per token, so batching more rows per step gains less than on a GPU. The engines 
 prefix cache: every turn re-prefills its conversation, the same work in every mode.
 Observations are a few ids, not the trace's hundreds of tokens, which would fill the context.
 
+``--model smollm2``: the same workload on the real SmolLM2-135M-Instruct (``model=smollm2``;
+256 episodes, 32 with ``--quick``), its context capped at the tiny model's 256 so the
+workload is the same; random ids from its vocabulary.
+
 Last line: ``continuous_vs_waves=<tokens/s ratio>``.
 """
 
@@ -207,6 +211,15 @@ def tiny_model(seed: int) -> dict[str, Any]:
     return {**node, "seed": seed}
 
 
+TINY_CONTEXT = 256
+
+
+def smollm2_model() -> dict[str, Any]:
+    node = OmegaConf.to_container(OmegaConf.load(TINY.parent / "smollm2.yaml"), resolve=False)
+    assert isinstance(node, dict)
+    return {**node, "device": "cpu"}
+
+
 def torch_engine(model: Mapping[str, Any], weights: WeightUpdate | None, seed: int,
                  batching: str = "continuous", max_batch_size: int = CLIENTS) -> InferenceEngine:
     return TorchEngine(model, weights, max_batch_size=max_batch_size, seed=seed,
@@ -244,12 +257,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--time-scale", type=float, default=0.1,
                         help="multiplies the search latency model's tool pauses")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                        help="smollm2: the real SmolLM2-135M-Instruct (model=smollm2), same "
+                             "workload shape (its context capped at the tiny model's)")
     args = parser.parse_args(argv)
-    episodes = args.episodes or (128 if args.quick else 1024)
+    real = args.model == "smollm2"
+    episodes = args.episodes or ((32 if args.quick else 256) if real else (128 if args.quick else 1024))
     torch.set_num_threads(1)
-    model = tiny_model(args.seed)
+    model = smollm2_model() if real else tiny_model(args.seed)
     policy = build_policy(model)
-    context = policy.model.config.max_position_embeddings
+    # the real model's 8,192 positions would change the workload; both get the tiny one's cap
+    context = min(policy.model.config.max_position_embeddings, TINY_CONTEXT)
     weights = WeightUpdate.of_module(0, policy.model)
     workload = load_workload(episodes, context, policy.tokenizer.vocab_size, args.time_scale,
                              args.seed)
@@ -257,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{workload.clients} clients, {workload.turns} turns, {workload.tokens} tokens to generate")
     print(f"scales: lengths x{LENGTH_SCALE:g} (context {context}), tool pauses "
           f"x{args.time_scale:g} (search latency model, empirical)")
-    print(f"engine: torch, {TINY.stem} model on {policy.device}, torch threads "
+    print(f"engine: torch, {args.model} model on {policy.device}, torch threads "
           f"{torch.get_num_threads()}, max_batch_size {CLIENTS}")
     print(f"{'mode':<11} {'tokens/s':>9} {'p50_ms':>8} {'p99_ms':>8} {'requests':>8}")
     rows = {}
