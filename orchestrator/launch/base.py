@@ -81,7 +81,8 @@ class Launcher(ABC):
     @abstractmethod
     def snapshot(self, trainer: Trainer) -> Snapshot:
         """``trainer``'s checkpoint state, copied now (blocking): training may go on while the
-        driver writes it into the run directory (``snapshot.write(directory)``)."""
+        driver writes it into the run directory (``snapshot.write(directory)``). The next call
+        may reuse its memory: make it only once this one is written."""
 
     @abstractmethod
     def load_checkpoint(self, trainer: Trainer, directory: Path) -> None:

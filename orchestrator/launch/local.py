@@ -35,10 +35,13 @@ class LocalLauncher(Launcher):
                recorder: Recorder | None = None) -> InferenceEngine:
         return recipe.build(weights)
 
+    _last: TrainerSnapshot | None = None  # written already: its memory is reused
+
     def snapshot(self, trainer: Trainer) -> Snapshot:
         if isinstance(trainer, RankGroup):
             return trainer.snapshot()
-        return TrainerSnapshot.capture(trainer)
+        self._last = TrainerSnapshot.capture(trainer, into=self._last)
+        return self._last
 
     def load_checkpoint(self, trainer: Trainer, directory: Path) -> None:
         if isinstance(trainer, RankGroup):

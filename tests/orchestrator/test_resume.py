@@ -251,3 +251,37 @@ def test_killed_and_resumed_ends_within_noise_of_an_uninterrupted_run(tmp_path: 
     p = max((a + b) / 2, 0.05)
     noise = 3 * (2 * p * (1 - p) / 30) ** 0.5  # three standard errors of a difference
     assert abs(a - b) <= noise, (a, b, noise)
+
+
+def test_a_snapshot_is_a_copy_that_reuses_the_last_ones_memory(tiny, make_policy,
+                                                               tmp_path: Path) -> None:
+    """Training after a snapshot leaves it alone; the next snapshot copies into the last one's
+    tensors (already written) and holds the new state; a written snapshot loads back exactly."""
+    from orchestrator.algo.grpo import GRPO
+    from orchestrator.checkpoint import TrainerSnapshot, load_checkpoint
+    from orchestrator.trainer import TorchTrainer
+
+    trainer = TorchTrainer(tiny, GRPO())
+
+    def train() -> None:
+        ids = torch.randint(0, tiny.tokenizer.vocab_size, (2, 8))
+        tiny.model(input_ids=ids, labels=ids).loss.backward()
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+
+    train()
+    first = TrainerSnapshot.capture(trainer)
+    kept = {k: v.clone() for k, v in first.weights.items()}
+    train()  # the live tensors change; the snapshot does not
+    assert all(torch.equal(first.weights[k], kept[k]) for k in kept)
+    pointers = {k: v.data_ptr() for k, v in first.weights.items()}
+    second = TrainerSnapshot.capture(trainer, into=first)
+    live = tiny.model.state_dict()
+    assert all(torch.equal(second.weights[k], live[k]) for k in second.weights)
+    assert {k: v.data_ptr() for k, v in second.weights.items()} == pointers  # reused
+    second.write(tmp_path / "ckpt")
+    other = TorchTrainer(make_policy(1), GRPO())
+    load_checkpoint(other, tmp_path / "ckpt")
+    assert all(torch.equal(other.model.state_dict()[k], live[k]) for k in live)
+    moments = other.optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(moments, trainer.optimizer.state_dict()["state"][0]["exp_avg"])

@@ -196,6 +196,7 @@ class TrainerActor(_Reporting):
         self._threads = threads
         self._spans = SpanBuffer(name)
         self._trainer: Trainer | None = None
+        self._last_snapshot: Any = None  # its memory is reused by the next snapshot
 
     async def start(self) -> ActorInfo:
         """Build the trainer (a method, not the constructor: its errors reach the driver as
@@ -248,7 +249,8 @@ class TrainerActor(_Reporting):
         from orchestrator.checkpoint import TrainerSnapshot
 
         with self._spans.span("checkpoint_copy", self._built().version):
-            snapshot = TrainerSnapshot.capture(self._built())
+            snapshot = TrainerSnapshot.capture(self._built(), into=self._last_snapshot)
+        self._last_snapshot = snapshot  # the store holds its own copy once put
         return [await anyio.to_thread.run_sync(ray.put, snapshot)]
 
     async def restore(self, snapshot: Any) -> int:

@@ -278,7 +278,7 @@ def test_a_sigkilled_driver_resumes_with_resume_auto(cluster: Cluster, tmp_path:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     driver.send_signal(signal.SIGKILL)
-    driver.wait()
+    driver.communicate()
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=200, check=False)
     assert again.returncode == 0, again.stderr[-3000:]
