@@ -86,7 +86,11 @@ class Watch:
 
     def at(self, count: int, late: bool = False) -> float:
         """When ``count`` steps were first seen; if the polls missed it, the last poll before
-        it (or, ``late``, now: the kill came before the next poll)."""
+        it (or, ``late``, now: the kill came before the next poll). Count 0 (the checkpoint
+        after the warm start) is when RL began: the first step's end less its duration."""
+        if count == 0 and 1 in self.seen:
+            first = json.loads((self.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+            return self.seen[1] - first["time/step"]
         if count in self.seen:
             return self.seen[count]
         if late:
