@@ -107,7 +107,7 @@ from orchestrator.runloop import load_into
 from orchestrator.weights import WeightUpdate
 
 STEPS, QUICK_STEPS = 2000, 100
-EVERY = 20  # steps between evaluated snapshots (checkpoint.every)
+EVERY = 20  # steps between evaluated snapshots (the default checkpoint.every)
 TARGET = 0.8
 TRL_THREADS = 2  # TRL's torch threads: both cores
 
@@ -193,8 +193,7 @@ def run_project(k: int, steps: int, every: int, out: Path, model: Sequence[str],
     run_dir.mkdir(parents=True)
     _subprocess(["-m", "orchestrator", *base, f"pipeline.max_staleness={k}",
                  f"pipeline.num_steps={steps}", "warmstart.steps=0", "eval.num_tasks=0",
-                 f"checkpoint.every={every}", "checkpoint.every_s=0",
-                 f"checkpoint.keep={steps // every + 1}",
+                 f"checkpoint.every={every}", f"checkpoint.keep={steps // every + 1}",
                  *model, f"hydra.run.dir={run_dir}"], out / f"k{k}.log")
     return read_project(run_dir, f"polyrl k={k}", every, RLSettings.of(experiment(base=base)))
 
@@ -208,11 +207,16 @@ def read_project(run_dir: Path, name: str, every: int, settings: RLSettings) -> 
         total += r["time/step"]
         ends.append(total)
     checkpoints = run_dir / "checkpoints"
-    snapshots = [(n, ends[n - 1], checkpoints / f"step-{n}" / "model" / "model.safetensors")
-                 for n in range(every, len(records) + 1, every)]
-    if len(records) % every:
-        final = checkpoints / "final" / "model" / "model.safetensors"
-        snapshots.append((len(records), total, final))
+    last = len(records)
+
+    def weights(n: int) -> Path:  # the last step's may be only in final/
+        path = checkpoints / f"step-{n}"
+        return (path if n < last or path.exists() else checkpoints / "final") / "model" / \
+            "model.safetensors"
+
+    steps = [*range(every, last + 1, every)]
+    steps += [last] if last % every else []
+    snapshots = [(n, ends[n - 1], weights(n)) for n in steps]
     tokens = sum(r["rollout/tokens_per_sample"] for r in records) / len(records)
     return Run(name, [r["reward/mean"] for r in records], total,
                settings.batch_size * len(records), snapshots, tokens)
