@@ -88,7 +88,9 @@ def test_a_run_killed_at_any_point_resumes_to_the_end(tmp_path: Path, kill_at: s
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     checkpoint = find_checkpoint(run_dir)
     state = RunState.read(checkpoint)
-    assert 1 <= state.step < STEPS and state.version == state.step
+    # a checkpoint is written in the background: the kill may cut one short (then the one
+    # before it, possibly step 0's after the warm start, is the one resumed from)
+    assert 0 <= state.step < STEPS and state.version == state.step
     if kill_at.startswith("checkpoint"):  # the half-written one is not the one resumed from
         assert list((run_dir / "checkpoints").glob(".tmp-step-*"))
     resumed = orchestrator(f"resume={run_dir}")
