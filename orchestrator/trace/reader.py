@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -134,11 +135,13 @@ def read_task_distribution(path: Path) -> TaskDistribution:
 
 @dataclass(frozen=True)
 class TraceDir:
-    """The PolyTrace files of one directory, by kind and step."""
+    """The PolyTrace files of one directory, by kind and step. Reading a rolled file's steps in
+    order decodes it once (a cursor per file goes on from the last step read)."""
 
     path: Path
     files: dict[str, dict[int, Path]]  # kind -> step -> file
     task_distribution: Path | None
+    _cursors: dict[Path, _Cursor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def open(cls, path: Path | str) -> TraceDir:
@@ -177,8 +180,12 @@ class TraceDir:
     def records(self, kind: str, step: int) -> Iterator[Record]:
         """The records of ``kind`` at ``step``, from its step file or its rolled file."""
         path = self._file(kind, step)
-        rolled = ROLLED_FILE.match(path.name) is not None
-        return iter_records(path, KINDS[kind], step if rolled else None)
+        if ROLLED_FILE.match(path.name) is None:
+            return iter_records(path, KINDS[kind])
+        cursor = self._cursors.get(path)
+        if cursor is None or cursor.next_step > step:  # not read yet, or read past: restart
+            cursor = self._cursors[path] = _Cursor(path)
+        return (parse_line(path, n, line, KINDS[kind]) for n, line in cursor.lines_of(step))
 
     def _file(self, kind: str, step: int) -> Path:
         try:
@@ -191,6 +198,32 @@ class TraceDir:
     @property
     def empty(self) -> bool:
         return not any(self.files.values()) and self.task_distribution is None
+
+
+class _Cursor:
+    """Where a rolled file has been read to: its steps are in order, so the lines of a later
+    step follow on from those of an earlier one."""
+
+    def __init__(self, path: Path) -> None:
+        self._lines = iter_lines(path)
+        self._ahead: tuple[int, str] | None = None  # the first line of the next step
+        self.next_step = -1  # the step of that line (-1: not read yet)
+
+    def lines_of(self, step: int) -> list[tuple[int, str]]:
+        """The (line number, line) of ``step``, reading on from where the cursor is."""
+        out: list[tuple[int, str]] = []
+        pending = [self._ahead] if self._ahead is not None else []
+        self._ahead = None
+        for n, line in chain(pending, self._lines):
+            s = line_step(line)
+            if s is None or s < step:
+                continue
+            if s > step:
+                self._ahead, self.next_step = (n, line), s
+                return out
+            out.append((n, line))
+        self.next_step = 1 << 62  # the end: a later request starts again
+        return out
 
 
 def find_trace_dirs(root: Path | str) -> list[TraceDir]:
