@@ -73,6 +73,7 @@ async def run_episode(
     step_reward, end_reason = 0.0, "max_turns"
     async with spec.make_env() as env:
         tokens.add_prompt(tokenizer.chat_prompt(await env.reset(task)))
+        _check_context(engine, spec, len(tokens))
         for turn in range(config.max_turns):
             sampling = _sampling(config, tokenizer, len(tokens))
             if sampling is None:
@@ -103,6 +104,16 @@ async def run_episode(
         version=engine.version, end_reason=end_reason, max_tokens=config.max_tokens,
         metrics=metrics,
     ))
+
+
+def _check_context(engine: InferenceEngine, spec: EnvSpec, prompt: int) -> None:
+    """An opening prompt the model cannot even read is a setting to change, not a sample."""
+    limit = engine.context_length
+    if limit is not None and prompt >= limit:
+        raise ConfigError(
+            f"an opening prompt of env={getattr(spec, 'name', type(spec).__name__)} is {prompt} "
+            f"tokens and the model's context is {limit}: use a model with a longer context "
+            "(model.max_position_embeddings for model=tiny) or shorter prompts")
 
 
 def _without(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:

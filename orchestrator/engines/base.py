@@ -48,6 +48,11 @@ class InferenceEngine(ABC):
     @abstractmethod
     async def resume(self) -> None: ...
 
+    @property
+    def context_length(self) -> int | None:
+        """The most positions a sequence may have (prompt + generated); None: not known here."""
+        return None
+
     def metrics(self) -> dict[str, float]:
         """Counters the engine keeps (``faults/engine_restarts``, …), added to each step's metrics."""
         return {}

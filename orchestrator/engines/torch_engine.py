@@ -215,6 +215,10 @@ class TorchEngine(InferenceEngine):
 
     # -- InferenceEngine -------------------------------------------------------------
 
+    @property
+    def context_length(self) -> int:
+        return self.max_positions
+
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
         if self._closed or self._task_group is None:
             raise EngineClosed("the torch engine is not running; use it as `async with engine:`")

@@ -197,6 +197,10 @@ class VLLMEngine(InferenceEngine):
 
     # -- InferenceEngine -------------------------------------------------------------
 
+    @property
+    def context_length(self) -> int | None:
+        return self.max_model_len or None  # known once started
+
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
         if self._llm is None or self._closed:
             raise EngineClosed("the vLLM engine is not running; use it as `async with engine:`")

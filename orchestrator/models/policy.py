@@ -96,6 +96,11 @@ def pretrained_policy(path: str | None = None, dtype: str = "bfloat16", device: 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype), local_files_only=True)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path={path} could not be loaded as a causal LM: {e}") from e
+    vocab = model.get_input_embeddings().num_embeddings
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(f"model.path={path}: its tokenizer has {tokenizer.vocab_size} tokens "
+                          f"but the model's vocabulary has {vocab}; the tokenizer is not this "
+                          "model's (give a checkpoint directory holding both)")
     target = resolve_device(device)
     return Policy(model=model.to(target), tokenizer=tokenizer, device=target)
 

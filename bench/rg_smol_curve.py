@@ -1,0 +1,80 @@
+"""The real model's learning curve: held-out greedy accuracy against RL wall time for runs
+of ``experiment=rg_smol`` (one per seed), from their run directories alone.
+
+    python -m orchestrator experiment=rg_smol seed=0 hydra.run.dir=runs/rg_smol_s0
+    python -m orchestrator experiment=rg_smol seed=1 hydra.run.dir=runs/rg_smol_s1
+    python -m bench.rg_smol_curve runs/rg_smol_s0 runs/rg_smol_s1 [--budget-min 45]
+
+Accuracy before RL is the run log's "eval before RL" line; the evaluations during RL are the
+``eval/accuracy`` metrics (``eval.every`` steps, 50 held-out questions, greedy), placed at
+the RL time (``time/step`` summed) of the step they were reported with (they run alongside
+rollout, so the time includes them). Writes ``docs/rg_smol.png``; the last line is
+``rg_smol_gain=``: over the runs, the smallest best gain in held-out accuracy within the
+budget (target >= 0.15 within 45 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+BEFORE = re.compile(r"eval before RL: ([0-9.]+)")
+
+
+def curve(run_dir: Path) -> list[tuple[float, int, float]]:
+    """(RL minutes, step, accuracy) points, the first before RL."""
+    match = BEFORE.search((run_dir / "train.log").read_text())
+    if match is None:
+        raise SystemExit(f"{run_dir}: no 'eval before RL' line in train.log")
+    points = [(0.0, 0, float(match.group(1)))]
+    elapsed = 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            metrics = json.loads(line)
+        except json.JSONDecodeError:  # a cut last line of a killed run
+            continue
+        elapsed += metrics.get("time/step", 0.0)
+        if "eval/accuracy" in metrics:
+            points.append((elapsed / 60, int(metrics["eval/step"]), metrics["eval/accuracy"]))
+    return points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--budget-min", type=float, default=45.0)
+    parser.add_argument("--plot", type=Path, default=Path("docs/rg_smol.png"))
+    args = parser.parse_args()
+    gains = []
+    curves = {}
+    for run in args.runs:
+        points = curves[run.name] = curve(run)
+        print(f"{run.name}: " + "  ".join(f"{m:.1f} min (step {s}) {a:.2f}" for m, s, a in points))
+        within = [a for m, _, a in points if m <= args.budget_min]
+        gains.append(max(within) - points[0][2])
+        print(f"{run.name}: before {points[0][2]:.2f}, best within {args.budget_min:g} min "
+              f"{max(within):.2f} (+{gains[-1]:.2f}), last {points[-1][2]:.2f}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, points in curves.items():
+        ax.plot([m for m, _, _ in points], [a for _, _, a in points], marker="o", label=name)
+    ax.axvline(args.budget_min, color="grey", linestyle=":", label=f"{args.budget_min:g} min")
+    ax.set_xlabel("RL wall time (min), 2 CPU cores")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title("SmolLM2-135M-Instruct, experiment=rg_smol")
+    ax.legend()
+    fig.tight_layout()
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=120)
+    print(f"plot: {args.plot}")
+    print(f"rg_smol_gain={min(gains):.3f}")
+
+
+if __name__ == "__main__":
+    main()
