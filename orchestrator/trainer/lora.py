@@ -10,6 +10,11 @@ weights it kept (:class:`~orchestrator.weights.AdapterMerger`: ``W = W0 + scale 
 merged weights, not a LoRA kernel at decode time). The first update a trainer hands out
 carries the base weights too, so the engine built from it has them.
 
+The supervised warm start trains every weight, base included (it stands for the pre-training
+a LoRA run starts from: the default task's model starts from random weights, where adapters
+alone cannot learn it); the update after it carries the base weights again. RL trains the
+adapters only; ``warmstart.steps=0`` keeps the base weights as loaded.
+
 Limits: no dropout on the adapters (the trainer scores tokens in eval mode); biases and
 embeddings are not adapted.
 """

@@ -425,10 +425,12 @@ class TorchTrainer(Trainer):
                                               self.warm_optimizer(lr))
 
     def warm_optimizer(self, lr: float) -> torch.optim.Optimizer:
-        """The warm start's AdamW at ``lr`` (a new one when ``lr`` changes)."""
+        """The warm start's AdamW at ``lr`` (a new one when ``lr`` changes), over every weight:
+        with LoRA too, the warm start trains the base weights (it stands for the pre-training a
+        LoRA run starts from); RL trains the adapters only."""
         if self._warm_optimizer is None or self._warm_optimizer.param_groups[0]["lr"] != lr:
-            self._warm_optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+            self._warm_optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr,
+                                                     weight_decay=0.0)
         return self._warm_optimizer
 
     def supervised_update(
@@ -438,6 +440,23 @@ class TorchTrainer(Trainer):
         optimizer: torch.optim.Optimizer,
     ) -> float:
         """One cross-entropy step on the masked tokens with ``optimizer``."""
+        frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        for p in frozen:  # LoRA's base weights: trained by the warm start alone
+            p.requires_grad_(True)
+        try:
+            return self._supervised_update(sequences, masks, optimizer)
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+            if frozen:
+                self._base_sent = False  # the engines need the new base weights
+
+    def _supervised_update(
+        self,
+        sequences: Sequence[Sequence[int]],
+        masks: Sequence[Sequence[bool]],
+        optimizer: torch.optim.Optimizer,
+    ) -> float:
         mine = self._share_sizes([len(seq) for seq in sequences])
         batch = pack([sequences[i] for i in mine], [masks[i] for i in mine],
                      self.policy.tokenizer.pad_id) if mine else None

@@ -156,6 +156,15 @@ def test_sharded_checkpoints_resume_at_another_world_size(tmp_path: Path) -> Non
     finally:
         back.close()
 
+    # and into the one in-process trainer (trainer.world_size unset)
+    plain = recipe().build()
+    LocalLauncher().load_checkpoint(plain, tmp_path / "from-2")
+    anyio.run(plain.step, second)
+    assert plain.version == 2
+    update = anyio.run(plain.weights)
+    assert_same({k: v.clone() for k, v in update.tensors().items()}, reference)
+    update.release()
+
 
 def test_a_dead_rank_ends_the_run_in_one_line() -> None:
     with LocalLauncher() as launcher:
@@ -168,3 +177,28 @@ def test_a_dead_rank_ends_the_run_in_one_line() -> None:
         assert "\n" not in message and "trainer rank" in message and "resume=" in message
         with pytest.raises(RankLost):  # and at once afterwards: no rank waits on the dead one
             group.snapshot()
+
+
+def test_lora_on_two_ranks_matches_one_process() -> None:
+    """A warm-start step (every weight) then an RL step (adapters only) on 2 ranks: the same
+    updates as in one process; the RL update carries the adapters alone."""
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    sequences = [t.token_ids for g in make_groups(seed=3) for t in g.trajectories]
+    masks = [[True] * len(s) for s in sequences]
+    single = recipe(lora=lora).build()
+    anyio.run(single.supervised_step, sequences, masks, 1e-3)
+    warm = {k: v.clone() for k, v in anyio.run(single.weights).tensors().items()}
+    single.train_step(make_groups())
+    adapters = {k: v.clone() for k, v in anyio.run(single.weights).tensors().items()}
+
+    group = process_group(recipe(world_size=2, lora=lora), 2)
+    try:
+        anyio.run(group.supervised_step, sequences, masks, 1e-3)
+        assert_same(gathered(group), warm)  # the base weights moved: they come along
+        anyio.run(group.step, make_groups())
+        update = anyio.run(group.weights)
+        assert update.adapters is not None
+        assert_same({k: v.clone() for k, v in update.tensors().items()}, adapters)
+        assert all("::lora_" in k for k in adapters)
+    finally:
+        group.close()
