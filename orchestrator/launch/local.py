@@ -16,6 +16,7 @@ from orchestrator.launch.ranks import RankGroup, process_group, world_size
 from orchestrator.recorder import Recorder
 from orchestrator.trainer import TorchTrainer
 from orchestrator.trainer.base import Trainer
+from orchestrator.trainer.distributed import SHARDS, load_shards
 from orchestrator.weights import WeightUpdate
 
 
@@ -46,6 +47,9 @@ class LocalLauncher(Launcher):
     def load_checkpoint(self, trainer: Trainer, directory: Path) -> None:
         if isinstance(trainer, RankGroup):
             trainer.load(directory)
+            return
+        if isinstance(trainer, TorchTrainer) and (directory / SHARDS).is_dir():
+            load_shards(trainer, directory)  # a run of trainer ranks, resumed in this process
             return
         if not isinstance(trainer, TorchTrainer):
             raise ConfigError(f"cannot load a checkpoint into a {type(trainer).__name__}")
