@@ -42,7 +42,14 @@ def _check(key: str, value: Any, annotation: Any) -> Any:
         args = typing.get_args(annotation)
         if value is None and type(None) in args:
             return None
-        return _check(key, value, next(a for a in args if a is not type(None)))
+        error: ConfigError | None = None
+        for arg in (a for a in args if a is not type(None)):  # the first member that takes it
+            try:
+                return _check(key, value, arg)
+            except ConfigError as e:
+                error = error or e
+        assert error is not None
+        raise error
     if annotation is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}={value} must be true or false")
