@@ -11,7 +11,7 @@ keeps in memory shows as growth between the two. ``--tracemalloc`` also diffs Py
 allocations between the same two moments and prints where they grew (it slows the run, and
 the RSS figures then include its own bookkeeping).
 
-Prints the RSS at both steps, the size of ``spans.jsonl``, and last
+Prints the RSS at both steps, the size of the run's spans (``spans/``), and last
 ``rss_growth_200_to_<N>=<growth>%``: ``N`` is 2000 for the full run, 400 with ``--quick``.
 The target: within 10% for the full run.
 """
@@ -30,6 +30,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from orchestrator.main import run
+from orchestrator.recorder import span_files, spans_path
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST = 200  # the step measured against the last one (after warm-up, caches and pools fill)
@@ -109,7 +110,8 @@ def measure(steps: int, trace: bool, as_configured: bool = False) -> None:
         first, last = sampler.rss[FIRST], sampler.rss[steps]
         print(f"rss_at_step_{FIRST}={first / 2**20:.1f}MiB")
         print(f"rss_at_step_{steps}={last / 2**20:.1f}MiB")
-        print(f"spans_jsonl={(run_dir / 'spans.jsonl').stat().st_size / 2**20:.1f}MiB")
+        spans = sum(p.stat().st_size for p in span_files(spans_path(run_dir)))
+        print(f"spans={spans / 2**20:.1f}MiB (compressed)")
         print(f"rss_growth_{FIRST}_to_{steps}={100 * (last / first - 1):.1f}%")
 
 
