@@ -14,7 +14,8 @@ each step appeared in ``metrics.jsonl`` (polled every 20 ms) and, from the run d
 * ``work_lost_s``: the wall seconds of those steps — from the end of the step the checkpoint
   holds to the end of the last step recorded before the kill — the largest over the kills
   (target <= 60: a crash loses the step in progress and at most a minute before it);
-* ``duplicated_samples``: (prompt, sample) pairs trained more than once (target 0);
+* ``duplicated_samples``: samples trained more often than the sampler's passes over the train
+  split allow (within one pass: (prompt, sample) pairs trained twice; target 0);
 * ``skipped_prompts``: prompts handed out but untrained at a checkpoint a resume started from
   that were never trained afterwards (target 0; stale drops would be counted apart);
 * the resume time: a resume's start to its first new step in ``metrics.jsonl``;
@@ -148,6 +149,11 @@ def kill_and_resume(run_dir: Path, run: list[str], kills: int, first: tuple[floa
     trace = TraceDir.open(run_dir)
     pairs = Counter((r.prompt_group_id, r.sample_id) for s in trace.steps() for r in trace.workload(s))
     trained = {prompt for prompt, _ in pairs}
+    # The sampler makes endless passes over the train split: over P trained prompts each of
+    # its T tasks is trained floor(P / T) or ceil(P / T) times, and any more is a duplicate.
+    per_prompt = Counter(prompt for prompt, sample in pairs if sample == 0)
+    tasks = train_tasks(run_dir)
+    most = -(-sum(per_prompt.values()) // tasks)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     dropped = max(m.get("staleness/dropped_total", 0) for m in metrics)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -156,7 +162,9 @@ def kill_and_resume(run_dir: Path, run: list[str], kills: int, first: tuple[floa
         "steps_recorded": float(len(trace.steps())),
         "steps_lost_max": float(max(lost, default=0)),
         "work_lost_max_s": max(lost_s, default=0.0),
-        "duplicated_samples": float(sum(n - 1 for n in pairs.values())),
+        "duplicated_samples": float(sum(n - 1 for n in pairs.values() if n > 1)
+                                    if tasks >= sum(per_prompt.values())
+                                    else sum(max(0, n - most) for n in per_prompt.values())),
         "skipped_prompts": float(len(again - trained)) if not dropped else float("nan"),
         "dropped_stale": float(dropped),
         "resume_seconds": sum(resume_seconds) / max(len(resume_seconds), 1),
@@ -165,6 +173,15 @@ def kill_and_resume(run_dir: Path, run: list[str], kills: int, first: tuple[floa
         "pause_share": summary["checkpoint_pause_s"] / summary["rl_seconds"],
         "write_share": summary["checkpoint_write_s"] / summary["rl_seconds"],
     }
+
+
+def train_tasks(run_dir: Path) -> int:
+    """The size of the run's train split, from its own config."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.config import build_env
+
+    return len(build_env(OmegaConf.load(run_dir / "config.yaml")).tasks("train"))
 
 
 def checkpoint_cost(model: dict[str, int], directory: Path) -> tuple[float, float, float, int]:
@@ -201,10 +218,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="experiment=smoke, checkpoint.every_s=5, one kill (not the defaults)")
     parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="pipeline.num_steps (default: "
+                        "the experiment's)")
     parser.add_argument("--seed", type=int, default=0, help="where the kills fall")
     args = parser.parse_args()
     run, kills, first = (QUICK + ["pipeline.num_steps=60"], 1, (15.0, 25.0)) if args.quick else (
         RUN, args.kills, (70.0, 150.0))
+    if args.steps:
+        run = [*run, f"pipeline.num_steps={args.steps}"]
     print(f"bench.resume: {' '.join(run)}; {kills} SIGKILLs at random moments (seed {args.seed}); "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-resume-") as tmp:
