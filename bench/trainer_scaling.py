@@ -53,10 +53,11 @@ from orchestrator.weights import WeightUpdate
 MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 640,
          "num_layers": 10, "num_heads": 10, "intermediate_size": 2048,
          "max_position_embeddings": 256, "seed": 0, "device": "cpu"}
-GROUPS = 8
+GROUPS = 32  # 128 samples: the gather and reduce-scatter of the weights (2 x 224 MB) amortised
 GROUP_SIZE = 4
 PROMPT_TOKENS = 24
 COMPLETION_TOKENS = (8, 40)  # uniform range of a completion's length
+MICRO_BATCH = 32  # rows per forward pass (activation memory); micro-batches add no collectives
 LORA = {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 WARMUP = 1
 OBJECT_STORE_BYTES = 1_000_000_000
@@ -118,7 +119,7 @@ def start_cluster() -> Cluster:
 
 def measure(ranks: int, lora: bool, steps: int) -> Row:
     trainer = {"_target_": "orchestrator.trainer.TorchTrainer", "lr": 1e-5,
-               "micro_batch_size": GROUPS * GROUP_SIZE, "world_size": ranks,
+               "micro_batch_size": MICRO_BATCH, "world_size": ranks,
                "lora": LORA if lora else None}
     recipe = TrainerRecipe(trainer=trainer, model=MODEL,
                            algo={"_target_": "orchestrator.algo.grpo.GRPO"}, torch_threads=1)
@@ -156,16 +157,19 @@ def measure(ranks: int, lora: bool, steps: int) -> Row:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Trainer step time at 1 and 2 FSDP2 ranks.")
-    parser.add_argument("--quick", action="store_true", help="two measured steps per row")
+    parser.add_argument("--quick", action="store_true", help="one measured step per row")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per row")
     args = parser.parse_args(argv)
-    steps = args.steps or (2 if args.quick else 5)
+    steps = args.steps or (1 if args.quick else 4)
     load_before = os.getloadavg()
     print(f"model: Llama hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, FFN "
           f"{MODEL['intermediate_size']}, float32; batch {GROUPS} groups x {GROUP_SIZE} "
           f"(prompt {PROMPT_TOKENS}, completions {COMPLETION_TOKENS[0]}-{COMPLETION_TOKENS[1]} "
           f"tokens); {steps} steps after {WARMUP} warm-up; load average "
           f"{' '.join(f'{x:.2f}' for x in load_before)}", flush=True)
+    # glibc's per-thread arenas grow a torch process's memory by GBs; the cluster's processes
+    # inherit this (the machine's memory is shared with everything else running on it)
+    os.environ.setdefault("MALLOC_ARENA_MAX", "2")
     started = time.perf_counter()
     cluster = start_cluster()
     print(f"cluster: head + 2 trainer nodes up in {time.perf_counter() - started:.1f} s", flush=True)
