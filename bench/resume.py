@@ -4,8 +4,8 @@ resumed each time, and what checkpoints cost.
 The default experiment (``experiment=arithmetic``, checkpoints as configured by default: one
 at the end of the first step a minute after the last began, written in the background) is
 started as a user would start it (``python -m orchestrator``) and killed with SIGKILL from
-outside at random moments (the first after a random 70–150 s, when a checkpoint exists; the
-later ones 20–150 s into each resumed process); each time it is resumed with ``python -m
+outside at random moments (the first 0–90 s after the first checkpoint, the one after the warm
+start; the later ones 20–150 s into each resumed process); each time it is resumed with ``python -m
 orchestrator resume=<run_dir>``, and the last resume runs to the end. The bench notes when
 each step appeared in ``metrics.jsonl`` (polled every 20 ms) and, from the run directory, counts:
 
@@ -119,6 +119,11 @@ def kill_and_resume(run_dir: Path, run: list[str], kills: int, first: tuple[floa
     lost_s: list[float] = []
     again: set[int] = set()
     resume_seconds: list[float] = []
+    while not list(run_dir.glob("checkpoints/step-*/MANIFEST.json")):  # the first kill's clock
+        if proc.poll() is not None:                                     # starts at the first
+            raise RuntimeError(f"the run ended early: {proc.communicate()[1][-2000:]}")  # one
+        watch.poll()
+        time.sleep(0.02)
     window = first
     for _ in range(kills):
         if not watch.until(proc, deadline=time.monotonic() + rng.uniform(*window)):
@@ -222,8 +227,8 @@ def main() -> None:
                         "the experiment's)")
     parser.add_argument("--seed", type=int, default=0, help="where the kills fall")
     args = parser.parse_args()
-    run, kills, first = (QUICK + ["pipeline.num_steps=60"], 1, (15.0, 25.0)) if args.quick else (
-        RUN, args.kills, (70.0, 150.0))
+    run, kills, first = (QUICK + ["pipeline.num_steps=60"], 1, (2.0, 8.0)) if args.quick else (
+        RUN, args.kills, (0.0, 90.0))
     if args.steps:
         run = [*run, f"pipeline.num_steps={args.steps}"]
     print(f"bench.resume: {' '.join(run)}; {kills} SIGKILLs at random moments (seed {args.seed}); "
