@@ -156,7 +156,7 @@ def kill_and_resume(run_dir: Path, run: list[str], kills: int, first: tuple[floa
     trained = {prompt for prompt, _ in pairs}
     # The sampler makes endless passes over the train split: over P trained prompts each of
     # its T tasks is trained floor(P / T) or ceil(P / T) times, and any more is a duplicate.
-    per_prompt = Counter(prompt for prompt, sample in pairs if sample == 0)
+    per_prompt = Counter({prompt: n for (prompt, sample), n in pairs.items() if sample == 0})
     tasks = train_tasks(run_dir)
     most = -(-sum(per_prompt.values()) // tasks)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
