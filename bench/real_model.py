@@ -222,7 +222,7 @@ def generation_anywhere(budget: Budget, threads: int, out: Path) -> list[dict[st
         raise SystemExit(f"the generation part failed (exit {done.returncode}); see {log}:\n"
                          f"{log.read_text()[-3000:]}")
     for line in log.read_text().splitlines():
-        if line.startswith("  "):  # its progress lines
+        if line.startswith(("  torch x", "  vllm x")):  # its progress lines
             print(line)
     rows: list[dict[str, Any]] = json.loads(path.read_text())
     return rows
