@@ -81,8 +81,24 @@ def test_progress_without_a_terminal_logs_a_line_every_interval(caplog: pytest.L
     assert [line.split()[2] for line in lines] == ["3/10", "6/10", "9/10", "10/10"]
     assert "reward 0.500" in lines[0] and "ETA 0m14s" in lines[0]  # 7 steps left at 2 s each
     assert lines[-1].endswith("ETA 0m00s")
+    assert "no checkpoint yet" in lines[0]
     samples = report(0).samples
     assert f"{samples * 3 / 6.0:.0f} samples/s" in lines[0]
+
+
+def test_the_progress_line_says_when_the_last_checkpoint_was_written(
+        caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    with caplog.at_level(logging.INFO, logger="orchestrator.progress"):
+        with StepProgress(4, interactive=False, interval=5.0, clock=lambda: now[0]) as progress:
+            progress.checkpointed(0)  # the checkpoint after the warm start
+            for step in range(4):
+                now[0] += 20.0
+                progress.update(report(step))
+                if step == 1:
+                    progress.checkpointed(2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.progress"]
+    assert "checkpoint @0 0m20s ago" in lines[0] and "checkpoint @2 0m40s ago" in lines[-1]
 
 
 def test_progress_in_a_terminal_or_disabled_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
