@@ -10,7 +10,9 @@
    so each generates exactly ``L``; decode tokens/s is ``c x (L - 1)`` over that round's
    time minus the prefill round's. Each figure is the best of a few rounds (another process
    on the machine only ever slows a round down), after a warm-up round. The torch engine
-   runs with 2 torch threads, ``max_batch_size`` 32; vLLM (``engine=vllm``'s
+   runs with ``--threads`` torch threads (2; on a busy machine two OpenMP threads stall
+   each other, and ``--threads 1`` measures the code, not the contention), ``max_batch_size``
+   32; vLLM (``engine=vllm``'s
    ``VLLMEngine``, CPU build) with ``enforce_eager``, ``max_model_len`` 1024, a 1 GiB KV
    cache, no prefix cache (the torch engine has none, and the prefill rows would measure
    cache hits), laid out on the 2 cores as ``engine=vllm`` lays itself out by default
