@@ -53,7 +53,7 @@ from orchestrator.weights import WeightUpdate
 MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 640,
          "num_layers": 10, "num_heads": 10, "intermediate_size": 2048,
          "max_position_embeddings": 256, "seed": 0, "device": "cpu"}
-GROUPS = 32  # 128 samples: the gather and reduce-scatter of the weights (2 x 224 MB) amortised
+GROUPS = 8  # --groups: more amortise the per-minibatch gather and reduce-scatter (2 x 224 MB)
 GROUP_SIZE = 4
 PROMPT_TOKENS = 24
 COMPLETION_TOKENS = (8, 40)  # uniform range of a completion's length
@@ -75,10 +75,10 @@ class Row:
     params: int
 
 
-def batch(seed: int = 0) -> list[Group]:
+def batch(seed: int = 0, count: int = GROUPS) -> list[Group]:
     rng = random.Random(seed)
     groups = []
-    for g in range(GROUPS):
+    for g in range(count):
         prompt = [1] + [rng.randrange(4, 100) for _ in range(PROMPT_TOKENS - 1)]
         samples = []
         for i in range(GROUP_SIZE):
@@ -117,14 +117,14 @@ def start_cluster() -> Cluster:
     return cluster
 
 
-def measure(ranks: int, lora: bool, steps: int) -> Row:
+def measure(ranks: int, lora: bool, steps: int, count: int = GROUPS) -> Row:
     trainer = {"_target_": "orchestrator.trainer.TorchTrainer", "lr": 1e-5,
                "micro_batch_size": MICRO_BATCH, "world_size": ranks,
                "lora": LORA if lora else None}
     recipe = TrainerRecipe(trainer=trainer, model=MODEL,
                            algo={"_target_": "orchestrator.algo.grpo.GRPO"}, torch_threads=1)
     engine = Engine.remote()  # type: ignore[attr-defined]
-    groups = batch()
+    groups = batch(count=count)
     times, gathers, publishes, pulls = [], [], [], []
     nbytes = 0
     with RayLauncher(num_engines=1, placement="spread", trainer_ranks=ranks,
@@ -159,11 +159,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Trainer step time at 1 and 2 FSDP2 ranks.")
     parser.add_argument("--quick", action="store_true", help="one measured step per row")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per row")
+    parser.add_argument("--groups", type=int, default=GROUPS,
+                        help=f"groups of {GROUP_SIZE} in the fixed global batch")
     args = parser.parse_args(argv)
     steps = args.steps or (1 if args.quick else 4)
     load_before = os.getloadavg()
     print(f"model: Llama hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, FFN "
-          f"{MODEL['intermediate_size']}, float32; batch {GROUPS} groups x {GROUP_SIZE} "
+          f"{MODEL['intermediate_size']}, float32; batch {args.groups} groups x {GROUP_SIZE} "
           f"(prompt {PROMPT_TOKENS}, completions {COMPLETION_TOKENS[0]}-{COMPLETION_TOKENS[1]} "
           f"tokens); {steps} steps after {WARMUP} warm-up; load average "
           f"{' '.join(f'{x:.2f}' for x in load_before)}", flush=True)
@@ -177,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for ranks, lora in ((1, False), (2, False), (2, True)):
             t0 = time.perf_counter()
-            row = measure(ranks, lora, steps)
+            row = measure(ranks, lora, steps, args.groups)
             rows.append(row)
             print(f"ranks={ranks} {'lora' if lora else 'full'}: step {row.step:.2f} s, gather "
                   f"{row.gather:.2f} s, gather+put {row.publish:.2f} s, pull {row.pull:.2f} s, "
