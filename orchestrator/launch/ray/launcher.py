@@ -195,8 +195,8 @@ class RayLauncher(Launcher):
             return
         config = self.config
         options: dict[str, Any] = {"namespace": config.namespace, "logging_level": logging.WARNING}
-        if config.address is None:
-            ray.init(include_dashboard=False, **options)
+        if config.address is None:  # a Ray of this run's own, never one that happens to run here
+            ray.init(address="local", include_dashboard=False, **options)
         else:
             if config.address != "auto":
                 _probe(config.address, config.connect_timeout_s)
