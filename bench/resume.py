@@ -154,13 +154,15 @@ def kill_and_resume(run_dir: Path, run: list[str], kills: int, first: tuple[floa
     trace = TraceDir.open(run_dir)
     pairs = Counter((r.prompt_group_id, r.sample_id) for s in trace.steps() for r in trace.workload(s))
     trained = {prompt for prompt, _ in pairs}
-    # The sampler makes endless passes over the train split: over P trained prompts each of
-    # its T tasks is trained floor(P / T) or ceil(P / T) times, and any more is a duplicate.
-    per_prompt = Counter({prompt: n for (prompt, sample), n in pairs.items() if sample == 0})
-    tasks = train_tasks(run_dir)
-    most = -(-sum(per_prompt.values()) // tasks)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     dropped = max(m.get("staleness/dropped_total", 0) for m in metrics)
+    # The sampler makes endless passes over the train split: over P prompts handed out (trained,
+    # or dropped as stale) each of its T tasks is handed out at most ceil(P / T) times, and a
+    # prompt trained more often is a duplicate.
+    per_prompt = Counter({prompt: n for (prompt, sample), n in pairs.items() if sample == 0})
+    group = max(sample for _, sample in pairs) + 1
+    tasks = train_tasks(run_dir)
+    most = -(-(sum(per_prompt.values()) + int(dropped) // group) // tasks)
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
         "kills": float(len(lost)),
