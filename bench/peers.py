@@ -107,7 +107,7 @@ from orchestrator.runloop import load_into
 from orchestrator.weights import WeightUpdate
 
 STEPS, QUICK_STEPS = 2000, 100
-EVERY = 20  # steps between evaluated snapshots (the default checkpoint.every)
+EVERY = 20  # steps between evaluated snapshots (checkpoint.every)
 TARGET = 0.8
 TRL_THREADS = 2  # TRL's torch threads: both cores
 
@@ -193,7 +193,8 @@ def run_project(k: int, steps: int, every: int, out: Path, model: Sequence[str],
     run_dir.mkdir(parents=True)
     _subprocess(["-m", "orchestrator", *base, f"pipeline.max_staleness={k}",
                  f"pipeline.num_steps={steps}", "warmstart.steps=0", "eval.num_tasks=0",
-                 f"checkpoint.every={every}", f"checkpoint.keep={steps // every + 1}",
+                 f"checkpoint.every={every}", "checkpoint.every_s=0",
+                 f"checkpoint.keep={steps // every + 1}",
                  *model, f"hydra.run.dir={run_dir}"], out / f"k{k}.log")
     return read_project(run_dir, f"polyrl k={k}", every, RLSettings.of(experiment(base=base)))
 
