@@ -54,4 +54,4 @@ def test_without_the_plugin_the_name_is_unknown(tmp_path: Path) -> None:
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == ["error: unknown env 'reverse'; available: arithmetic, code, code_tool, reasoning_gym, search_qa"]
+    assert result.stderr.strip().splitlines() == ["error: unknown env 'reverse'; available: agent, arithmetic, code, code_tool, reasoning_gym, search_qa"]
