@@ -25,7 +25,7 @@ from hydra.errors import HydraException, InstantiationException, MissingConfigEx
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from orchestrator.errors import ConfigError, RunAborted
+from orchestrator.errors import ConfigError, RunAborted, chain
 from sandboxes.api import EngineUnavailable, ImageMissing, SandboxError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -77,17 +77,7 @@ def _run_and_report(cfg: DictConfig, run_dir: Path, resume_from: Path | None = N
 
 def explain(error: BaseException) -> str | None:
     """One sentence for a configuration mistake, or None if ``error`` is not one."""
-    chain: list[BaseException] = []
-    todo: list[BaseException] = [error]
-    while todo:  # causes, contexts, and the members of exception groups (task-group crashes)
-        e = todo.pop(0)
-        if e in chain:
-            continue
-        chain.append(e)
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-    for e in chain:
+    for e in chain(error):  # the error behind a task group's crash, too
         if isinstance(e, (ConfigError, RunAborted, EngineUnavailable, ImageMissing)):  # not a bug
             return str(e)
         if isinstance(e, MissingMandatoryValue):

@@ -20,3 +20,19 @@ class EngineClosed(PolyRLError):
 class RunAborted(PolyRLError):
     """The run cannot go on (its trainer died, every engine is gone): the message says why in
     one line, and the entry point prints it without a traceback."""
+
+
+def chain(error: BaseException) -> list[BaseException]:
+    """``error`` and everything behind it, breadth first, each once: causes, contexts and the
+    members of exception groups (a task group's crash wraps the error that ended it)."""
+    found: list[BaseException] = []
+    todo = [error]
+    while todo:
+        e = todo.pop(0)
+        if any(e is f for f in found):
+            continue
+        found.append(e)
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return found

@@ -64,12 +64,10 @@ def parse_bytes(value: int | str | None, key: str = "engine.kv_cache_bytes") -> 
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([KMG]I?B|B)?", str(value).strip().upper())
-    number = float(match.group(1)) if match and not isinstance(value, bool) else 0.0
-    unit = (match.group(2) or "") if match else ""
-    if number <= 0:
+    if isinstance(value, bool) or match is None or float(match.group(1)) <= 0:
         raise ConfigError(f"{key}={value} must be a positive size such as 1GiB, 512MiB or a "
                           "byte count, or auto")
-    return int(number * _UNITS[unit])
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 
@@ -127,12 +125,11 @@ class VLLMEngine(InferenceEngine):
             "enforce_eager": enforce_eager,
             "seed": seed,
         }
-        if kv_bytes is None and not torch.cuda.is_available():
-            kv_bytes = CPU_KV_CACHE_BYTES
+        if not torch.cuda.is_available():  # CPU: always in bytes (see the module docstring)
+            kv_bytes = kv_bytes or CPU_KV_CACHE_BYTES
+            _check_cpu_room(kv_bytes)
         if kv_bytes is not None:
             self._options["kv_cache_memory_bytes"] = kv_bytes
-            if not torch.cuda.is_available():
-                _check_cpu_room(kv_bytes)
         self.version = weights.version if weights is not None else 0
         self.max_model_len = 0  # known once started
         self._llm: Any = None

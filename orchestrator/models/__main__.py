@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from orchestrator.errors import ConfigError
-from orchestrator.models.gguf import PACKAGED, converted, import_gguf, resolve_gguf
+from orchestrator.models.gguf import PACKAGED, converted, import_gguf
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--out", help="the directory to write (default: the cache, reused by model=smollm2)")
     args = parser.parse_args(argv)
     try:
-        out = import_gguf(resolve_gguf(args.gguf), args.out) if args.out else converted(args.gguf)
+        out = import_gguf(args.gguf, args.out) if args.out else converted(args.gguf)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

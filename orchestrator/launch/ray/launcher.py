@@ -44,7 +44,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.checkpoint import Snapshot
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, chain
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
 from orchestrator.launch.ranks import RankGroup, world_size
 from orchestrator.launch.ray.actors import ActorInfo, EngineActor, TrainerActor, WeightsLost
@@ -378,18 +378,7 @@ class RayLauncher(Launcher):
 
 def _trainer_lost(error: BaseException) -> BaseException | None:
     """The :class:`TrainerLost` or :class:`WeightsLost` in ``error``, its causes and groups."""
-    todo, seen = [error], set()
-    while todo:
-        e = todo.pop(0)
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, TrainerLost | WeightsLost):
-            return e
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-    return None
+    return next((e for e in chain(error) if isinstance(e, TrainerLost | WeightsLost)), None)
 
 
 def _probe(address: str, timeout: float) -> None:
