@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,6 +39,7 @@ import anyio
 import httpx
 
 from envs.base import Env, EnvSpec, Message, Reward, Task
+from envs.errors import EnvConfigError
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +66,19 @@ class AgentOutcome:
 
 
 def load_object(path: str, key: str) -> Any:
-    """The object ``path`` names (``pkg.mod:attr`` or ``pkg.mod.attr``); a ValueError naming
+    """The object ``path`` names (``pkg.mod:attr`` or ``pkg.mod.attr``); an EnvConfigError naming
     ``key`` when it cannot be found."""
     module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"{key}={path} must name an object as package.module:name")
+        raise EnvConfigError(f"{key}={path} must name an object as package.module:name")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"{key}={path}: module {module_name} cannot be imported ({e})") from e
+        raise EnvConfigError(f"{key}={path}: module {module_name} cannot be imported ({e})") from e
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{key}={path}: {module_name} has no {attr}")
+            raise EnvConfigError(f"{key}={path}: {module_name} has no {attr}")
         obj = getattr(obj, part)
     return obj
 
@@ -91,7 +92,7 @@ def as_task(index: int, item: Task | Mapping[str, Any]) -> Task:
     elif "prompt" in data:
         messages = ({"role": "user", "content": str(data.pop("prompt"))},)
     else:
-        raise ValueError(f"env.tasks: item {index} has neither 'prompt' nor 'messages'")
+        raise EnvConfigError(f"env.tasks: item {index} has neither 'prompt' nor 'messages'")
     return Task(id=int(data.pop("id", index)), messages=messages,  # type: ignore[arg-type]
                 answer=str(data.pop("answer", "")), metadata=data)
 
@@ -111,14 +112,14 @@ class AgentSpec(EnvSpec):
         max_context: int | None = None,
     ) -> None:
         if timeout_s <= 0:
-            raise ValueError(f"env.timeout_s must be > 0, got {timeout_s}")
+            raise EnvConfigError(f"env.timeout_s must be > 0, got {timeout_s}")
         for key, value in (("max_n", max_n), ("max_calls", max_calls)):
             if value < 1:
-                raise ValueError(f"env.{key} must be >= 1, got {value}")
+                raise EnvConfigError(f"env.{key} must be >= 1, got {value}")
         if not 0 <= port < 65536:
-            raise ValueError(f"env.port must be a TCP port (0: any free one), got {port}")
+            raise EnvConfigError(f"env.port must be a TCP port (0: any free one), got {port}")
         if max_context is not None and max_context < 2:
-            raise ValueError(f"env.max_context must be >= 2 or null, got {max_context}")
+            raise EnvConfigError(f"env.max_context must be >= 2 or null, got {max_context}")
         _openai()  # the programs' client: a missing package is one line now, not every episode
         self.program = load_object(program, "env.program")
         if not callable(self.program):
@@ -127,7 +128,7 @@ class AgentSpec(EnvSpec):
             type(self.program).__call__)
         source = tasks or f"{self.program.__module__}:tasks"
         make_tasks = load_object(source, "env.tasks")
-        self._splits = {split: self._load(make_tasks, split) for split in ("train", "eval")}
+        self.splits = {split: self._load(make_tasks, split) for split in ("train", "eval")}
         self.rewards = [(name, load_object(name, "env.rewards"), float(weight))
                         for name, weight in (rewards or {}).items()]
         self.timeout_s = float(timeout_s)
@@ -141,11 +142,6 @@ class AgentSpec(EnvSpec):
               split: str) -> list[Task]:
         items = make_tasks.get(split, ()) if isinstance(make_tasks, Mapping) else make_tasks(split)
         return [as_task(i, item) for i, item in enumerate(items)]
-
-    def tasks(self, split: str) -> Sequence[Task]:
-        if split not in self._splits:
-            raise KeyError(f"unknown split {split!r}; choose from {sorted(self._splits)}")
-        return self._splits[split]
 
     def make_env(self) -> Env:
         raise TypeError("an agent program's episodes run through the orchestrator's gateway "
@@ -224,6 +220,6 @@ def _openai() -> Any:
     try:
         import openai
     except ImportError as e:
-        raise ValueError("env=agent hands programs an openai client: pip install -e "
+        raise EnvConfigError("env=agent hands programs an openai client: pip install -e "
                          "'.[agents]'") from e
     return openai

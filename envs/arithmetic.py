@@ -12,6 +12,7 @@ import random
 from collections.abc import Sequence
 
 from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task
+from envs.errors import EnvConfigError
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -38,14 +39,14 @@ class ArithmeticSpec(EnvSpec):
     ) -> None:
         unknown = [op for op in ops if op not in _OPS]
         if unknown:
-            raise ValueError(f"env.ops has unknown operator(s) {unknown}; choose from {list(_OPS)}")
+            raise EnvConfigError(f"env.ops has unknown operator(s) {unknown}; choose from {list(_OPS)}")
         if digits < 1:
-            raise ValueError("env.digits must be >= 1")
+            raise EnvConfigError("env.digits must be >= 1")
         if train_size < 1 or eval_size < 0:
-            raise ValueError("env.train_size must be >= 1 and env.eval_size >= 0")
+            raise EnvConfigError("env.train_size must be >= 1 and env.eval_size >= 0")
         universe = (10**digits) ** 2 * len(ops)
         if train_size + eval_size > universe:
-            raise ValueError(
+            raise EnvConfigError(
                 f"env.train_size + env.eval_size = {train_size + eval_size} exceeds the "
                 f"{universe} distinct problems with digits={digits}"
             )
@@ -59,7 +60,7 @@ class ArithmeticSpec(EnvSpec):
                 problems.append(p)
         self.digits = digits
         self.zero_pad = zero_pad
-        self._splits = {
+        self.splits = {
             "train": [self._task(i, p) for i, p in enumerate(problems[:train_size])],
             "eval": [self._task(i, p) for i, p in enumerate(problems[train_size:])],
         }
@@ -72,11 +73,6 @@ class ArithmeticSpec(EnvSpec):
             messages=({"role": "user", "content": f"{a:0{width}d}{op}{b:0{width}d}="},),
             answer=str(_OPS[op](a, b)),
         )
-
-    def tasks(self, split: str) -> Sequence[Task]:
-        if split not in self._splits:
-            raise KeyError(f"unknown split {split!r}; choose from {sorted(self._splits)}")
-        return self._splits[split]
 
     def make_env(self) -> Env:
         return ArithmeticEnv()

@@ -7,18 +7,19 @@ trainers or policy versions (the orchestrator drives it).
 * :class:`Env` — one episode: ``reset(task)`` gives the opening messages, ``step(reply)``
   takes the model's reply and returns the next observation, a step reward and ``done``;
   ``reward()`` scores the finished episode.
-* :class:`EnvSpec` — what the registry builds from config: the task splits and a factory
-  for a fresh :class:`Env` per episode.
+* :class:`EnvSpec` — what the registry builds from config: the task splits (``splits``, or
+  an own ``tasks()``), a factory for a fresh :class:`Env` per episode, and ``running()``,
+  what the environment holds for the whole run (a sandbox pool, a search server).
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Protocol, Self
 
 Message = dict[str, str]
@@ -77,7 +78,7 @@ class Env(ABC):
     async def reward(self) -> Reward:
         """The episode's outcome reward, asked for once after ``step`` returned ``done``."""
 
-    async def aclose(self) -> None:  # noqa: B027 - stateless envs hold nothing
+    async def aclose(self) -> None:
         pass
 
     async def __aenter__(self) -> Self:
@@ -124,9 +125,18 @@ class EnvSpec(ABC):
     def use_clock(self, clock: Clock) -> None:
         self.clock = clock
 
-    @abstractmethod
+    # The tasks of each split, set by the constructor ({"train": ..., "eval": ...}); a spec that
+    # makes its tasks some other way overrides tasks() instead.
+    splits: Mapping[str, Sequence[Task]] = MappingProxyType({})
+
     def tasks(self, split: str) -> Sequence[Task]:
         """The tasks of ``split`` ("train" or "eval")."""
+        if not self.splits:
+            raise NotImplementedError(f"{type(self).__name__} has no task splits: set self.splits "
+                                      "in its constructor or override tasks()")
+        if split not in self.splits:
+            raise KeyError(f"unknown split {split!r}; choose from {sorted(self.splits)}")
+        return self.splits[split]
 
     @abstractmethod
     def make_env(self) -> Env:

@@ -31,6 +31,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
+from envs.errors import EnvConfigError, EnvNotRunning
 from envs.parsers import HermesParser
 from envs.tool_env import Episode, ToolEnv, WeightedReward
 from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
@@ -44,7 +45,7 @@ OPS: dict[str, tuple[str, Callable[[int, int], int]]] = {
     "times": ("*", lambda a, b: a * b),
     "mod": ("%", lambda a, b: a % b),
 }
-_FENCE = re.compile(r"```(?:python)?\n(.*?)```", re.S)
+_FENCE = re.compile(r"```(?:python)?\n(.*?)```", re.DOTALL)
 
 
 def extract_code(reply: str) -> str:
@@ -135,15 +136,15 @@ class CodeSpec(EnvSpec):
     ) -> None:
         unknown = [op for op in ops if op not in OPS]
         if unknown or not ops:
-            raise ValueError(f"env.ops has unknown operation(s) {unknown}; choose from {list(OPS)}")
+            raise EnvConfigError(f"env.ops has unknown operation(s) {unknown}; choose from {list(OPS)}")
         if not 2 <= max_constant <= 99:
-            raise ValueError(f"env.max_constant={max_constant} must be from 2 to 99")
+            raise EnvConfigError(f"env.max_constant={max_constant} must be from 2 to 99")
         universe = (len(ops) * (max_constant - 1)) ** 2
         if train_size < 1 or eval_size < 0 or train_size + eval_size > universe:
-            raise ValueError(f"env.train_size + env.eval_size must be from 1 to {universe} "
+            raise EnvConfigError(f"env.train_size + env.eval_size must be from 1 to {universe} "
                              f"(the distinct tasks with these ops and constants)")
         if num_tests < 1:
-            raise ValueError("env.num_tests must be >= 1")
+            raise EnvConfigError("env.num_tests must be >= 1")
         # a mapping with a _target_ (conf/sandbox/*.yaml), a config, or None (Docker defaults);
         # checked now, opened in running()
         self.sandbox_config = sandbox_config(sandbox)
@@ -154,7 +155,7 @@ class CodeSpec(EnvSpec):
         problems = [(a, k, b, m) for a in ops for k in constants for b in ops for m in constants]
         rng.shuffle(problems)
         tasks = [self._task(i, p, rng, num_tests) for i, p in enumerate(problems[: train_size + eval_size])]
-        self._splits = {"train": tasks[:train_size], "eval": tasks[train_size:]}
+        self.splits = {"train": tasks[:train_size], "eval": tasks[train_size:]}
 
     @staticmethod
     def _task(index: int, problem: tuple[str, int, str, int], rng: random.Random, n: int) -> Task:
@@ -167,11 +168,6 @@ class CodeSpec(EnvSpec):
         return Task(id=index, messages=({"role": "user", "content": question},), answer=answer,
                     metadata={"tests": tests})
 
-    def tasks(self, split: str) -> Sequence[Task]:
-        if split not in self._splits:
-            raise KeyError(f"unknown split {split!r}; choose from {sorted(self._splits)}")
-        return self._splits[split]
-
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         async with self.sandbox_config.pool() as pool:
@@ -183,7 +179,7 @@ class CodeSpec(EnvSpec):
 
     def _pool(self) -> SandboxPool:
         if self.pool is None:
-            raise RuntimeError("the code environment's sandbox pool is not running: run its "
+            raise EnvNotRunning("the code environment's sandbox pool is not running: run its "
                                "episodes inside `async with spec.running():`")
         return self.pool
 

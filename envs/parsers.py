@@ -69,7 +69,7 @@ def make_parser(name: str) -> ToolCallParser:
 @register_parser("hermes")
 class HermesParser(ToolCallParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
+    _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
     @classmethod
     def format(cls, name: str, arguments: dict[str, Any]) -> str:

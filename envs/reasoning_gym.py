@@ -39,10 +39,10 @@ from __future__ import annotations
 import difflib
 import hashlib
 import re
-from collections.abc import Sequence
 from typing import Any
 
 from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task
+from envs.errors import EnvConfigError
 
 INSTALL_HINT = "env=reasoning_gym needs the reasoning-gym package: pip install -e .[tasks]"
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -68,12 +68,12 @@ def _registry() -> dict[str, Any]:
     try:
         from reasoning_gym.factory import DATASETS
     except ImportError as e:
-        raise ValueError(INSTALL_HINT) from e
+        raise EnvConfigError(INSTALL_HINT) from e
     return DATASETS
 
 
 def dataset_names() -> list[str]:
-    """Every dataset reasoning-gym registers (ValueError naming the extra if not installed)."""
+    """Every dataset reasoning-gym registers (EnvConfigError naming the extra if not installed)."""
     return sorted(_registry())
 
 
@@ -129,18 +129,18 @@ class ReasoningGymSpec(EnvSpec):
     ) -> None:
         registry = _registry()
         if answer not in EXTRACTORS:
-            raise ValueError(f"env.answer={answer} must be one of {', '.join(EXTRACTORS)}")
+            raise EnvConfigError(f"env.answer={answer} must be one of {', '.join(EXTRACTORS)}")
         if dataset not in registry:
             close = difflib.get_close_matches(dataset, registry, n=4, cutoff=0.5)
             hint = f"did you mean {', '.join(close)}?" if close else \
                 f"e.g. {', '.join(sorted(registry)[:4])} ({len(registry)} in all)"
-            raise ValueError(f"env.dataset={dataset} is not a reasoning-gym dataset; {hint}")
+            raise EnvConfigError(f"env.dataset={dataset} is not a reasoning-gym dataset; {hint}")
         if train_size < 1 or eval_size < 0:
-            raise ValueError("env.train_size must be >= 1 and env.eval_size >= 0")
+            raise EnvConfigError("env.train_size must be >= 1 and env.eval_size >= 0")
         config = dict(config or {})
         reserved = sorted({"seed", "size"} & set(config))
         if reserved:
-            raise ValueError(f"env.config.{reserved[0]} is set by env.seed, env.train_size and "
+            raise EnvConfigError(f"env.config.{reserved[0]} is set by env.seed, env.train_size and "
                              "env.eval_size: remove it")
         self.dataset = dataset
         self.ascii_only = ascii_only
@@ -151,7 +151,7 @@ class ReasoningGymSpec(EnvSpec):
         self._config = config
         self._scorer: Any = None  # the train split's dataset object: its verifier scores
         seen: set[str] = set()
-        self._splits = {split: self._collect(split, size, _split_seed(seed, split), seen)
+        self.splits = {split: self._collect(split, size, _split_seed(seed, split), seen)
                         for split, size in (("train", train_size), ("eval", eval_size))}
 
     def _create(self, seed: int, size: int) -> Any:
@@ -163,11 +163,11 @@ class ReasoningGymSpec(EnvSpec):
             fields = sorted(set(config_cls.__dataclass_fields__) - {"seed", "size"})
             unknown = sorted(set(config) - set(fields))
             if not unknown:
-                raise ValueError(f"env.config for {self.dataset}: {e}".splitlines()[0]) from e
-            raise ValueError(f"unknown config key 'env.config.{unknown[0]}' for dataset "
+                raise EnvConfigError(f"env.config for {self.dataset}: {e}".splitlines()[0]) from e
+            raise EnvConfigError(f"unknown config key 'env.config.{unknown[0]}' for dataset "
                              f"{self.dataset}; known: {', '.join(fields)}") from e
         except (AssertionError, ValueError) as e:  # the config's own validate()
-            raise ValueError(f"env.config for {self.dataset} is invalid: {e or 'a check failed'}"
+            raise EnvConfigError(f"env.config for {self.dataset} is invalid: {e or 'a check failed'}"
                              .splitlines()[0]) from e
 
     def _collect(self, split: str, size: int, split_seed: int, seen: set[str]) -> list[Task]:
@@ -198,15 +198,10 @@ class ReasoningGymSpec(EnvSpec):
                 return tasks
         skipped = " (ascii_only skips entries the char tokenizer cannot write)" \
             if self.ascii_only else ""
-        raise ValueError(
+        raise EnvConfigError(
             f"env.{split}_size={size} is more than the {len(tasks)} distinct {split} questions "
             f"{self.dataset} gave in {index} tries with this env.config{skipped}: ask for "
             "fewer or widen the config")
-
-    def tasks(self, split: str) -> Sequence[Task]:
-        if split not in self._splits:
-            raise KeyError(f"unknown split {split!r}; choose from {sorted(self._splits)}")
-        return self._splits[split]
 
     def make_env(self) -> Env:
         return ReasoningGymEnv(self._scorer, self.answer)

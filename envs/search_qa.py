@@ -10,8 +10,8 @@ An episode is multi-turn: the model calls ``search`` (Hermes format,
 ``<tool_call>{"name":"search","arguments":{"query":"Where does koravi live?"}}</tool_call>``),
 reads the results, then answers in plain text. The search tool talks HTTP to the mock search server
 (:mod:`sandboxes.search`) with a per-episode client: an in-process server on an ephemeral
-port, started on first use in a background thread with the PolyTrace latency model, or an
-external one at ``search_url``. A failed search (after the client's retries) is an error
+port with the PolyTrace latency model, held by ``spec.running()`` on the run's own event loop
+(asyncio: the server is aiohttp's), or an external one at ``search_url``. A failed search (after the client's retries) is an error
 observation; the episode goes on.
 
 Rewards: exact match after SQuAD-style normalisation (``reward=em``) or token F1
@@ -21,18 +21,17 @@ answer), are logged with weight 0.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import string
-import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Literal
 
-import anyio
-
 from envs.base import Env, EnvSpec, Message, Task
+from envs.errors import EnvConfigError, EnvError, EnvNotRunning
 from envs.parsers import HermesParser
 from envs.tool_env import Episode, ToolEnv, WeightedReward
 from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
@@ -96,51 +95,6 @@ def format_hits(documents: Sequence[dict]) -> str:
 
 tool_call_text = HermesParser.format
 
-# -- the search service -----------------------------------------------------------------------
-
-class _ServerThread:
-    """The search server on its own event loop in a daemon thread, so it outlives any one
-    ``anyio.run`` of the caller (warm-start checks, training and evaluation each run one)."""
-
-    def __init__(self, server: SearchServer) -> None:
-        self._server = server
-        self._ready = threading.Event()
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="search-server", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise RuntimeError(f"the in-process search server failed to start: {self._error}")
-
-    @property
-    def url(self) -> str:
-        return self._server.url
-
-    def _main(self) -> None:
-        async def serve() -> None:
-            try:
-                async with self._server:
-                    self._ready.set()
-                    while not self._stop.is_set():
-                        await anyio.sleep(0.05)
-            except BaseException as e:
-                self._error = e
-                self._ready.set()
-                raise
-
-        try:
-            anyio.run(serve)
-        except BaseException as e:  # noqa: BLE001 - reported through _error to the starting thread
-            self._error = self._error or e
-        finally:
-            self._ready.set()  # never leave the starting thread waiting
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
 # -- the environment --------------------------------------------------------------------------
 
 class SearchQASpec(EnvSpec):
@@ -166,15 +120,15 @@ class SearchQASpec(EnvSpec):
     ) -> None:
         unknown = [q for q in questions if q not in QUESTIONS]
         if unknown or not questions:
-            raise ValueError(f"env.questions has unknown kind(s) {unknown}; choose from {list(QUESTIONS)}")
+            raise EnvConfigError(f"env.questions has unknown kind(s) {unknown}; choose from {list(QUESTIONS)}")
         if train_size < 1 or eval_size < 0:
-            raise ValueError("env.train_size must be >= 1 and env.eval_size >= 0")
+            raise EnvConfigError("env.train_size must be >= 1 and env.eval_size >= 0")
         if not 1 <= topk <= 10:
-            raise ValueError(f"env.topk={topk} must be from 1 to 10")
+            raise EnvConfigError(f"env.topk={topk} must be from 1 to 10")
         if not 0.0 <= failure_rate <= 1.0:
-            raise ValueError(f"env.failure_rate={failure_rate} must be in [0, 1]")
+            raise EnvConfigError(f"env.failure_rate={failure_rate} must be in [0, 1]")
         if time_scale < 0:
-            raise ValueError(f"env.time_scale={time_scale} must be >= 0")
+            raise EnvConfigError(f"env.time_scale={time_scale} must be >= 0")
         self.topk, self.reward_kind, self.latency = topk, reward, latency
         self.time_scale, self.failure_rate, self.search_url = time_scale, failure_rate, search_url
         self.request_timeout, self.retries, self.backoff = request_timeout, retries, backoff
@@ -200,9 +154,8 @@ class SearchQASpec(EnvSpec):
             tasks.append(Task(id=i, messages=({"role": "user", "content": question},),
                               answer=town if kind == "town" else job,
                               metadata={"name": name, "kind": kind}))
-        self._splits = {"train": tasks[:train_size], "eval": tasks[train_size:]}
-        self._server: _ServerThread | None = None
-        self._lock = threading.Lock()
+        self.splits = {"train": tasks[:train_size], "eval": tasks[train_size:]}
+        self._server: SearchServer | None = None  # the in-process one, while running()
 
     # -- the service --------------------------------------------------------------------------
 
@@ -212,37 +165,44 @@ class SearchQASpec(EnvSpec):
 
     @property
     def url(self) -> str:
-        """The search server's address; the in-process one starts on first use."""
+        """The search server's address: ``search_url``, or the in-process server's while
+        :meth:`running` holds it."""
         if self.search_url:
             return self.search_url
-        with self._lock:
-            if self._server is None:
-                server = SearchServer(self.index, self._faults(), time_scale=self.time_scale)
-                self._server = _ServerThread(server)
-            return self._server.url
+        if self._server is None:
+            raise EnvNotRunning("the search_qa environment's search server is not running: run "
+                                "its episodes inside `async with spec.running():`")
+        return self._server.url
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        try:
+        """The in-process search server (unless ``search_url`` names one), serving on the
+        caller's event loop until the block ends."""
+        if self.search_url:
             yield
-        finally:
-            await anyio.to_thread.run_sync(self.close)
-
-    def close(self) -> None:
-        """Stop the in-process server (a later search starts a new one)."""
-        with self._lock:
-            if self._server is not None:
-                self._server.close()
+            return
+        if self._server is not None:
+            raise EnvError("the search_qa environment is already running: enter spec.running() once")
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise EnvError("the search_qa environment's in-process search server (aiohttp) needs "
+                           "anyio's asyncio backend; under another, set env.search_url to an "
+                           "external server") from None
+        async with SearchServer(self.index, self._faults(), time_scale=self.time_scale) as server:
+            self._server = server
+            try:
+                yield
+            finally:
                 self._server = None
 
     # -- episodes -----------------------------------------------------------------------------
 
-    def tasks(self, split: str) -> Sequence[Task]:
-        if split not in self._splits:
-            raise KeyError(f"unknown split {split!r}; choose from {sorted(self._splits)}")
-        return self._splits[split]
-
     def make_env(self) -> Env:
+        self.url  # noqa: B018 - raises unless the server runs: fail at the episode's start
+        return self._env()
+
+    def _env(self) -> ToolEnv:
         topk = self.topk
         spec = self
 
@@ -253,9 +213,8 @@ class SearchQASpec(EnvSpec):
             Args:
                 query: words to look for, e.g. a name
             """
-            url = await anyio.to_thread.run_sync(lambda: spec.url)  # starts the server once
             client = await context.resource("search_client", lambda: SearchClient(
-                url, timeout=spec.request_timeout, retries=spec.retries, backoff=spec.backoff))
+                spec.url, timeout=spec.request_timeout, retries=spec.retries, backoff=spec.backoff))
             try:
                 results, attempts = await client.retrieve([query], topk=topk, return_scores=False)
             except SearchError as e:
@@ -282,10 +241,8 @@ class SearchQASpec(EnvSpec):
         wrong often enough that half its searches find nothing.)"""
         query = task.messages[-1]["content"]
         hits = [d.as_json() for d, _ in self.index.search(query, self.topk)]
-        env = self.make_env()
-        assert isinstance(env, ToolEnv)
         return (
-            *env.opening(task),
+            *self._env().opening(task),
             {"role": "assistant", "content": tool_call_text("search", {"query": query})},
             {"role": "tool", "content": format_hits(hits)},
             {"role": "assistant", "content": task.answer},

@@ -214,7 +214,7 @@ def _type_schema(annotation: Any) -> tuple[dict[str, Any], bool]:
 
 def _docstring(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
     doc = inspect.getdoc(fn) or ""
-    parts = re.split(r"^\s*Args:\s*$", doc, maxsplit=1, flags=re.M)
+    parts = re.split(r"^\s*Args:\s*$", doc, maxsplit=1, flags=re.MULTILINE)
     description = " ".join(parts[0].split("\n\n")[0].split())
     params: dict[str, str] = {}
     if len(parts) == 2:

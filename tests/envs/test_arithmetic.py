@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from envs.arithmetic import ArithmeticEnv, ArithmeticSpec, exact_match
-from envs.base import Task
+from envs.base import Env, EnvSpec, Task
+from envs.errors import EnvConfigError, EnvError
 from envs.registry import available, default_config, make_spec, spec_class
 
 pytestmark = pytest.mark.anyio
@@ -111,8 +112,23 @@ def test_construction_rejects_bad_settings(kwargs: dict) -> None:
 
 
 def test_unknown_split_is_named() -> None:
-    with pytest.raises(KeyError, match="valid"):
+    with pytest.raises(KeyError, match=r"unknown split 'valid'; choose from \['eval', 'train'\]"):
         ArithmeticSpec(train_size=1, eval_size=1).tasks("valid")
+
+
+def test_a_spec_without_splits_or_its_own_tasks_says_which_to_add() -> None:
+    class NoTasks(EnvSpec):
+        def make_env(self) -> Env:
+            return ArithmeticEnv()
+
+    with pytest.raises(NotImplementedError, match="set self.splits in its constructor or override tasks"):
+        NoTasks().tasks("train")
+
+
+def test_a_bad_setting_is_an_env_config_error_the_entry_point_reports() -> None:
+    with pytest.raises(EnvConfigError, match="env.digits"):
+        ArithmeticSpec(digits=0)
+    assert issubclass(EnvConfigError, ValueError) and issubclass(EnvConfigError, EnvError)
 
 
 # -- registry ------------------------------------------------------------------------------------

@@ -6,26 +6,33 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
 from helpers import TOK, ScriptedEngine, quick_config, run_spans
 
+from envs.errors import EnvError, EnvNotRunning
 from envs.registry import make_spec
 from envs.search_qa import SearchQASpec, exact_match, f1, normalize, tool_call_text
 from orchestrator.main import run
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_episode, run_group
 from orchestrator.warmstart import demonstration_tokens
+from sandboxes.search import SearchClient, SearchError, SearchServer
 
 
 @pytest.fixture
-def spec() -> Iterator[SearchQASpec]:
-    spec = SearchQASpec(train_size=40, eval_size=10, latency="empirical", time_scale=0.01)
-    yield spec
-    spec.close()
+def spec() -> SearchQASpec:
+    return SearchQASpec(train_size=40, eval_size=10, latency="empirical", time_scale=0.01)
+
+
+@pytest.fixture
+async def running(spec: SearchQASpec) -> AsyncIterator[SearchQASpec]:
+    """The spec with its in-process search server on the test's event loop."""
+    async with spec.running():
+        yield spec
 
 
 def test_names_never_repeat_across_splits_and_the_top_hit_holds_the_answer(spec: SearchQASpec) -> None:
@@ -57,7 +64,8 @@ def test_answers_are_normalised_before_they_are_compared() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_reference_episode_searches_reads_and_is_rewarded(spec: SearchQASpec) -> None:
+async def test_a_reference_episode_searches_reads_and_is_rewarded(running: SearchQASpec) -> None:
+    spec = running
     task = spec.tasks("train")[3]
     demo = spec.demonstration(task)
     async with spec.make_env() as env:
@@ -75,7 +83,8 @@ async def test_a_reference_episode_searches_reads_and_is_rewarded(spec: SearchQA
 
 
 @pytest.mark.anyio
-async def test_an_answer_without_a_search_is_logged_as_such(spec: SearchQASpec) -> None:
+async def test_an_answer_without_a_search_is_logged_as_such(running: SearchQASpec) -> None:
+    spec = running
     task = spec.tasks("train")[0]
     async with spec.make_env() as env:
         await env.reset(task)
@@ -88,13 +97,12 @@ async def test_an_answer_without_a_search_is_logged_as_such(spec: SearchQASpec) 
 async def test_f1_can_be_the_reward() -> None:
     spec = SearchQASpec(train_size=4, eval_size=0, reward="f1", latency="none")
     task = spec.tasks("train")[0]
-    async with spec.make_env() as env:
+    async with spec.running(), spec.make_env() as env:
         await env.reset(task)
         await env.step(f"it is {task.answer}")
         reward = await env.reward()
     assert reward.total == pytest.approx(reward.components["f1"]) and 0 < reward.total < 1
     assert reward.components["exact_match"] == 0.0
-    spec.close()
 
 
 @pytest.mark.anyio
@@ -102,24 +110,22 @@ async def test_a_search_that_keeps_failing_is_an_error_observation_not_a_lost_ep
     spec = SearchQASpec(train_size=4, eval_size=0, latency="none", failure_rate=1.0,
                         retries=2, backoff=0.001)
     task = spec.tasks("train")[0]
-    try:
-        async with spec.make_env() as env:
-            await env.reset(task)
-            step = await env.step(tool_call_text("search", {"query": str(task.metadata["name"])}))
-            (call,) = step.tool_calls
-            assert call.status == "error" and call.error_kind == "tool_failed"
-            assert call.metadata["attempts"] == 3  # the first try and two retries
-            assert call.metadata["attempt_statuses"] == ["http_503"] * 3
-            assert step.observation[0]["content"].startswith("[error] search: search failed after 3 attempt(s)")
-            assert not step.done
-            assert (await env.step(task.answer)).done  # the model may still answer
-            assert (await env.reward()).total == 1.0
-    finally:
-        spec.close()
+    async with spec.running(), spec.make_env() as env:
+        await env.reset(task)
+        step = await env.step(tool_call_text("search", {"query": str(task.metadata["name"])}))
+        (call,) = step.tool_calls
+        assert call.status == "error" and call.error_kind == "tool_failed"
+        assert call.metadata["attempts"] == 3  # the first try and two retries
+        assert call.metadata["attempt_statuses"] == ["http_503"] * 3
+        assert step.observation[0]["content"].startswith("[error] search: search failed after 3 attempt(s)")
+        assert not step.done
+        assert (await env.step(task.answer)).done  # the model may still answer
+        assert (await env.reward()).total == 1.0
 
 
 @pytest.mark.anyio
-async def test_malformed_calls_are_observations_the_model_can_read(spec: SearchQASpec) -> None:
+async def test_malformed_calls_are_observations_the_model_can_read(running: SearchQASpec) -> None:
+    spec = running
     task = spec.tasks("train")[0]
     async with spec.make_env() as env:
         await env.reset(task)
@@ -130,6 +136,50 @@ async def test_malformed_calls_are_observations_the_model_can_read(spec: SearchQ
     assert kinds == ["malformed_json", "unknown_tool", "bad_arguments"]
     assert all(not s.done and s.observation[0]["content"].startswith("[error]")
                for s in (bad_json, unknown, bad_type))
+
+
+@pytest.mark.anyio
+async def test_the_server_lives_on_the_callers_loop_inside_running_only(spec: SearchQASpec) -> None:
+    name = str(spec.tasks("train")[0].metadata["name"])
+    with pytest.raises(EnvNotRunning, match="inside `async with spec.running"):
+        spec.make_env()
+    async with spec.running():
+        url = spec.url
+        async with SearchClient(url, retries=0) as client:
+            (hits,), _ = await client.retrieve([name], topk=1, return_scores=False)
+        assert name in hits[0]["contents"]
+        with pytest.raises(EnvError, match="already running"):
+            async with spec.running():
+                pass
+    with pytest.raises(EnvNotRunning):
+        spec.url  # noqa: B018
+    async with SearchClient(url, retries=0) as client:  # stopped with the block, port closed
+        with pytest.raises(SearchError, match="connection_error"):
+            await client.retrieve([name])
+
+
+@pytest.mark.anyio
+async def test_an_external_server_needs_no_in_process_one() -> None:
+    spec = SearchQASpec(train_size=4, eval_size=0, latency="none")
+    async with SearchServer(spec.index) as server:
+        external = SearchQASpec(train_size=4, eval_size=0, latency="none", search_url=server.url)
+        task = external.tasks("train")[0]
+        async with external.running(), external.make_env() as env:
+            await env.reset(task)
+            step = await env.step(tool_call_text("search", {"query": str(task.metadata["name"])}))
+        assert step.tool_calls[0].status == "ok" and task.answer in step.observation[0]["content"]
+        assert server.requests == 1 and external.url == server.url
+
+
+def test_under_trio_it_says_to_use_asyncio_or_an_external_server() -> None:
+    spec = SearchQASpec(train_size=4, eval_size=0, latency="none")
+
+    async def enter() -> None:
+        async with spec.running():
+            pass
+
+    with pytest.raises(EnvError, match="asyncio backend"):
+        anyio.run(enter, backend="trio")
 
 
 def reference_policy(spec: SearchQASpec) -> ScriptedEngine:
@@ -148,7 +198,8 @@ def reference_policy(spec: SearchQASpec) -> ScriptedEngine:
 
 
 @pytest.mark.anyio
-async def test_the_runner_lays_out_exactly_the_tokens_the_warm_start_learns(spec: SearchQASpec) -> None:
+async def test_the_runner_lays_out_exactly_the_tokens_the_warm_start_learns(running: SearchQASpec) -> None:
+    spec = running
     task = spec.tasks("train")[5]
     config = RolloutConfig(max_tokens=100, max_turns=3, group_size=1)
     recorder = Recorder()
@@ -169,16 +220,13 @@ async def test_many_episodes_against_a_flaky_service_all_finish() -> None:
     config = RolloutConfig(max_tokens=100, max_turns=3, group_size=4)
     recorder = Recorder()
     groups = []
-    try:
-        async with anyio.create_task_group() as tg:
-            async def one(task_index: int) -> None:
-                task = spec.tasks("train")[task_index]
-                groups.append(await run_group(reference_policy(spec), TOK, spec, task, config,
-                                              recorder, f"w{task_index}"))
-            for i in range(32):
-                tg.start_soon(one, i)
-    finally:
-        spec.close()
+    async with spec.running(), anyio.create_task_group() as tg:
+        async def one(task_index: int) -> None:
+            task = spec.tasks("train")[task_index]
+            groups.append(await run_group(reference_policy(spec), TOK, spec, task, config,
+                                          recorder, f"w{task_index}"))
+        for i in range(32):
+            tg.start_soon(one, i)
     trajectories = [t for g in groups for t in g.trajectories]
     assert len(trajectories) == 128  # no episode lost
     statuses = [s.attributes["status"] for s in recorder.spans if s.stage == "tool_call"]
