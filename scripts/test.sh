@@ -9,6 +9,7 @@ bash scripts/setup.sh
 bash scripts/setup_vllm.sh
 bash scripts/docker_setup.sh  # Docker engine + sandbox image for tests/sandboxes/docker
 .venv/bin/lint-imports  # the import contracts in pyproject.toml (ARCHITECTURE.md's dependency rule)
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir site  # docs/: a broken link or page fails here (not --quiet: it hides the warnings --strict counts)
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 echo "test: engine=vllm's tests in .venv-vllm" >&2
