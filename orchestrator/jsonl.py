@@ -15,7 +15,7 @@ flush — never more than the segment being written.
 
 Codecs. ``zst`` (Zstandard, the ``zstandard`` package; the default, :data:`CODEC`) or ``gz``
 (gzip, the standard library); ``none`` writes plain ``.jsonl``. Measured on the default
-experiment's files (``python -m bench.rundir``; README, "What a run leaves behind"), zstd at
+experiment's files (``python -m bench.rundir``; docs/run-directory.md), zstd at
 level 3 made files about as small as gzip at level 6 while compressing several times faster,
 so it is the default. :func:`read_lines` reads all three whatever wrote them, by the file's
 suffix, and so reads the published traces (plain) and a run's files alike.

@@ -34,8 +34,8 @@ What is sampled:
   empirical mode), ``query_count`` from that fit's per-bucket call counts.
 
 How close a generated tool-calling workload comes to the published parameters is measured by
-:func:`tool_calling_distances` (tested in ``tests/orchestrator/trace/test_generate.py``; the
-README gives the figures of 200,000 sessions): the call-count histogram's total variation
+:func:`tool_calling_distances` (tested in ``tests/orchestrator/trace/test_generate.py``;
+docs/traces.md gives the figures of 200,000 sessions): the call-count histogram's total variation
 distance and KS, and for every per-call length (``input_i``, ``output_i`` of a ``k``-call
 session) the KS statistic against the log-normal with the published mean and variance and
 the relative errors of its mean and standard deviation. The published file gives only those

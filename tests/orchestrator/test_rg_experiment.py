@@ -1,6 +1,6 @@
 """``experiment=rg`` (conf/experiment/rg.yaml): a reasoning-gym dataset through the real
 config, built as the experiment describes and run end to end in a version shrunk to seconds
-(the learning curve itself is measured in README.md, not here)."""
+(the learning curve itself is measured in docs/environments.md, not here)."""
 
 from __future__ import annotations
 

@@ -134,7 +134,7 @@ def test_per_call_lengths_follow_the_published_moments(tool_workload: list[Workl
 
 def test_every_per_call_length_and_the_call_counts_match_the_published_parameters(
         tool_workload: list[WorkloadRecord], params: Parameters) -> None:
-    """The stated distances (README, "Generate"): call-count histogram by total variation and
+    """The stated distances (docs/traces.md, "generate"): call-count histogram by total variation and
     KS; each per-call length of each call count with 200+ sessions by KS against the log-normal
     of the published mean and variance (below the 99.9% critical value 1.95 / sqrt(n), plus
     0.005 for rounding to tokens), its mean within 5 standard errors; correlations within 0.1
