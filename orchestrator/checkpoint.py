@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, PolyRLError
 from orchestrator.faults import kill_point
 from orchestrator.trainer import TorchTrainer, Trainer
 
@@ -156,7 +156,7 @@ def _copy_into(value: Any, old: Any) -> Any:
     return copy.deepcopy(value)
 
 
-class CorruptCheckpoint(Exception):
+class CorruptCheckpoint(PolyRLError):
     """A checkpoint directory whose files do not match its manifest."""
 
 

@@ -26,6 +26,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from orchestrator.errors import PolyRLError
 from orchestrator.jsonl import compressed, read_lines
 from orchestrator.trace.records import (
     PackedLengthsRecord,
@@ -54,7 +55,7 @@ SHIPPED_SAMPLE = Path(__file__).parent / "data" / "search_r1"
 R = TypeVar("R", bound=Record)
 
 
-class TraceFormatError(ValueError):
+class TraceFormatError(PolyRLError, ValueError):
     """A trace file with a bad record; the message names the file and line."""
 
 

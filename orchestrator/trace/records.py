@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Self
 
+from orchestrator.errors import PolyRLError
+
 NAMESPACE = "polyrl"
 
 
-class RecordError(ValueError):
+class RecordError(PolyRLError, ValueError):
     """A JSON object that is not the record it should be (the reader adds file and line)."""
 
 
