@@ -15,7 +15,7 @@ from orchestrator.pipeline import StepReport
 from orchestrator.runloop import RunResult, run_session
 from orchestrator.types import Trajectory
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize(("k", "overprovision"), [(1, 0.5), (2, 0.25)])

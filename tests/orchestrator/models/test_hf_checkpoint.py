@@ -13,7 +13,7 @@ from orchestrator.main import run
 from orchestrator.models.policy import pretrained_policy
 from helpers import build_hf_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

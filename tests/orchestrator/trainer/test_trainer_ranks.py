@@ -42,7 +42,7 @@ def make_groups(seed: int = 0, count: int = 5, size: int = 4) -> list[Group]:
                 logprobs=tuple(-3.0 - rng.random() for _ in ids), versions=(0,) * len(ids),
                 reward=float(rng.random() < 0.5), start_version=0,
                 finish_reason=FinishReason.STOP))
-        groups.append(Group(g, tuple(trajectories), 0, 0.0, 0.0))
+        groups.append(Group(g, tuple(trajectories), 0))
     return groups
 
 
