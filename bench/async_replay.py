@@ -66,6 +66,7 @@ from envs.replay import EpisodePlan
 from orchestrator.pipeline import PipelineConfig, StepReport
 from orchestrator.replay import (
     EngineFit,
+    ReplayConfig,
     ReplayResult,
     load_plans,
     replay,
@@ -127,9 +128,10 @@ def run_policy(w: Workload, policy: Policy, steps: int, seed: int,
         if meter is not None:
             meter(report)
 
-    return run_virtual(replay, w.plans, w.fit, k=policy.k, num_steps=steps,
-                       groups_per_step=w.groups, seed=seed, on_step=keep, trainer=w.trainer,
-                       overprovision=policy.overprovision, engines=w.engines, keep_batches=False)
+    settings = ReplayConfig(groups_per_step=w.groups, num_steps=steps, engines=w.engines)
+    return run_virtual(replay, w.plans, w.fit, settings, k=policy.k,
+                       overprovision=policy.overprovision, seed=seed, on_step=keep,
+                       trainer=w.trainer, keep_batches=False)
 
 
 def search_r1_workload(args: argparse.Namespace, steps: int) -> Workload:

@@ -9,7 +9,7 @@ RayLauncher`, ``placement=spread``, ``engine.resources={engine_node: 1}``,
 ``trainer.resources={trainer_node: 1}``): one engine actor per worker node behind the
 launcher's router, the trainer in an actor on the head.
 
-The engine (:class:`bench.trace_engine.TraceEngine`, named by ``_target_`` in the
+The engine (:func:`bench.trace_engine.trace_engine`, named by ``_target_`` in the
 ``EngineRecipe``) draws each sample's completion length from the PolyTrace search_r1 sample
 and takes its time from the fitted server model (decode iterations at the engine's own
 concurrency and resident tokens, prefill of uncached prompt tokens), scaled so that a sample
@@ -60,7 +60,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from bench import fixed_trainer
-from bench.trace_engine import TraceEngine, load_shapes, sample_seconds
+from bench.trace_engine import load_shapes, sample_seconds, trace_engine
 from envs.registry import make_spec
 from orchestrator.launch.base import EngineRecipe
 from orchestrator.launch.ray import RayLauncher
@@ -69,6 +69,7 @@ from orchestrator.pipeline import PipelineConfig, TaskSampler
 from orchestrator.replay.fit import EngineFit
 from orchestrator.rollout import RolloutConfig
 from orchestrator.runloop import RunParts, RunResult, run_session
+from orchestrator.staleness import admission_budget
 from orchestrator.weights import WeightUpdate
 
 GROUP_SIZE = 8
@@ -128,7 +129,7 @@ def run(engines: int, steps: int, scale: float) -> Result:
     nodes, the trainer actor on the head."""
     batch = engines * PER_ENGINE_BATCH
     spec = make_spec("arithmetic")
-    engine = EngineRecipe(engine={"_target_": f"{TraceEngine.__module__}.TraceEngine",
+    engine = EngineRecipe(engine={"_target_": f"{trace_engine.__module__}.trace_engine",
                                   "time_scale": scale, "chunk_tokens": CHUNK_TOKENS, "seed": 0},
                           model={})
     result = RunResult(run_dir=None)
@@ -140,7 +141,7 @@ def run(engines: int, steps: int, scale: float) -> Result:
             trainer=launcher.trainer(fixed_trainer.recipe(TRAIN_SECONDS)),
             make_engine=partial(launcher.engine, engine), sampler=TaskSampler(spec.tasks("train")),
             pipeline=PipelineConfig(batch_size=batch, max_staleness=K, num_steps=steps,
-                                    num_workers=(K + 1) * batch // GROUP_SIZE),
+                                    num_workers=admission_budget(batch, K) // GROUP_SIZE),
             rollout=RolloutConfig(group_size=GROUP_SIZE, max_tokens=MAX_TOKENS))
         wall, cpu = time.perf_counter(), time.process_time()
         anyio.run(partial(run_session, parts, result))

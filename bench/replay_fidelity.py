@@ -31,6 +31,7 @@ from pathlib import Path
 
 from orchestrator.replay import (
     EngineFit,
+    ReplayConfig,
     fit_trace,
     plans_from_records,
     replay,
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     groups = len({pl.group for pl in plans}) * replicas
     plans = resample_groups(plans, groups)
     started = time.perf_counter()
-    result = run_virtual(replay, plans, fit, k=0, num_steps=1)
+    result = run_virtual(replay, plans, fit, ReplayConfig(groups_per_step=None, num_steps=1))
     replay_seconds = time.perf_counter() - started
     trajectories = [t for r in result.reports for g in r.groups for t in g.trajectories]
     e2e = [t.finished_at - t.started_at for t in trajectories]

@@ -1,5 +1,5 @@
-"""Throughput against bounded staleness: the real pipeline, a simulated engine, a fixed-cost
-trainer.
+"""Throughput against bounded staleness: the real pipeline, the simulated engine, a fixed-cost
+trainer (the simulated trainer, :func:`bench.fixed_trainer.fixed_cost_trainer`).
 
 Model. Every sample's length is log-normal (median ``MEDIAN_TOKENS``, sigma ``SIGMA``, capped
 at ``MAX_TOKENS`` = 20x the median): about 1% of samples pass 15x the median and a batch of 64
@@ -34,22 +34,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import anyio
 
+from bench.fixed_trainer import fixed_cost_trainer
 from envs.registry import make_spec
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig
-from orchestrator.trainer import Trainer
-from orchestrator.types import Group
-from orchestrator.weights import WeightUpdate
+from orchestrator.staleness import admission_budget
 
 MEDIAN_TOKENS = 64
 SIGMA = 1.2
@@ -57,29 +55,6 @@ MAX_TOKENS = 20 * MEDIAN_TOKENS
 GROUP_SIZE = 8
 BATCH_SIZE = 64
 KS = (0, 1, 2, 4)
-
-
-class FixedCostTrainer(Trainer):
-    """A :class:`~orchestrator.trainer.Trainer` whose step costs a fixed time."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.version = 0
-
-    async def step(self, groups: Sequence[Group]) -> dict[str, float]:
-        # in a worker thread, like a real optimiser step
-        await anyio.to_thread.run_sync(time.sleep, self.seconds)
-        self.version += 1
-        return {"samples": float(sum(len(g) for g in groups))}
-
-    async def weights(self) -> WeightUpdate:
-        return WeightUpdate.by_reference(self.version, {}, leased=False)
-
-    def state_dict(self) -> Mapping[str, Any]:
-        return {"version": self.version}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.version = int(state["version"])
 
 
 @dataclass(frozen=True)
@@ -106,12 +81,12 @@ async def run_one(k: int, steps: int, seconds_per_token: float, train_seconds: f
     spec = make_spec("arithmetic")
     config = PipelineConfig(
         batch_size=BATCH_SIZE, max_staleness=k, num_steps=steps,
-        num_workers=(max(KS) + 1) * BATCH_SIZE // GROUP_SIZE,
+        num_workers=admission_budget(BATCH_SIZE, max(KS)) // GROUP_SIZE,
     )
     recorder = Recorder()
     pipeline = Pipeline(
         config, RolloutConfig(group_size=GROUP_SIZE, max_tokens=MAX_TOKENS), engine,
-        FixedCostTrainer(train_seconds), CharTokenizer(), spec,
+        fixed_cost_trainer(train_seconds), CharTokenizer(), spec,
         TaskSampler(spec.tasks("train"), seed=seed), recorder,
     )
     started = time.perf_counter()

@@ -1,6 +1,8 @@
 """A trace-driven simulated engine for benchmarks: no model, no compute, only time.
 
-Each request draws one trajectory of the PolyTrace search_r1 sample shipped in
+:func:`trace_engine` builds the one simulated engine
+(:class:`~orchestrator.engines.simulated.SimulatedEngine`) from two parts defined here. Each
+request (:class:`TraceShapes`) draws one trajectory of the PolyTrace search_r1 sample shipped in
 ``orchestrator/trace/data/search_r1/`` (256 trajectories, steps 0-3) and generates its
 recorded completion tokens (all turns summed: median 160, p99 ~720, max 3,000). Time comes
 from the fitted server model (:class:`~orchestrator.replay.model.ServerParams`, the shipped
@@ -9,16 +11,16 @@ fit by default): the request first prefills its uncached prompt tokens
 iteration, ``step_base + step_per_seq * B + step_per_1k_tokens * R / 1000`` for the ``B``
 requests resident in this engine holding ``R`` tokens, read when the chunk starts. Since
 every resident request advances one token per iteration, that is each request's time per
-token under continuous batching. All times are multiplied by ``time_scale``.
+token under continuous batching (:class:`BatchedDecode`). All times are multiplied by
+``time_scale``.
 
 The engine sleeps (``anyio.sleep``): it costs no CPU while it "generates", so a benchmark
 built on it measures scheduling and transport, not compute. Tokens are placeholder ids; each
 chunk is stamped with the version current when it ran, and pause/resume hold a
-:class:`~orchestrator.gate.Gate` exclusively, as :class:`~orchestrator.engines.simulated.
-SimulatedEngine` does. ``model`` and ``weights`` are accepted so an ``EngineRecipe`` can build
-it like any engine; ``weights`` only sets the starting version. A weight update from another
-process (bytes, a file, the object store) is pulled in a worker thread, as a real engine
-would before loading it, and then dropped. Engines built from one recipe with a ``seed`` draw
+:class:`~orchestrator.gate.Gate` exclusively. ``model`` and ``weights`` are accepted so an
+``EngineRecipe`` can build it like any engine; ``weights`` only sets the starting version. A
+weight update from another process (bytes, a file, the object store) is pulled in a worker
+thread, as a real engine would before loading it, and then dropped. Engines built from one recipe with a ``seed`` draw
 the same sequence of lengths (a benchmark comparing engine counts then compares like with
 like); with ``seed=None`` each draws its own.
 
@@ -35,17 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
-
-from orchestrator.engines.base import InferenceEngine
-from orchestrator.gate import Gate
+from orchestrator.engines.simulated import ChunkedDecode, Replies, Reply, SimulatedEngine
 from orchestrator.replay.fit import EngineFit
 from orchestrator.replay.model import ServerParams
 from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
-from orchestrator.types import FinishReason, Generation, SamplingParams
+from orchestrator.types import FinishReason, SamplingParams
 from orchestrator.weights import WeightUpdate
-
-FILL = 40  # a placeholder token id (a printable character of the char tokenizer)
 
 
 @dataclass(frozen=True)
@@ -84,76 +81,49 @@ def sample_seconds(params: ServerParams, shape: Shape, batch: int) -> float:
             + shape.completion_tokens * decode_step_seconds(params, batch, resident))
 
 
-class TraceEngine(InferenceEngine):
-    def __init__(
-        self,
-        model: Mapping[str, Any] | None = None,
-        weights: WeightUpdate | None = None,
-        time_scale: float = 0.01,
-        chunk_tokens: int = 64,
-        trace: str | None = None,
-        fit: str | None = None,
-        seed: int | None = None,
-    ) -> None:
-        del model  # no model: only time
-        if time_scale <= 0 or chunk_tokens < 1:
-            raise ValueError("engine: time_scale > 0 and chunk_tokens >= 1 are required")
-        self.params = EngineFit.load(fit).server
-        self.shapes = load_shapes(trace)
-        self.time_scale = time_scale
-        self.chunk_tokens = chunk_tokens
-        self.version = weights.version if weights is not None else 0
+class TraceShapes(Replies):
+    """Each request generates one trajectory's recorded tokens, drawn at random."""
+
+    def __init__(self, shapes: Sequence[Shape], seed: int | None = None) -> None:
+        self.shapes = shapes
         self._rng = random.Random(seed)
-        self._gate = Gate()
-        self.resident = 0  # requests decoding now
-        self.resident_tokens = 0
-        self.requests = 0
-        self.pulled_bytes = 0
 
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
-        self.requests += 1
+    def reply(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Reply:
         shape = self._rng.choice(self.shapes)
-        length = min(shape.completion_tokens, sampling.max_tokens)
         capped = shape.completion_tokens > sampling.max_tokens
-        await anyio.sleep(self.params.prefill_per_1k * shape.prefill_tokens / 1000.0
-                          * self.time_scale)
-        versions: list[int] = []
-        start_version: int | None = None
-        held = shape.context_tokens
-        self.resident += 1
-        self.resident_tokens += held
-        try:
-            while len(versions) < length:
-                n = min(self.chunk_tokens, length - len(versions))
-                async with self._gate:
-                    if start_version is None:
-                        start_version = self.version
-                    version = self.version
-                    step = decode_step_seconds(self.params, self.resident, self.resident_tokens)
-                    await anyio.sleep(n * step * self.time_scale)
-                    versions += [version] * n
-                    self.resident_tokens += n
-                    held += n
-        finally:
-            self.resident -= 1
-            self.resident_tokens -= held
-        tokens = [FILL] * length
-        if not capped and sampling.stop_token_ids:
-            tokens[-1] = sampling.stop_token_ids[0]
-        return Generation(
-            token_ids=tuple(tokens), logprobs=(-1.0,) * length, versions=tuple(versions),
-            finish_reason=FinishReason.LENGTH if capped else FinishReason.STOP,
-            start_version=start_version if start_version is not None else self.version,
-        )
+        return Reply(min(shape.completion_tokens, sampling.max_tokens),
+                     FinishReason.LENGTH if capped else FinishReason.STOP,
+                     shape.context_tokens, shape.prefill_tokens)
 
-    async def update_weights(self, update: WeightUpdate) -> None:
-        if update.transport != "reference":
-            tensors = await anyio.to_thread.run_sync(update.tensors)
-            self.pulled_bytes += sum(t.nbytes for t in tensors.values())
-        self.version = update.version
 
-    async def pause(self) -> None:
-        await self._gate.acquire_exclusive()
+@dataclass(frozen=True)
+class BatchedDecode:
+    """The fitted server's prefill and decode-iteration times, times ``time_scale``."""
 
-    async def resume(self) -> None:
-        await self._gate.release_exclusive()
+    params: ServerParams
+    time_scale: float
+
+    def prefill_seconds(self, reply: Reply) -> float | None:
+        return self.params.prefill_per_1k * reply.prefill_tokens / 1000.0 * self.time_scale
+
+    def chunk_seconds(self, n: int, resident: int, resident_tokens: int) -> float:
+        return n * decode_step_seconds(self.params, resident, resident_tokens) * self.time_scale
+
+
+def trace_engine(
+    model: Mapping[str, Any] | None = None,
+    weights: WeightUpdate | None = None,
+    time_scale: float = 0.01,
+    chunk_tokens: int = 64,
+    trace: str | None = None,
+    fit: str | None = None,
+    seed: int | None = None,
+) -> SimulatedEngine:
+    """The simulated engine of trace shapes in the fitted server's time (an ``EngineRecipe``
+    names it with ``_target_``)."""
+    del model  # no model: only time
+    if time_scale <= 0 or chunk_tokens < 1:
+        raise ValueError("engine: time_scale > 0 and chunk_tokens >= 1 are required")
+    timing = ChunkedDecode(BatchedDecode(EngineFit.load(fit).server, time_scale), chunk_tokens)
+    return SimulatedEngine(TraceShapes(load_shapes(trace), seed), timing,
+                           version=weights.version if weights is not None else 0)

@@ -64,7 +64,7 @@ from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_group
-from orchestrator.staleness import StalenessController
+from orchestrator.staleness import StalenessController, admission_budget
 from orchestrator.trainer.base import Trainer
 from orchestrator.types import FinishReason, Group
 from orchestrator.weights import WeightUpdate
@@ -85,9 +85,7 @@ class PipelineConfig:
     def budget(self) -> int:
         """Samples that may be started and not yet trained or dropped (admission rounds it
         down to whole groups)."""
-        if self.overprovision is None:
-            return (self.max_staleness + 1) * self.batch_size
-        return self.batch_size + math.ceil(self.overprovision * self.batch_size)
+        return admission_budget(self.batch_size, self.max_staleness, self.overprovision)
 
     def describe(self) -> str:
         """The scheduling policy in a few characters: ``sync``, ``k=2``, ``partial+1B k=4``."""

@@ -5,21 +5,39 @@ With batch size ``B`` (samples per train step) and ``k = max_staleness``:
 * **Admission.** A rollout of ``n`` samples may start only while
   ``admitted + n <= (version - v0) * B + budget``, where ``admitted`` counts every sample
   started since the run began at version ``v0``, minus those dropped or lost, and ``budget``
-  is how many may be started and not yet trained: ``(k + 1) * B`` by default (AReaL's rule),
-  ``(1 + overprovision) * B`` for partial rollout (:mod:`orchestrator.pipeline`).
+  is how many may be started and not yet trained (:func:`admission_budget`): ``(k + 1) * B``
+  by default (AReaL's rule), ``(1 + overprovision) * B`` for partial rollout
+  (:mod:`orchestrator.pipeline`).
   ``version`` is the policy version the engines serve, so with ``k = 0`` nothing new starts
   until the weights of the last step are loaded: generation and training alternate.
-* **Freshness.** When a batch is formed at trainer version ``v``, a sample whose start
-  version is older than ``v - k`` is never trained on; it is dropped, counted, and its
+* **Freshness** (:func:`is_fresh`). When a batch is formed at trainer version ``v``, a sample
+  whose start version is older than ``v - k`` is never trained on; it is dropped, counted, and its
   admission slot given back. A sample's first generated token carries its start version and
   later tokens only newer ones, so every trained token's version is ``>= v - k``.
 """
 
 from __future__ import annotations
 
+import math
+
 import anyio
 
 from orchestrator.errors import ConfigError
+
+
+def admission_budget(batch_size: int, max_staleness: int,
+                     overprovision: float | None = None) -> int:
+    """Samples that may be started and not yet trained or dropped: ``(k + 1) * B`` for bounded
+    staleness, ``(1 + overprovision) * B`` for partial rollout (admission rounds it down to
+    whole groups)."""
+    if overprovision is None:
+        return (max_staleness + 1) * batch_size
+    return batch_size + math.ceil(overprovision * batch_size)
+
+
+def is_fresh(start_version: int, train_version: int, max_staleness: int) -> bool:
+    """Whether a sample started at ``start_version`` may be trained at ``train_version``."""
+    return start_version >= train_version - max_staleness
 
 
 class StalenessController:
@@ -34,8 +52,7 @@ class StalenessController:
                               f"{batch_size}")
         self.batch_size = batch_size
         self.max_staleness = max_staleness
-        # samples that may be started and not yet trained or dropped: (k + 1) batches by default
-        self.budget = budget if budget is not None else (max_staleness + 1) * batch_size
+        self.budget = budget if budget is not None else admission_budget(batch_size, max_staleness)
         self.version = version
         self._base = version  # a resumed run starts counting admissions from here
         self.admitted = 0
@@ -70,4 +87,4 @@ class StalenessController:
             self._changed.notify_all()
 
     def is_fresh(self, start_version: int, train_version: int) -> bool:
-        return start_version >= train_version - self.max_staleness
+        return is_fresh(start_version, train_version, self.max_staleness)

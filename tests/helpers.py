@@ -1,21 +1,20 @@
-"""Helpers shared by tests: a scripted inference engine (it replies with a function of the
+"""Helpers shared by tests: a scripted simulated engine (it replies with a function of the
 prompt) and a composed config for a seconds-long run of any experiment."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from orchestrator.engines.base import InferenceEngine
+from orchestrator.engines.simulated import ScriptedReplies, SimulatedEngine
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import Policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Span, read_spans, spans_path
-from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 
 TOK = CharTokenizer()
@@ -25,30 +24,12 @@ TINY_MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size
 REPO = Path(__file__).resolve().parents[1]
 
 
-class ScriptedEngine(InferenceEngine):
-    """Replies with ``reply(prompt)`` (then the first stop token), log-prob -0.5 per token."""
-
-    def __init__(self, reply: Any, version: int = 3) -> None:
-        self.reply = reply
-        self.version = version
-        self.prompts: list[list[int]] = []
-        self.sampling: list[SamplingParams] = []
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
-        self.prompts.append(list(prompt_ids))
-        self.sampling.append(sampling)
-        ids = TOK.encode(self.reply(list(prompt_ids)))[: sampling.max_tokens - 1] + [sampling.stop_token_ids[0]]
-        return Generation(tuple(ids), tuple([-0.5] * len(ids)), tuple([self.version] * len(ids)),
-                          FinishReason.STOP, self.version)
-
-    async def update_weights(self, update: WeightUpdate) -> None:
-        self.version = update.version
-
-    async def pause(self) -> None:
-        pass
-
-    async def resume(self) -> None:
-        pass
+def scripted_engine(reply: Callable[[list[int]], str], version: int = 3) -> SimulatedEngine:
+    """The simulated engine replying ``reply(prompt)`` (then the first stop token) in no time,
+    log-prob -0.5 per token; ``engine.replies.prompts`` and ``.sampling`` are what it was
+    asked."""
+    return SimulatedEngine(ScriptedReplies(reply, TOK), seconds_per_token=0.0,
+                           chunk_tokens=1 << 20, version=version)
 
 
 def engine_for(policy: Policy, cls: type[TorchEngine] | None = None, **kwargs: Any) -> TorchEngine:

@@ -9,28 +9,34 @@ Layout (imports point down the list, and into :mod:`orchestrator.trace`, never b
   (``python -m orchestrator.replay fit``), :class:`EngineFit`;
 * :mod:`~orchestrator.replay.bound` — what no scheduler can beat on a workload: the
   replicas' work at full throughput, or the trainer, a step (:func:`workload_bound`);
-* :mod:`~orchestrator.replay.router` — :class:`ReplicaRouter`, ``replay.engines`` replicas
-  behind one ``InferenceEngine`` (least-loaded or round-robin, sticky by episode);
-* :mod:`~orchestrator.replay.engine` — :class:`ReplayEngine`, an ``InferenceEngine`` that
-  runs the continuously-batched server model of :mod:`~orchestrator.replay.model`;
-* :mod:`~orchestrator.replay.trainer` — :class:`SimulatedTrainer`, a ``Trainer`` cost model;
+* :mod:`~orchestrator.replay.engine` — :func:`replay_engine`: the simulated engine
+  (:mod:`orchestrator.engines.simulated`) serving episode plans (:class:`PlanReplies`) in the
+  time of the continuously-batched server model of :mod:`~orchestrator.replay.model`
+  (:class:`FluidServer`); ``replay.engines`` replicas go behind the one router,
+  :class:`orchestrator.engines.router.EngineRouter`, and the trainer is the simulated one,
+  :class:`orchestrator.trainer.simulated.SimulatedTrainer`, priced by :class:`TrainerModel`;
 * :mod:`~orchestrator.replay.tokenizer` — :class:`ReplayTokenizer`, token ids of the
   replay environment's messages (:mod:`envs.replay`).
 """
 
 from orchestrator.replay.bound import Bound, workload_bound
-from orchestrator.replay.engine import ReplayEngine
+from orchestrator.replay.engine import FluidServer, PlanReplies, replay_engine
 from orchestrator.replay.fit import SHIPPED_FIT, EngineFit, fit_trace
 from orchestrator.replay.model import ServerParams
 from orchestrator.replay.plans import load_plans, plans_from_records, resample_groups
-from orchestrator.replay.router import ReplicaRouter
-from orchestrator.replay.run import ReplayResult, TrainerModel, replay, replay_parts, run_virtual
+from orchestrator.replay.run import (
+    ReplayConfig,
+    ReplayResult,
+    TrainerModel,
+    replay,
+    replay_parts,
+    run_virtual,
+)
 from orchestrator.replay.tokenizer import ReplayTokenizer
-from orchestrator.replay.trainer import SimulatedTrainer
 
 __all__ = [
-    "SHIPPED_FIT", "Bound", "EngineFit", "ReplayEngine", "ReplayResult", "ReplayTokenizer",
-    "ReplicaRouter", "ServerParams", "SimulatedTrainer", "TrainerModel", "fit_trace",
-    "load_plans", "plans_from_records", "replay", "replay_parts", "resample_groups",
+    "SHIPPED_FIT", "Bound", "EngineFit", "FluidServer", "PlanReplies", "ReplayConfig",
+    "ReplayResult", "ReplayTokenizer", "ServerParams", "TrainerModel", "fit_trace", "load_plans",
+    "plans_from_records", "replay", "replay_engine", "replay_parts", "resample_groups",
     "run_virtual", "workload_bound",
 ]

@@ -26,9 +26,9 @@ import numpy as np
 
 from orchestrator.errors import ConfigError
 from orchestrator.replay.model import RequestSpec, ServerModel, ServerParams
-from orchestrator.replay.trainer import SimulatedTrainer
 from orchestrator.trace.reader import TraceDir
 from orchestrator.trace.records import WorkloadRecord
+from orchestrator.trainer.simulated import TokenCost
 
 SHIPPED_FIT = Path(__file__).resolve().parent / "data" / "search_r1_engine.json"
 
@@ -242,12 +242,12 @@ class EngineFit:
     steps: tuple[int, ...] = ()
     loss: float = 0.0
 
-    def trainer(self, rollout_share: float = 0.7) -> SimulatedTrainer:
+    def train_cost(self, rollout_share: float = 0.7) -> TokenCost:
         """The trainer cost model that makes rollout ``rollout_share`` of a synchronous step."""
         if not 0.0 < rollout_share < 1.0:
             raise ConfigError(f"replay.rollout_share={rollout_share} must be between 0 and 1")
         train_seconds = self.makespan_s * (1.0 - rollout_share) / rollout_share
-        return SimulatedTrainer(seconds_per_token=train_seconds / self.tokens_per_step)
+        return TokenCost(per_token_s=train_seconds / self.tokens_per_step)
 
     def to_dict(self) -> dict[str, Any]:
         return {"server": self.server.to_dict(), "makespan_s": self.makespan_s,

@@ -8,12 +8,14 @@ buffer, weight sync, recorder — with
 * the workload's episodes (:mod:`envs.replay`): each trajectory's turns, token counts and
   tool calls, tools taking the recorded latency or one drawn from the search latency model
   (``replay.tool_latency=model``);
-* :class:`~orchestrator.replay.engine.ReplayEngine`, the calibrated server model, with
-  parameters fitted by ``python -m orchestrator.replay fit`` (the shipped fit of the
-  published search_r1 steps 0-2 by default); ``replay.engines=E`` runs ``E`` replicas of it
-  behind :class:`~orchestrator.replay.router.ReplicaRouter` (``replay.routing``,
-  ``replay.sticky``), so a 64-engine deployment replays on one core;
-* :class:`~orchestrator.replay.trainer.SimulatedTrainer`, priced by :class:`TrainerModel`:
+* the simulated engine running the calibrated server model
+  (:func:`~orchestrator.replay.engine.replay_engine`), with parameters fitted by
+  ``python -m orchestrator.replay fit`` (the shipped fit of the published search_r1 steps 0-2
+  by default); ``replay.engines=E`` runs ``E`` replicas of it behind the
+  :class:`~orchestrator.engines.router.EngineRouter` (``replay.routing``, ``replay.sticky``:
+  an episode's later turns on the replica of its first), so a 64-engine deployment replays
+  on one core;
+* :class:`~orchestrator.trainer.simulated.SimulatedTrainer`, priced by :class:`TrainerModel`:
   by default its cost per token is set so that rollout is ``replay.rollout_share`` of a
   synchronous step (0.7: published systems report 50-80%, ROLL Flash, DORA — the search_r1
   trace records no training time, so this is an assumption, logged with the results and
@@ -53,17 +55,17 @@ from envs.base import Task
 from envs.replay import EpisodePlan, LatencyModel, ReplaySpec
 from orchestrator.config import scalar, typed
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.engines.router import ROUTING, Routing
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline import PipelineConfig, StepReport, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.replay.engine import ReplayEngine
+from orchestrator.replay.engine import busy_seconds, replay_engine, replay_router
 from orchestrator.replay.fit import EngineFit
 from orchestrator.replay.plans import load_plans, open_trace
-from orchestrator.replay.router import ROUTING, ReplicaRouter, Routing
 from orchestrator.replay.tokenizer import ReplayTokenizer
-from orchestrator.replay.trainer import SimulatedTrainer
 from orchestrator.rollout import RolloutConfig
 from orchestrator.runloop import RunParts, RunResult, run_session
+from orchestrator.trainer.simulated import SimulatedTrainer, TokenCost
 from orchestrator.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -128,12 +130,10 @@ class TrainerModel:
 
     @classmethod
     def from_share(cls, fit: EngineFit, rollout_share: float) -> TrainerModel:
-        trainer = fit.trainer(rollout_share)
-        return cls(0.0, trainer.seconds_per_token * 1000.0, rollout_share)
+        return cls(0.0, fit.train_cost(rollout_share).per_token_s * 1000.0, rollout_share)
 
     def build(self) -> SimulatedTrainer:
-        return SimulatedTrainer(seconds_per_token=self.per_1k_tokens / 1000.0,
-                                fixed_seconds=self.fixed_s)
+        return SimulatedTrainer(TokenCost(self.fixed_s, self.per_1k_tokens / 1000.0))
 
     def seconds(self, tokens: float) -> float:
         return self.fixed_s + self.per_1k_tokens * tokens / 1000.0
@@ -230,48 +230,39 @@ def replay_parts(cfg: DictConfig) -> RunParts:
     trace = open_trace(scalar(cfg, "trace", str | None))
     plans, per_step = load_plans(trace, settings.steps, settings.groups_per_step, seed)
     fit = EngineFit.load(settings.engine)
-    trainer = settings.trainer(fit)
+    settings = replace(settings, groups_per_step=per_step,
+                       num_steps=settings.num_steps or scalar(cfg, "pipeline.num_steps", int))
     parts, _ = replay_session(
-        plans, fit,
+        plans, fit, settings,
         k=scalar(cfg, "pipeline.max_staleness", int),
-        num_steps=settings.num_steps or scalar(cfg, "pipeline.num_steps", int),
-        groups_per_step=per_step, trainer=trainer,
-        tool_latency=settings.tool_latency, sync_seconds=settings.sync_seconds, seed=seed,
-        inflight_update=scalar(cfg, "pipeline.inflight_update", Literal["continue", "finish"]),
         overprovision=scalar(cfg, "pipeline.overprovision", float | None),
-        engines=settings.engines, routing=settings.routing, sticky=settings.sticky,
-        progress=scalar(cfg, "progress", bool), trace=str(trace.path))
-    log.info(trainer.describe())
+        inflight_update=scalar(cfg, "pipeline.inflight_update", Literal["continue", "finish"]),
+        seed=seed, progress=scalar(cfg, "progress", bool), trace=str(trace.path))
+    log.info(settings.trainer(fit).describe())
     return parts
 
 
 async def replay(
     plans: Sequence[EpisodePlan],
     fit: EngineFit,
+    settings: ReplayConfig,
+    *,
     k: int = 0,
-    num_steps: int = 1,
-    groups_per_step: int | None = None,
-    rollout_share: float = 0.7,
-    tool_latency: str = "trace",
-    sync_seconds: float = 0.0,
+    overprovision: float | None = None,
     seed: int = 0,
     on_step: Callable[[StepReport], None] | None = None,
-    *,
     trainer: TrainerModel | None = None,
-    overprovision: float | None = None,
-    engines: int = 1,
-    routing: str = "least_loaded",
-    sticky: bool = True,
     keep_batches: bool = True,
 ) -> ReplayResult:
-    """Run ``plans`` through the run loop (under :func:`run_virtual` for virtual time).
+    """Run ``plans`` through the run loop (under :func:`run_virtual` for virtual time), as
+    ``settings`` (the ``replay`` section; ``groups_per_step=None``: a step's recorded groups,
+    ``num_steps=None``: one) says, with staleness ``k`` and ``overprovision`` (the pipeline's
+    policy). ``trainer`` prices the steps instead of ``settings``' cost model.
     ``keep_batches=False`` drops each report's trained groups once ``on_step`` has seen them:
     a long replay of long samples would otherwise hold every token it trained."""
-    parts, measure = replay_session(plans, fit, k=k, num_steps=num_steps,
-                                    groups_per_step=groups_per_step, rollout_share=rollout_share,
-                                    tool_latency=tool_latency, sync_seconds=sync_seconds, seed=seed,
-                                    trainer=trainer, overprovision=overprovision, engines=engines,
-                                    routing=routing, sticky=sticky)
+    settings = replace(settings, num_steps=settings.num_steps or 1)
+    parts, measure = replay_session(plans, fit, settings, k=k, overprovision=overprovision,
+                                    seed=seed, trainer=trainer)
     parts.keep_batches = keep_batches
     result = RunResult(run_dir=None)
     await run_session(parts, result, on_step)
@@ -281,54 +272,54 @@ async def replay(
 def replay_session(
     plans: Sequence[EpisodePlan],
     fit: EngineFit,
+    settings: ReplayConfig,
     *,
     k: int,
-    num_steps: int,
-    groups_per_step: int | None = None,
-    rollout_share: float = 0.7,
-    trainer: TrainerModel | None = None,
-    tool_latency: str = "trace",
-    sync_seconds: float = 0.0,
-    seed: int = 0,
-    inflight_update: Literal["continue", "finish"] = "continue",
     overprovision: float | None = None,
-    engines: int = 1,
-    routing: str = "least_loaded",
-    sticky: bool = True,
+    inflight_update: Literal["continue", "finish"] = "continue",
+    seed: int = 0,
+    trainer: TrainerModel | None = None,
     progress: bool = False,
     trace: str | None = None,
 ) -> tuple[RunParts, Callable[[RunResult], ReplayResult]]:
     """The run parts of a replay of ``plans``, and what reads its figures once it has run.
-    ``trainer`` (default: calibrated so rollout is ``rollout_share`` of a synchronous step)
-    prices the train steps; ``engines`` replicas of ``fit``'s server are routed to by
-    ``routing`` (``sticky``: an episode's turns stay on one replica)."""
+    ``trainer`` (default: ``settings``' cost model, by default calibrated so rollout is
+    ``settings.rollout_share`` of a synchronous step) prices the train steps;
+    ``settings.engines`` replicas of ``fit``'s server are routed to by ``settings.routing``
+    (``settings.sticky``: an episode's turns stay on one replica)."""
     from trio.testing import MockClock
 
-    spec = ReplaySpec(plans, latency_model=_latency_model(tool_latency, seed))
+    if settings.num_steps is None:
+        raise ConfigError("a replay needs replay.num_steps (or pipeline.num_steps)")
+    spec = ReplaySpec(plans, latency_model=_latency_model(settings.tool_latency, seed))
     group_size = max(len(g) for g in spec.groups)
     if any(len(g) != group_size for g in spec.groups):
         raise ConfigError("every prompt group of a replayed trace must have the same size")
-    groups = groups_per_step or len(spec.groups)
-    cost = trainer or TrainerModel.from_share(fit, rollout_share)
+    groups = settings.groups_per_step or len(spec.groups)
+    cost = trainer or settings.trainer(fit)
     simulated = cost.build()
     pipeline = PipelineConfig(batch_size=groups * group_size, max_staleness=k, num_workers=1,
-                              num_steps=num_steps, inflight_update=inflight_update,
+                              num_steps=settings.num_steps, inflight_update=inflight_update,
                               overprovision=overprovision)
     # A worker per group admission may let start, so admission alone bounds what runs.
     pipeline = replace(pipeline, num_workers=math.ceil(pipeline.budget / group_size))
-    built: list[ReplayEngine | ReplicaRouter] = []
+    engines = settings.engines
+    built: list[InferenceEngine] = []
 
     def make_engine(update: WeightUpdate, recorder: Recorder) -> InferenceEngine:
         reproducible_scheduling(seed)  # in the run's event loop, before anything runs at once
-        replicas = [ReplayEngine(spec.plans, fit.server, sync_seconds=sync_seconds,
-                                 version=update.version) for _ in range(engines)]
-        built.append(replicas[0] if engines == 1 else ReplicaRouter(replicas, routing, sticky))
+        if engines == 1:
+            built.append(replay_engine(spec.plans, fit.server, settings.sync_seconds,
+                                       update.version))
+        else:
+            built.append(replay_router(spec.plans, fit.server, engines, settings.routing,
+                                       settings.sticky, settings.sync_seconds, update.version))
         return built[-1]
 
     def measure(result: RunResult) -> ReplayResult:
         (engine,) = built
         assert result.recorder is not None, "measure() before the run"
-        return ReplayResult(result.reports, result.recorder, result.wall, engine.busy_seconds,
+        return ReplayResult(result.reports, result.recorder, result.wall, busy_seconds(engine),
                             simulated.busy, sum(r.samples for r in result.reports), cost, k,
                             engines, pipeline.describe())
 

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import anyio
 import pytest
-from helpers import REPO, TOK, ScriptedEngine, quick_config
+from helpers import REPO, TOK, quick_config, scripted_engine
 
 from envs.code import CodeSpec, CodeToolSpec, extract_code
 from envs.parsers import HermesParser
+from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.main import run
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_episode
@@ -113,7 +114,7 @@ def test_episodes_need_the_running_pool() -> None:
         spec.make_env()
 
 
-def tool_policy() -> ScriptedEngine:
+def tool_policy() -> SimulatedEngine:
     """Defines a helper in the session, uses it in a second call, then answers."""
 
     def reply(prompt: list[int]) -> str:
@@ -129,7 +130,7 @@ def tool_policy() -> ScriptedEngine:
             return HermesParser.format("python", {"code": "print(g(0), g(1))"})
         return f"def f(x):\n    return {body}"
 
-    return ScriptedEngine(reply)
+    return scripted_engine(reply)
 
 
 @needs_docker

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import anyio
 import pytest
-from helpers import TOK, ScriptedEngine, quick_config, run_spans
+from helpers import TOK, quick_config, run_spans, scripted_engine
 
 from envs.errors import EnvError, EnvNotRunning
 from envs.registry import make_spec
 from envs.search_qa import SearchQASpec, exact_match, f1, normalize, tool_call_text
+from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.main import run
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import RolloutConfig, run_episode, run_group
@@ -182,7 +183,7 @@ def test_under_trio_it_says_to_use_asyncio_or_an_external_server() -> None:
         anyio.run(enter, backend="trio")
 
 
-def reference_policy(spec: SearchQASpec) -> ScriptedEngine:
+def reference_policy(spec: SearchQASpec) -> SimulatedEngine:
     """Plays the reference episode: search the question, then copy the answer from the hit."""
 
     def reply(prompt: list[int]) -> str:
@@ -194,7 +195,7 @@ def reference_policy(spec: SearchQASpec) -> ScriptedEngine:
             return tool_call_text("search", {"query": question.group(1)})
         return hit.group(2) if "Where does" in text else hit.group(3)
 
-    return ScriptedEngine(reply)
+    return scripted_engine(reply)
 
 
 @pytest.mark.anyio

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import anyio
 import pytest
-from helpers import TOK, ScriptedEngine
+from helpers import TOK, scripted_engine
 
 from envs.arithmetic import ArithmeticSpec
 from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
@@ -23,13 +23,13 @@ SPEC = ArithmeticSpec(digits=2, train_size=8, eval_size=4, seed=0)
 
 async def test_a_correct_reply_is_rewarded_and_laid_out_token_by_token() -> None:
     task = SPEC.tasks("train")[0]
-    engine = ScriptedEngine(lambda _: task.answer)
+    engine = scripted_engine(lambda _: task.answer)
     rec = Recorder()
     t = await run_episode(engine, TOK, SPEC, task, RolloutConfig(max_tokens=8, temperature=0.7), rec, "w", 2)
     prompt = TOK.chat_prompt(task.messages)
     reply = TOK.encode(task.answer) + [TOK.end_id]
-    assert engine.prompts == [prompt]
-    assert engine.sampling[0] == SamplingParams(max_tokens=8, temperature=0.7, stop_token_ids=TOK.stop_ids)
+    assert engine.replies.prompts == [prompt]
+    assert engine.replies.sampling[0] == SamplingParams(max_tokens=8, temperature=0.7, stop_token_ids=TOK.stop_ids)
     assert list(t.token_ids) == prompt + reply
     assert list(t.loss_mask) == [False] * len(prompt) + [True] * len(reply)
     assert list(t.logprobs) == [0.0] * len(prompt) + [-0.5] * len(reply)
@@ -44,7 +44,7 @@ async def test_a_correct_reply_is_rewarded_and_laid_out_token_by_token() -> None
 
 async def test_a_wrong_reply_gets_nothing() -> None:
     task = SPEC.tasks("train")[1]
-    t = await run_episode(ScriptedEngine(lambda _: task.answer + "1"), TOK, SPEC, task,
+    t = await run_episode(scripted_engine(lambda _: task.answer + "1"), TOK, SPEC, task,
                           RolloutConfig(), Recorder(), "w")
     assert t.reward == 0.0
 
@@ -52,7 +52,7 @@ async def test_a_wrong_reply_gets_nothing() -> None:
 async def test_a_group_runs_every_sample_of_one_task() -> None:
     task = SPEC.tasks("train")[2]
     answers = iter([task.answer, "x", task.answer, "y"])
-    engine = ScriptedEngine(lambda _: next(answers))
+    engine = scripted_engine(lambda _: next(answers))
     group = await run_group(engine, TOK, SPEC, task, RolloutConfig(group_size=4), Recorder(), "w")
     assert len(group) == 4 and group.prompt_id == task.id and group.start_version == 3
     assert sorted(t.sample_index for t in group.trajectories) == [0, 1, 2, 3]
@@ -92,7 +92,7 @@ class EchoSpec(EnvSpec):
 async def test_observations_are_appended_and_never_trained_on() -> None:
     spec = EchoSpec()
     replies = iter(["ab", "c"])
-    engine = ScriptedEngine(lambda _: next(replies))
+    engine = scripted_engine(lambda _: next(replies))
     t = await run_episode(engine, TOK, spec, spec.tasks("train")[0], RolloutConfig(max_turns=3),
                           Recorder(), "w")
     prompt = TOK.chat_prompt([{"role": "user", "content": "hi"}])
@@ -101,7 +101,7 @@ async def test_observations_are_appended_and_never_trained_on() -> None:
     second = TOK.encode("c") + [TOK.end_id]
     assert list(t.token_ids) == prompt + first + observation + second
     # the second turn was generated from exactly the tokens so far (nothing re-tokenised)
-    assert engine.prompts == [prompt, prompt + first + observation]
+    assert engine.replies.prompts == [prompt, prompt + first + observation]
     assert list(t.loss_mask) == ([False] * len(prompt) + [True] * len(first)
                                  + [False] * len(observation) + [True] * len(second))
     assert t.reward == 0.25 + 0.25 + 2.0
@@ -111,18 +111,18 @@ async def test_observations_are_appended_and_never_trained_on() -> None:
 
 async def test_max_turns_ends_the_episode() -> None:
     spec = EchoSpec()
-    engine = ScriptedEngine(lambda _: "z")
+    engine = scripted_engine(lambda _: "z")
     t = await run_episode(engine, TOK, spec, spec.tasks("train")[0], RolloutConfig(max_turns=1),
                           Recorder(), "w")
-    assert len(engine.prompts) == 1
+    assert len(engine.replies.prompts) == 1
     assert t.reward == 0.25 + 1.0
 
 
 async def test_evaluate_is_greedy_and_averages_rewards() -> None:
     tasks = SPEC.tasks("eval")
     right = {tuple(TOK.chat_prompt(t.messages)): t.answer for t in tasks[:3]}
-    engine = ScriptedEngine(lambda prompt: right.get(tuple(prompt), "wrong"))
+    engine = scripted_engine(lambda prompt: right.get(tuple(prompt), "wrong"))
     with anyio.fail_after(10):
         score = await evaluate(engine, TOK, SPEC, tasks, RolloutConfig(temperature=1.0), Recorder())
     assert score == pytest.approx(3 / 4)
-    assert all(s.temperature == 0.0 for s in engine.sampling)
+    assert all(s.temperature == 0.0 for s in engine.replies.sampling)

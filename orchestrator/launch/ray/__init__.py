@@ -11,9 +11,9 @@ except ImportError as error:  # pragma: no cover - the extra is installed by scr
     raise ConfigError("launcher=ray needs Ray: pip install -e '.[ray]'") from error
 
 from orchestrator.launch.ray.actors import WeightsLost
-from orchestrator.launch.ray.engines import EngineRouter, EnginesLost, RayEngine
+from orchestrator.launch.ray.engines import EnginesLost, RayEngine, RayKeeper, ray_router
 from orchestrator.launch.ray.launcher import ActorResources, RayConfig, RayLauncher
 from orchestrator.launch.ray.trainer import RayTrainer, TrainerLost
 
-__all__ = ["ActorResources", "EngineRouter", "EnginesLost", "RayConfig", "RayEngine",
-           "RayLauncher", "RayTrainer", "TrainerLost", "WeightsLost"]
+__all__ = ["ActorResources", "EnginesLost", "RayConfig", "RayEngine", "RayKeeper",
+           "RayLauncher", "RayTrainer", "TrainerLost", "WeightsLost", "ray_router"]

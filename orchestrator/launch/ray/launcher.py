@@ -48,7 +48,7 @@ from orchestrator.errors import ConfigError, chain
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
 from orchestrator.launch.ranks import RankGroup, world_size
 from orchestrator.launch.ray.actors import ActorInfo, EngineActor, TrainerActor, WeightsLost
-from orchestrator.launch.ray.engines import EngineRouter, RayEngine
+from orchestrator.launch.ray.engines import RayEngine, ray_router
 from orchestrator.launch.ray.ranks import RankActor, ray_rank_group
 from orchestrator.launch.ray.remote import RayActorError, result_now
 from orchestrator.launch.ray.spans import SpanCollector
@@ -298,10 +298,10 @@ class RayLauncher(Launcher):
             engines.append(RayEngine(actor, name))
         if weights.transport != "object_store":
             weights = weights.to_object_store()
-        return EngineRouter(engines, weights, self.spans,
-                            restart_timeout_s=self.config.engine_restart_timeout_s,
-                            span_flush_s=self.config.span_flush_s,
-                            affinity_slack=self.config.affinity_slack)
+        return ray_router(engines, weights, self.spans,
+                          restart_timeout_s=self.config.engine_restart_timeout_s,
+                          span_flush_s=self.config.span_flush_s,
+                          affinity_slack=self.config.affinity_slack)
 
     def record_to(self, recorder: Recorder) -> None:
         """Send the actors' spans to the run's ``recorder`` (on its clock)."""

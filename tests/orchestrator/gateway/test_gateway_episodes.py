@@ -12,7 +12,7 @@ import aiohttp
 import anyio
 import openai
 import pytest
-from helpers import TOK, ScriptedEngine
+from helpers import TOK, scripted_engine
 from toy_agents import ADD_TOOL
 
 from envs.agent import AgentSpec
@@ -38,7 +38,7 @@ def scripted(prompt: list[int]) -> str:
 
 @pytest.fixture
 async def gateway() -> AsyncIterator[Gateway]:
-    async with Gateway(ScriptedEngine(scripted), TOK, Recorder(),
+    async with Gateway(scripted_engine(scripted), TOK, Recorder(),
                        GatewayConfig(max_context=2048, max_n=4)) as gw:
         yield gw
 
@@ -48,7 +48,7 @@ async def test_a_tool_loop_is_one_segment_of_exactly_the_engines_tokens(gateway:
     trajectories, outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
     assert (outcome.status, outcome.reward.total) == ("ok", 1.0)
     engine: Any = gateway.engine
-    first, second = engine.prompts  # the call with the tool's result extended the first
+    first, second = engine.replies.prompts  # the call with the tool's result extended the first
     [t] = trajectories
     assert second[:len(first)] == first and tuple(second) == t.token_ids[:len(second)]
     # trained: exactly the two generations; everything else (prompt, tool result) masked
@@ -99,7 +99,7 @@ async def test_keys_missing_unknown_or_expired_get_401_and_record_nothing(gatewa
         key = episode.endpoint.api_key
     assert (await chat(gateway, key, model="m", messages=user))[0] == 401
     assert episode.segments == [] and episode.calls == 0
-    assert gateway.recorder.spans == [] and gateway.engine.prompts == []  # type: ignore[attr-defined]
+    assert gateway.recorder.spans == [] and gateway.engine.replies.prompts == []  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -14,7 +14,7 @@ from envs.replay import EpisodePlan
 from orchestrator.replay import EngineFit, load_plans, replay, resample_groups, run_virtual
 from orchestrator.replay.bound import BoundMeter, turn_work
 from orchestrator.replay.model import RequestSpec, ServerModel, ServerParams
-from orchestrator.replay.run import TrainerModel
+from orchestrator.replay.run import ReplayConfig
 from orchestrator.trace import SHIPPED_SAMPLE, TraceDir
 from orchestrator.trace.generate import generate_workload
 
@@ -43,9 +43,10 @@ def test_no_policy_beats_its_run_bound(tmp_path: Path, name: str) -> None:
     fractions = []
     for k, over in POLICIES:
         meter = BoundMeter(fit.server, engines)
-        result = run_virtual(replay, plans, fit, k=k, num_steps=STEPS, groups_per_step=groups,
-                             on_step=meter, trainer=TrainerModel.from_share(fit, 0.7),
-                             overprovision=over, engines=engines, keep_batches=False)
+        result = run_virtual(replay, plans, fit,
+                             ReplayConfig(groups_per_step=groups, num_steps=STEPS,
+                                          rollout_share=0.7, engines=engines),
+                             k=k, on_step=meter, overprovision=over, keep_batches=False)
         bound = meter.bound(result.reports, result.recorder, SKIP)
         assert bound.samples == sum(r.samples for r in result.reports[SKIP:]) > 0
         # the measured steady throughput is the window's, and never above its bound

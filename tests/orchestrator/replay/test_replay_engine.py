@@ -8,11 +8,11 @@ import anyio
 import pytest
 
 from envs.replay import EpisodePlan, ReplaySpec, ToolPlan, TurnPlan, observation_message
-from orchestrator.replay.engine import ReplayEngine
+from orchestrator.replay.engine import replay_engine
 from orchestrator.replay.fit import EngineFit, TurnShape, simulate
 from orchestrator.replay.model import RequestSpec, ServerModel, ServerParams
 from orchestrator.replay.plans import load_plans, plans_from_records
-from orchestrator.replay.run import replay, run_virtual
+from orchestrator.replay.run import ReplayConfig, replay, run_virtual
 from orchestrator.replay.tokenizer import KEY_BASE, OBS, ReplayTokenizer, plan_key
 from orchestrator.trace import SHIPPED_SAMPLE, TraceDir
 from orchestrator.types import SamplingParams
@@ -69,7 +69,7 @@ def test_the_engine_in_virtual_time_matches_the_standalone_model() -> None:
     expected_latencies, expected_e2e = simulate(PARAMS, episodes)
     fit = EngineFit(PARAMS, makespan_s=10.0, tokens_per_step=1000.0, trajectories_per_step=6)
 
-    result = run_virtual(replay, plans, fit, 0, 1)
+    result = run_virtual(replay, plans, fit, ReplayConfig(groups_per_step=None, num_steps=1))
     (report,) = result.reports
     trajectories = [t for g in report.groups for t in g.trajectories]
     assert len(trajectories) == 6
@@ -88,7 +88,7 @@ def test_the_engine_in_virtual_time_matches_the_standalone_model() -> None:
 
 
 def test_the_engine_refuses_prompts_that_are_not_replay_plans() -> None:
-    engine = ReplayEngine({}, PARAMS)
+    engine = replay_engine({}, PARAMS)
 
     async def main() -> None:
         async with engine:

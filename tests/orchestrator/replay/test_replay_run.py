@@ -15,10 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.errors import ConfigError
 from orchestrator.main import run
-from orchestrator.replay import SimulatedTrainer, replay_parts, run_virtual
+from orchestrator.replay import replay_parts, run_virtual
 from orchestrator.replay.fit import EngineFit
 from orchestrator.trace import SHIPPED_SAMPLE, TraceDir
-from orchestrator.trainer import Trainer
+from orchestrator.trainer import SimulatedTrainer, TokenCost, Trainer
 from orchestrator.types import FinishReason, Group, Trajectory
 
 REPO = Path(__file__).resolve().parents[3]
@@ -47,7 +47,7 @@ def layout(run_dir: Path) -> set[str]:
 
 
 def test_the_simulated_trainer_is_a_trainer() -> None:
-    trainer = SimulatedTrainer(seconds_per_token=0.5, fixed_seconds=1.0)
+    trainer = SimulatedTrainer(TokenCost(fixed_s=1.0, per_token_s=0.5))
     assert isinstance(trainer, Trainer)
     trajectory = Trajectory(prompt_id=0, sample_index=0, token_ids=(1, 2, 3, 4),
                             loss_mask=(True,) * 4, logprobs=(0.0,) * 4, versions=(0,) * 4,
@@ -63,7 +63,7 @@ def test_the_simulated_trainer_is_a_trainer() -> None:
 
     stats, version, now = run_virtual(step)
     assert stats == {"simulated_seconds": 3.0} and version == 1 and now == pytest.approx(3.0)
-    restored = SimulatedTrainer(seconds_per_token=0.5)
+    restored = SimulatedTrainer(TokenCost(per_token_s=0.5))
     restored.load_state_dict(trainer.state_dict())
     assert restored.version == 1 and restored.busy == pytest.approx(3.0)
 
@@ -156,18 +156,18 @@ def test_settings_a_replay_derives_are_config_errors(tmp_path: Path) -> None:
 def test_the_shipped_fit_loads() -> None:
     fit = EngineFit.load()
     assert fit.trajectories_per_step == 2048 and fit.steps == (0, 1, 2)
-    trainer = fit.trainer(0.7)  # 30% of a synchronous step spent training
-    train_seconds = trainer.seconds_per_token * fit.tokens_per_step
+    cost = fit.train_cost(0.7)  # 30% of a synchronous step spent training
+    train_seconds = cost.per_token_s * fit.tokens_per_step
     assert train_seconds == pytest.approx(fit.makespan_s * 0.3 / 0.7)
 
 
 def test_engines_holds_engines_only() -> None:
-    """Replay's engine, trainer, fit and driver live in orchestrator/replay/ (which way the
+    """Replay's server model, fit and driver live in orchestrator/replay/ (which way the
     packages import is the import contracts' business: ``lint-imports``)."""
     engines = REPO / "orchestrator" / "engines"
     assert sorted(p.name for p in engines.glob("*.py")) == [
-        "__init__.py", "base.py", "simulated.py", "torch_engine.py", "vllm_engine.py",
-        "vllm_worker.py"]
+        "__init__.py", "base.py", "router.py", "simulated.py", "slot_cache.py",
+        "torch_engine.py", "vllm_engine.py", "vllm_worker.py"]
 
 
 def test_the_fit_command_saves_a_fit_a_replay_loads(tmp_path: Path,

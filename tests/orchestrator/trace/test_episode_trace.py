@@ -7,10 +7,9 @@ import inspect
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
-from helpers import TOK, ScriptedEngine
+from helpers import TOK, scripted_engine
 
 import orchestrator.rollout
 from envs.base import Env, EnvSpec, Task
@@ -18,6 +17,7 @@ from envs.parsers import HermesParser
 from envs.tool_env import Episode, ToolEnv, WeightedReward
 from envs.tools import ToolOutput, tool
 from envs.toolset import ToolSet
+from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.evaluate import evaluate
 from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
@@ -71,16 +71,15 @@ class LookupSpec(EnvSpec):
         return env
 
 
-def engine(clock: ManualClock) -> ScriptedEngine:
+def engine(clock: ManualClock) -> SimulatedEngine:
     """Calls the tool, then answers; each generation takes 1 s of the clock."""
     replies = iter([HermesParser.format("lookup", {"query": "who"}), "ann"])
 
-    class Clocked(ScriptedEngine):
-        async def generate(self, prompt_ids: Any, sampling: Any) -> Any:
-            clock.now += 1.0
-            return await super().generate(prompt_ids, sampling)
+    def reply(_: list[int]) -> str:
+        clock.now += 1.0
+        return next(replies)
 
-    return Clocked(lambda _: next(replies))
+    return scripted_engine(reply)
 
 
 ROLLOUT = RolloutConfig(group_size=1, max_tokens=200, max_turns=3)
