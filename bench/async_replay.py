@@ -124,7 +124,7 @@ def run_policy(w: Workload, policy: Policy, steps: int, seed: int,
                trained: list[Trained] | None = None, meter: BoundMeter | None = None) -> ReplayResult:
     def keep(report: StepReport) -> None:
         if trained is not None:
-            trained.append(Trained(report.tokens, tuple(g.started_at for g in report.groups)))
+            trained.append(Trained(report.tokens, tuple(g.started_at for g in report.timings)))
         if meter is not None:
             meter(report)
 

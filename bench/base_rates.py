@@ -23,7 +23,7 @@ from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.evaluate import evaluate
 from orchestrator.models.policy import build_policy
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.weights import WeightUpdate
 
 NUMBER = "Answer with just the number."
@@ -50,7 +50,8 @@ CHOSEN = "chain_sum 2 terms 1 digit"
 async def rate(engine: TorchEngine, tokenizer: Any, spec: ReasoningGymSpec, tasks: int,
                max_tokens: int) -> float:
     rollout = RolloutConfig(group_size=1, max_tokens=max_tokens, temperature=0.0)
-    return await evaluate(engine, tokenizer, spec, spec.tasks("eval")[:tasks], rollout, Recorder())
+    runner = EpisodeRunner(engine, tokenizer, spec, rollout, Recorder())
+    return await evaluate(runner, spec.tasks("eval")[:tasks])
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -7,7 +7,7 @@ Both runs drive the simulated engine with one fixed timing: every call takes
 ``--seconds-per-call`` (a length of ``TOKENS`` tokens at the matching per-token cost) and
 its tokens are a Hermes call of a no-op tool, so each episode makes exactly ``--calls`` calls:
 
-* **ToolEnv**: ``run_episode`` on a ``ToolEnv`` with the tool, ``rollout.max_turns = calls``;
+* **ToolEnv**: an :class:`EpisodeRunner` episode on a ``ToolEnv`` with the tool, ``rollout.max_turns = calls``;
   a call's latency is its ``generate`` span (the engine call, in process).
 * **gateway**: an agent program with an ``openai.AsyncOpenAI`` client (``--client aiohttp``:
   a bare aiohttp client instead) offers the tool, runs each call it gets back and asks again;
@@ -45,7 +45,7 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.gateway import Gateway, GatewayConfig, run_agent_episode
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_episode
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.types import Generation, SamplingParams
 
 TOK = CharTokenizer()
@@ -114,11 +114,12 @@ async def run_tool_env(episodes: int, calls: int, seconds: float, seed: int) -> 
     spec.use_clock(recorder.clock)
     rollout = RolloutConfig(group_size=1, max_tokens=TOKENS, max_turns=calls)
     engine = _engine(seconds, seed)
+    runner = EpisodeRunner(engine, TOK, spec, rollout, recorder)
     finished: list[int] = []
 
     async def body(i: int) -> None:
-        t = await run_episode(engine, TOK, spec, spec.tasks("train")[i], rollout, recorder, "w", i)
-        finished.append(len(t.turns))
+        _, timing = await runner.episode(spec.tasks("train")[i], "w", i)
+        finished.append(len(timing.turns))
 
     wall = await _staggered(episodes, seconds, seed, body)
     latencies = [s.duration for s in recorder.of("generate")]
@@ -181,7 +182,7 @@ async def run_gateway(episodes: int, calls: int, seconds: float, seed: int,
         async def body(i: int) -> None:
             trajectories, outcome = await run_agent_episode(
                 gateway, spec, spec.tasks("train")[i], rollout, "w", i)
-            finished.append((len(trajectories), sum(len(t.turns) for t in trajectories),
+            finished.append((len(trajectories), sum(len(e.turns) for _, e in trajectories),
                              outcome.error or outcome.status))
 
         wall = await _staggered(episodes, seconds, seed, body)

@@ -96,14 +96,14 @@ from bench.peers_trl import (
     load_weights,
 )
 from orchestrator.config import build_env, scalar, section, typed
+from orchestrator.engines.base import sync_weights
 from orchestrator.evaluate import evaluate
 from orchestrator.launch import EngineRecipe, LocalLauncher
 from orchestrator.main import training_parts
 from orchestrator.models.policy import build_policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig
-from orchestrator.runloop import load_into
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.weights import WeightUpdate
 
 STEPS, QUICK_STEPS = 2000, 100
@@ -265,8 +265,9 @@ def evaluate_runs(runs: Sequence[Run], cfg: DictConfig) -> float:
         if path is not None:
             version += 1
             load_weights(policy.model, path)
-            await load_into(engine, WeightUpdate.of_module(version, policy.model))
-        return await evaluate(engine, policy.tokenizer, spec, tasks, rollout, Recorder())
+            await sync_weights(engine, WeightUpdate.of_module(version, policy.model))
+        return await evaluate(EpisodeRunner(engine, policy.tokenizer, spec, rollout, Recorder()),
+                              tasks)
 
     async def go() -> float:
         async with engine:

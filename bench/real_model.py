@@ -93,7 +93,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.models.policy import checkpoint_dir
 from orchestrator.models.tokenizer import HFTokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import run_group
+from orchestrator.rollout import EpisodeRunner
 from orchestrator.trainer.torch_trainer import TorchTrainer, shared_prefix
 from orchestrator.types import Group, SamplingParams
 
@@ -298,9 +298,10 @@ def training(budget: Budget, threads: int) -> dict[str, float]:
         async def batch(chosen: Sequence[Task]) -> list[Group]:
             groups: dict[int, Group] = {}
 
+            runner = EpisodeRunner(engine, parts.tokenizer, parts.spec, rollout, Recorder())
+
             async def one(i: int, task: Task) -> None:
-                groups[i] = await run_group(engine, trainer.policy.tokenizer, parts.spec, task,
-                                            rollout, Recorder(), "bench")
+                groups[i] = (await runner.group(task, "bench")).group
 
             async with anyio.create_task_group() as tg:
                 for i, task in enumerate(chosen):

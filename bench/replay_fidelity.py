@@ -82,9 +82,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     result = run_virtual(replay, plans, fit, ReplayConfig(groups_per_step=None, num_steps=1))
     replay_seconds = time.perf_counter() - started
-    trajectories = [t for r in result.reports for g in r.groups for t in g.trajectories]
-    e2e = [t.finished_at - t.started_at for t in trajectories]
-    latencies = [turn.latency for t in trajectories for turn in t.turns]
+    episodes = [e for r in result.reports for g in r.timings for e in g.episodes]
+    e2e = [e.finished_at - e.started_at for e in episodes]
+    latencies = [turn.latency for e in episodes for turn in e.turns]
     observed_e2e = [r.end_to_end_s for r in records]
     observed_lat = [t.engine_latency_s for r in records for t in r.turns]
     makespan_error = max(e2e) / max(observed_e2e) - 1.0

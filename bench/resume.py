@@ -46,11 +46,12 @@ from pathlib import Path
 import torch
 
 from orchestrator.algo.grpo import GRPO
-from orchestrator.checkpoint import CheckpointStore, TrainerSnapshot
+from orchestrator.checkpoint import CheckpointStore
 from orchestrator.models.policy import tiny_policy
 from orchestrator.resume import RunState, capture_rng, find_checkpoint
 from orchestrator.trace.reader import TraceDir
 from orchestrator.trainer import TorchTrainer
+from orchestrator.trainer.snapshot import TrainerSnapshot
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = ["logger=none", "progress=false"]  # the default experiment, checkpoints as configured
@@ -136,7 +137,7 @@ def kill_and_resume(run_dir: Path, run: list[str], kills: int, first: tuple[floa
         # from the end of the step the checkpoint holds to the end of the last one recorded
         # (both read conservatively: a count the polls missed takes the poll before it)
         lost_s.append(watch.at(recorded, late=True) - watch.at(state.step))
-        again |= set(state.sampler["again"])
+        again |= set(state.pipeline["sampler"]["again"])
         print(f"killed after {recorded} recorded steps; resuming from the checkpoint of step "
               f"{state.step}: {recorded - state.step} steps, {lost_s[-1]:.1f} s of work to redo",
               flush=True)
@@ -201,12 +202,15 @@ def checkpoint_cost(model: dict[str, int], directory: Path) -> tuple[float, floa
     trainer.optimizer.step()  # Adam's moments exist, as in any real checkpoint
     params = sum(p.numel() for p in policy.model.parameters())
     store = CheckpointStore(directory, keep=1)
-    state = RunState(step=1, version=1, sampler={})
+    state = RunState(pipeline={"step": 1, "dropped": 0, "sampler": {}}, version=1)
     rng = capture_rng()
 
-    TrainerSnapshot.capture(trainer)  # the first pays for imports and lazy set-up
+    def capture() -> TrainerSnapshot:  # into fresh memory, as the run's first one is
+        return TrainerSnapshot.capture(trainer.state_dict(), trainer.model, policy.tokenizer)
+
+    capture()  # the first pays for imports and lazy set-up
     started = time.perf_counter()
-    snapshot = TrainerSnapshot.capture(trainer)
+    snapshot = capture()
     captured = time.perf_counter() - started
 
     def write(path: Path) -> None:

@@ -46,7 +46,7 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.staleness import admission_budget
 
 MEDIAN_TOKENS = 64
@@ -84,11 +84,10 @@ async def run_one(k: int, steps: int, seconds_per_token: float, train_seconds: f
         num_workers=admission_budget(BATCH_SIZE, max(KS)) // GROUP_SIZE,
     )
     recorder = Recorder()
-    pipeline = Pipeline(
-        config, RolloutConfig(group_size=GROUP_SIZE, max_tokens=MAX_TOKENS), engine,
-        fixed_cost_trainer(train_seconds), CharTokenizer(), spec,
-        TaskSampler(spec.tasks("train"), seed=seed), recorder,
-    )
+    runner = EpisodeRunner(engine, CharTokenizer(), spec,
+                           RolloutConfig(group_size=GROUP_SIZE, max_tokens=MAX_TOKENS), recorder)
+    pipeline = Pipeline(config, runner, fixed_cost_trainer(train_seconds),
+                        TaskSampler(spec.tasks("train"), seed=seed))
     started = time.perf_counter()
     reports = await pipeline.run()
     wall = time.perf_counter() - started

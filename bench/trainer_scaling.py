@@ -90,7 +90,7 @@ def batch(seed: int = 0, count: int = GROUPS) -> list[Group]:
                 logprobs=tuple(-4.6 for _ in ids), versions=(0,) * len(ids),
                 reward=float(rng.random() < 0.5), start_version=0,
                 finish_reason=FinishReason.LENGTH))
-        groups.append(Group(g, tuple(samples), 0, 0.0, 0.0))
+        groups.append(Group(g, tuple(samples), 0))
     return groups
 
 

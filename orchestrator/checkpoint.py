@@ -1,159 +1,37 @@
-"""Checkpoints: the trainer's state, and the run's periodic, atomic checkpoints to resume from.
+"""The run's periodic, atomic checkpoints to resume from.
 
-One checkpoint directory holds:
+One checkpoint directory ``<run_dir>/checkpoints/step-<N>/`` holds:
 
-* ``model/``: a ``save_pretrained`` directory (safetensors), loadable by
-  ``model=hf model.path=<dir>/model`` when the tokenizer is a Hugging Face one;
-* ``trainer.pt``: the rest of :meth:`TorchTrainer.state_dict` (optimiser, learning-rate
-  schedule and its warm-up position, version);
-* in a run's periodic checkpoints, ``run_state.json`` and ``rng.pt`` too (see
-  :mod:`orchestrator.resume`);
+* the trainer's files, written by the trainer's own snapshot (:meth:`Trainer.snapshot`; a
+  :class:`~orchestrator.trainer.snapshot.TrainerSnapshot`: ``model/`` and ``trainer.pt``, or
+  a group of ranks' shards);
+* the run's state, ``run_state.json`` and ``rng.pt`` (see :mod:`orchestrator.resume`);
 * ``MANIFEST.json``, written last: every other file with its size and SHA-256.
 
-A checkpoint is taken in two parts so that the trainer waits only for the first: a
-:class:`TrainerSnapshot` copies the trainer's tensors (:meth:`TrainerSnapshot.capture`), and
-its :meth:`~TrainerSnapshot.write` writes them while training goes on. A snapshot is picklable
-and self-contained: a trainer in a Ray actor hands its snapshot to the driver, which writes
-it into the run directory, so every checkpoint lies beside the run's other files, whichever
-node the trainer ran on.
-
-:class:`CheckpointStore` writes ``<run_dir>/checkpoints/step-<N>/`` atomically: into a
-temporary directory, every file fsynced, the manifest last, then renamed into place. A
-directory without a manifest (a crash mid-write) is never loaded, and one whose files do not
-match their manifest is reported in one line and skipped for the previous one.
+:class:`CheckpointStore` writes such a directory atomically: into a temporary directory,
+every file fsynced, the manifest last, then renamed into place. A directory without a
+manifest (a crash mid-write) is never loaded, and one whose files do not match their
+manifest is reported in one line and skipped for the previous one.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
 
 from orchestrator.errors import ConfigError, PolyRLError
 from orchestrator.faults import kill_point
-from orchestrator.trainer import TorchTrainer, Trainer
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
-WEIGHTS = "model.safetensors"
-TRAINER_STATE = "trainer.pt"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class Snapshot(Protocol):
-    """A trainer's checkpoint state taken at one moment, written later (in a worker thread)."""
-
-    def write(self, directory: Path) -> Any:
-        """Write the trainer's files (``model/``, ``trainer.pt``) into ``directory``."""
-
-
-@dataclass
-class TrainerSnapshot:
-    """A trainer's checkpoint, copied off its live tensors (:meth:`capture`), so training may
-    go on while it is written (:meth:`write`, in a worker thread). It is self-contained and
-    picklable: a trainer in a Ray actor hands it to the driver, which writes it in the run
-    directory, and a checkpoint read back (:meth:`read`) is shipped the other way to be
-    loaded (:meth:`restore`) wherever the trainer lives."""
-
-    weights: dict[str, torch.Tensor]  # the model's, tied ones once (the first name kept)
-    state: dict[str, Any]  # the rest of the trainer's state_dict: optimiser, schedule, version
-    config: Any = None  # the model's PretrainedConfig (None: read back, not written again)
-    generation_config: Any = None
-    tokenizer: Any = None  # a Hugging Face tokenizer, saved beside the model
-
-    @classmethod
-    def capture(cls, trainer: Trainer, into: TrainerSnapshot | None = None) -> TrainerSnapshot:
-        """Copy ``trainer``'s state; into the tensors of ``into`` (a snapshot already written,
-        so no longer read) where they fit: copying into memory already mapped takes less than
-        half the time of fresh allocations, and the trainer waits for this part."""
-        if not isinstance(trainer, TorchTrainer):
-            raise ConfigError(f"cannot checkpoint a {type(trainer).__name__}: only a TorchTrainer "
-                              f"has a model to save")
-        state = dict(trainer.state_dict())
-        model = trainer.model
-        with torch.no_grad():
-            weights = _copy_into(_untied(state.pop("model")), into.weights if into else None)
-            rest = _copy_into(state, into.state if into else None)
-        return cls(weights=weights, state=rest, config=model.config,
-                   generation_config=getattr(model, "generation_config", None),
-                   tokenizer=getattr(trainer.policy.tokenizer, "_tok", None))
-
-    def write(self, directory: Path) -> Path:
-        from safetensors.torch import save_file
-
-        model_dir = directory / "model"
-        model_dir.mkdir(parents=True, exist_ok=True)
-        if self.config is not None:
-            self.config.save_pretrained(model_dir)
-        if self.generation_config is not None:
-            self.generation_config.save_pretrained(model_dir)
-        save_file(self.weights, str(model_dir / WEIGHTS), metadata={"format": "pt"})
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(model_dir)
-        torch.save(self.state, directory / TRAINER_STATE)
-        return directory
-
-    @classmethod
-    def read(cls, directory: Path) -> TrainerSnapshot:
-        from safetensors.torch import load_file
-
-        return cls(weights=load_file(str(directory / "model" / WEIGHTS)),
-                   state=torch.load(directory / TRAINER_STATE, weights_only=True))
-
-    def restore(self, trainer: TorchTrainer) -> None:
-        trainer.model.load_state_dict(self.weights, strict=False)  # tied weights are saved once
-        trainer.load_state_dict({**self.state, "model": trainer.model.state_dict()})
-
-
-def save_checkpoint(trainer: Trainer, directory: Path) -> Path:
-    """Write ``trainer``'s checkpoint (a :class:`TorchTrainer`'s: others have no model here)."""
-    return TrainerSnapshot.capture(trainer).write(directory)
-
-
-def load_checkpoint(trainer: TorchTrainer, directory: Path) -> None:
-    TrainerSnapshot.read(directory).restore(trainer)
-
-
-def _untied(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` without a tensor sharing another's storage (a tied LM head), as
-    ``save_pretrained`` leaves it out."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in weights.items():
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            out[name] = tensor
-    return out
-
-
-def _copy_into(value: Any, old: Any) -> Any:
-    """A CPU copy of ``value`` (a tree of dicts, lists and tensors), reusing ``old``'s tensors
-    of the same shape and dtype."""
-    if isinstance(value, torch.Tensor):
-        if (isinstance(old, torch.Tensor) and old.shape == value.shape
-                and old.dtype == value.dtype and old.device.type == "cpu"):
-            return old.copy_(value)
-        return value.detach().to("cpu", copy=True).contiguous()
-    if isinstance(value, Mapping):
-        olds = old if isinstance(old, Mapping) else {}
-        return {k: _copy_into(v, olds.get(k)) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        olds = list(old) if isinstance(old, list | tuple) and len(old) == len(value) else []
-        copied = [_copy_into(v, olds[i] if olds else None) for i, v in enumerate(value)]
-        return copied if isinstance(value, list) else tuple(copied)
-    return copy.deepcopy(value)
 
 
 class CorruptCheckpoint(PolyRLError):

@@ -2,24 +2,32 @@
 
 Hydra's struct mode already rejects unknown keys; this module checks what it cannot: value
 types of the plain sections (``pipeline``, ``rollout``, ``warmstart``), ranges, and sizes that
-only make sense together (a batch must fit the dataset).
+only make sense together (a batch must fit the dataset). :func:`explain` turns a
+configuration mistake, however Hydra or OmegaConf raised it, into the one line the command
+line prints.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from hydra.errors import InstantiationException
+from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from envs.base import EnvSpec
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, RunAborted, chain
+from sandboxes.api import EngineUnavailable, ImageMissing
+
+CONF = Path(__file__).resolve().parent.parent / "conf"  # the shipped config groups
 
 T = TypeVar("T")
 
@@ -129,3 +137,44 @@ def build_env(cfg: DictConfig) -> EnvSpec:
     if not isinstance(spec, EnvSpec):
         raise ConfigError(f"env._target_={values['_target_']} is not an environment (EnvSpec)")
     return spec
+
+
+def register_plugin_envs() -> None:
+    """Environments from installed plug-in packages become ``env=<name>`` options."""
+    from envs.registry import register_hydra_configs
+
+    register_hydra_configs({p.stem for p in (CONF / "env").glob("*.yaml")})
+
+
+def explain(error: BaseException) -> str | None:
+    """One sentence for a configuration mistake, or None if ``error`` is not one (a bug, which
+    keeps its traceback)."""
+    causes = chain(error)  # the error behind a task group's crash, too
+    for e in causes:
+        if isinstance(e, (ConfigError, RunAborted, EngineUnavailable, ImageMissing)):  # not a bug
+            return str(e)
+        if isinstance(e, MissingMandatoryValue):
+            key = getattr(e, "full_key", None) or "a required key"
+            return f"{key} must be set, e.g. {key}=…"
+    if isinstance(error, MissingConfigException):
+        missing = re.search(r"Could not find '([^']+)/([^'/]+)'", str(error))
+        options = re.findall(r"^\t(\S+)$", str(error), flags=re.MULTILINE)
+        if missing:
+            group, name = missing.groups()
+            listed = f"; available: {', '.join(options)}" if options else ""
+            return f"unknown {group} '{name}'{listed}"
+    if isinstance(error, InstantiationException):
+        # A bad argument is the user's to fix; anything else (out of memory, a bug) is not.
+        for e in causes[1:]:
+            if isinstance(e, (ValueError, TypeError)):
+                return f"{e}".splitlines()[0]
+        return None
+    text = str(error)
+    override = re.search(r"Could not override '([^']+)'", text)
+    if override:
+        key = override.group(1)
+        return f"unknown config key '{key}': check its spelling, or add a new key with +{key}=…"
+    if isinstance(error, (HydraException, OmegaConfBaseException)):
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return " ".join(lines[:2]) if lines else type(error).__name__
+    return None

@@ -13,14 +13,14 @@ and ``checkpoints/final/``. Everything but the final checkpoint is written even 
 the run fails part-way.
 
 ``run(cfg, run_dir, resume_from=<checkpoint>)`` continues a run in its own directory (see
-:mod:`orchestrator.resume`; the command line's ``resume=`` is in :mod:`orchestrator.__main__`).
+:mod:`orchestrator.resume`, which also reads the command line's ``resume=``).
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -32,28 +32,25 @@ from omegaconf import DictConfig, OmegaConf
 from envs.base import EnvSpec
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import build_env, check_target, scalar, section, typed
-from orchestrator.engines.base import InferenceEngine
+from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.errors import ConfigError
 from orchestrator.evaluate import evaluate
 from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRecipe
 from orchestrator.loggers.base import Logger
-from orchestrator.models.policy import build_policy
-from orchestrator.models.tokenizer import Tokenizer
+from orchestrator.models.policy import build_tokenizer
 from orchestrator.pipeline import PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.resume import RunState, restore_rng, steps_before, truncate_after
-from orchestrator.rollout import RolloutConfig
+from orchestrator.resume import restore
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.rundir import RunDir
 from orchestrator.runloop import (
     CheckpointConfig,
     Checkpointer,
     RunParts,
     RunResult,
-    load_into,
     run_session,
     summarise,
 )
-from orchestrator.trainer import TorchTrainer, Trainer
 from orchestrator.warmstart import WarmStartConfig, warm_start
 from orchestrator.weights import WeightUpdate
 
@@ -85,9 +82,9 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> RunR
         check_target(cfg, "launcher")
         launcher: Launcher = resources.enter_context(instantiate(cfg.launcher))
         while True:
-            parts = training_parts(cfg, launcher, resume_from)
+            parts = training_parts(cfg, launcher)
             try:
-                return _run(cfg, parts, run_dir)
+                return _run(cfg, parts, run_dir, resume_from)
             except BaseException as error:
                 # a launcher that replaced what it lost (a dead trainer actor) goes on from the
                 # last checkpoint, as resume= would, without the user
@@ -100,32 +97,27 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> RunR
                 resume_from = checkpoint
 
 
-def _run(cfg: DictConfig, parts: RunParts, run_dir: Path) -> RunResult:
+def _run(cfg: DictConfig, parts: RunParts, run_dir: Path,
+         resume_from: Path | None = None) -> RunResult:
     check_target(cfg, "logger")
     logger: Logger = instantiate(cfg.logger)
-    earlier: list[dict] = []
-    if parts.resume is not None:
-        truncate_after(run_dir, parts.resume.step)  # steps past the checkpoint are redone
-        earlier = steps_before(run_dir, parts.resume.step)  # the summary covers the whole run
-        logger.resume_id = parts.resume.logger_run_id
+    resume = restore(parts.trainer, resume_from) if resume_from is not None else None
+    if resume is not None:
+        logger.resume_id = resume.logger_run_id
     out = RunDir(run_dir, OmegaConf.to_container(cfg, resolve=True), [logger],  # type: ignore[arg-type]
-                 parts.rollout.max_total_tokens)
+                 parts.rollout.max_total_tokens, resume_step=resume.step if resume else None)
     checkpointer = None
-    if parts.checkpoint is not None and parts.snapshot_trainer is not None:
+    if parts.checkpoint is not None:
         checkpointer = Checkpointer(
             CheckpointStore(out.path / "checkpoints", parts.checkpoint.keep), parts.checkpoint,
-            parts.snapshot_trainer, parts.trainer, logger_run_id=lambda: logger.run_id,
-            last_saved=parts.resume.step if parts.resume is not None else -1)
-        if parts.resume is not None:
-            carried = parts.resume.extra
-            checkpointer.carried = {**carried, "resumes": carried.get("resumes", 0) + 1}
+            parts.trainer, logger_run_id=lambda: logger.run_id, resumed=resume)
     result = RunResult(run_dir=run_dir)
     failed = True
     try:
         try:
             anyio.run(partial(run_session, parts, result,
                               lambda report: out.write_step(report, parts.tokenizer), checkpointer,
-                              partial(out.open_recorder, append=parts.resume is not None)),
+                              out.open_recorder, resume),
                       backend=parts.anyio_backend, backend_options=dict(parts.backend_options))
         except BaseException:
             if checkpointer is not None:
@@ -133,21 +125,20 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path) -> RunResult:
                 if saved is not None:
                     log.warning("the run failed; checkpoint of its last step at %s", saved)
             raise
-        if parts.snapshot_trainer:
-            parts.snapshot_trainer().write(out.checkpoint_dir("final"))
+        if parts.checkpoint is not None:
+            parts.trainer.save(out.checkpoint_dir("final"))
         failed = False
     finally:
-        result.summary = summarise(result, earlier, checkpointer)
+        result.summary = summarise(result, out.earlier, checkpointer)
         if parts.describe is not None and result.reports:
             result.summary.update(parts.describe(result))
         out.close(result.summary, failed)
     return result
 
 
-def training_parts(cfg: DictConfig, launcher: Launcher | None = None,
-                   resume_from: Path | None = None) -> RunParts:
+def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunParts:
     """The parts of a training run: trainer and engine placed by ``launcher`` (in this process
-    by default), environment, warm start, evals; restored from ``resume_from`` if given."""
+    by default), environment, warm start, evals."""
     launcher = launcher or LocalLauncher()
     seed: int = scalar(cfg, "seed", int)
     threads: int | None = scalar(cfg, "torch_threads", int | None)
@@ -170,25 +161,21 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None,
     trainer = launcher.trainer(TrainerRecipe(
         trainer=section(cfg, "trainer"), model=model_cfg, algo=section(cfg, "algo"),
         temperature=rollout_cfg.temperature, seed=seed, torch_threads=threads))
-    resume = None
-    if resume_from is not None:
-        launcher.load_checkpoint(trainer, resume_from)
-        resume = RunState.read(resume_from)
-        log.info("resuming at step %d (version %d) from %s", resume.step, resume.version, resume_from)
-    tokenizer = _tokenizer(trainer, model_cfg)
+    tokenizer = build_tokenizer(model_cfg)
     engine_recipe = EngineRecipe(engine=section(cfg, "engine"), model=model_cfg)
 
     def make_engine(weights: WeightUpdate, recorder: Recorder) -> InferenceEngine:
         return launcher.engine(engine_recipe, weights, recorder)
 
-    async def warm_up(engine: InferenceEngine, recorder: Recorder) -> int:
+    async def warm_up(runner: EpisodeRunner) -> int:
         check_tasks = list(spec.tasks("train"))[: warm.check_tasks]
         checks: list[float] = []
+        recorder = runner.recorder
+        unrecorded = replace(runner, recorder=Recorder(clock=recorder.clock))  # not the run's spans
 
         async def accuracy() -> float:  # on the run's engine, with the trainer's weights
-            await load_into(engine, await trainer.weights())
-            checks.append(await evaluate(engine, tokenizer, spec, check_tasks, rollout_cfg,
-                                         Recorder(clock=recorder.clock)))
+            await sync_weights(runner.engine, await trainer.weights())
+            checks.append(await evaluate(unrecorded, check_tasks))
             log.info("warm start: greedy accuracy %.3f on %d train tasks", checks[-1], len(check_tasks))
             return checks[-1]
 
@@ -200,28 +187,16 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None,
             log.info("warm start: %d steps, final loss %.3f", len(losses), losses[-1])
         return len(losses)
 
-    sampler = TaskSampler(spec.tasks("train"), seed=seed)
-    if resume is not None:
-        sampler.load_state_dict(resume.sampler)
-        restore_rng(resume_from)  # type: ignore[arg-type]
     return RunParts(
         spec=spec, tokenizer=tokenizer, trainer=trainer, make_engine=make_engine,
-        sampler=sampler, pipeline=pipeline_cfg, checkpoint=checkpoint_cfg, resume=resume,
+        sampler=TaskSampler(spec.tasks("train"), seed=seed), pipeline=pipeline_cfg,
+        checkpoint=checkpoint_cfg,
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
         eval_tasks=list(spec.tasks("eval"))[: eval_cfg.num_tasks],
         eval_every=eval_cfg.every,
         progress=scalar(cfg, "progress", bool),
         progress_every=scalar(cfg, "progress_every", float),
-        snapshot_trainer=partial(launcher.snapshot, trainer),
     )
-
-
-def _tokenizer(trainer: Trainer, model_cfg: dict) -> Tokenizer:
-    """The trainer's own tokenizer in this process; for a remote trainer, one built here from
-    the model config (the policy's weights come along and are dropped)."""
-    if isinstance(trainer, TorchTrainer):
-        return trainer.policy.tokenizer
-    return build_policy(model_cfg).tokenizer
 
 
 def check_sizes(pipeline: PipelineConfig, rollout: RolloutConfig, spec: EnvSpec) -> None:

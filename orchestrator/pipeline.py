@@ -55,18 +55,16 @@ from typing import Any, Literal
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
-from envs.base import EnvSpec, Task
-from orchestrator.engines.base import InferenceEngine
+from envs.base import Task
+from orchestrator.engines.base import sync_weights
 from orchestrator.errors import ConfigError
 from orchestrator.faults import kill_point
 from orchestrator.gate import Gate
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
-from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_group
+from orchestrator.rollout import EpisodeRunner
 from orchestrator.staleness import StalenessController, admission_budget
 from orchestrator.trainer.base import Trainer
-from orchestrator.types import FinishReason, Group
+from orchestrator.types import FinishReason, Group, GroupTiming, TimedGroup
 from orchestrator.weights import WeightUpdate
 
 
@@ -140,6 +138,7 @@ class StepReport:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     length_capped: int = 0  # samples that ran into rollout.max_tokens
     groups: tuple[Group, ...] = ()  # the trained batch, for trace writers
+    timings: tuple[GroupTiming, ...] = ()  # and when its groups ran (groups' order)
 
     @property
     def reward_mean(self) -> float:
@@ -213,39 +212,34 @@ class PeriodicEval:
 
 
 class Pipeline:
+    """Rollout through ``runner`` (its engine, environment, rollout settings and recorder),
+    training with ``trainer``, on tasks from ``sampler``."""
+
     def __init__(
         self,
         config: PipelineConfig,
-        rollout: RolloutConfig,
-        engine: InferenceEngine,
+        runner: EpisodeRunner,
         trainer: Trainer,
-        tokenizer: Tokenizer,
-        spec: EnvSpec,
         sampler: TaskSampler,
-        recorder: Recorder | None = None,
         on_step: OnStep | None = None,
-        start_step: int = 0,
-        dropped: int = 0,
         evaluation: PeriodicEval | None = None,
     ) -> None:
-        config.check_group_size(rollout.group_size)
+        config.check_group_size(runner.config.group_size)
         self.config = config
-        self.rollout = rollout
-        self.engine = engine
+        self.runner = runner
+        self.rollout = runner.config
+        self.engine = runner.engine
         self.trainer = trainer
-        self.tokenizer = tokenizer
-        self.spec = spec
         self.sampler = sampler
-        self.recorder = recorder or Recorder()
-        spec.use_clock(self.recorder.clock)  # one clock: tools report times on the recorder's
+        self.recorder = runner.recorder
+        runner.spec.use_clock(self.recorder.clock)  # one clock: tools report times on the recorder's
         self.on_step = on_step
         self.staleness = StalenessController(
             config.batch_size, config.max_staleness, version=trainer.version, budget=config.budget
         )
-        self.staleness.dropped = dropped  # a resumed run's count goes on
         self.gate = Gate()  # held by episodes when inflight_update='finish'
         self.reports: list[StepReport] = []
-        self.start_step = start_step
+        self.step = 0  # the next step to train
         self.stopped = False  # request_stop() ended the run before num_steps
         self._waiting: anyio.CancelScope | None = None  # the trainer waiting for a batch
         self.gateway: Gateway | None = None  # an agent env's, while the pipeline runs
@@ -258,10 +252,9 @@ class Pipeline:
         # Room for every group admission allows, so workers never block on a full stream
         # while holding finished work; admission is the real bound.
         capacity = math.ceil(self.config.budget / self.rollout.group_size) + groups_per_batch
-        send_groups, receive_groups = anyio.create_memory_object_stream[Group](capacity)
+        send_groups, receive_groups = anyio.create_memory_object_stream[TimedGroup](capacity)
         send_weights, receive_weights = anyio.create_memory_object_stream[WeightUpdate](1)
-        async with receive_groups, agent_gateway(self.spec, self.engine, self.tokenizer,
-                                                 self.recorder) as self.gateway, \
+        async with receive_groups, agent_gateway(self.runner) as self.gateway, \
                 anyio.create_task_group() as tg:
             async with send_groups:
                 for i in range(self.config.num_workers):
@@ -273,6 +266,18 @@ class Pipeline:
             tg.cancel_scope.cancel()
         return self.reports
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs of the pipeline to go on from the end of the last step: the
+        next step, the samples dropped as stale so far, the task sampler."""
+        return {"step": self.step, "dropped": self.staleness.dropped,
+                "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from a checkpoint's :meth:`state_dict` (before :meth:`run`)."""
+        self.step = int(state["step"])
+        self.staleness.dropped = int(state["dropped"])
+        self.sampler.load_state_dict(state["sampler"])
+
     def request_stop(self) -> None:
         """End the run after the step in progress (at once if the trainer is only waiting for
         a batch); :meth:`run` returns with :attr:`stopped` set."""
@@ -282,7 +287,7 @@ class Pipeline:
 
     # -- rollout -------------------------------------------------------------------------
 
-    async def _worker(self, name: str, send: ObjectSendStream[Group]) -> None:
+    async def _worker(self, name: str, send: ObjectSendStream[TimedGroup]) -> None:
         group_size = self.rollout.group_size
         async with send:
             while True:
@@ -299,19 +304,16 @@ class Pipeline:
                         kill_point("generate", self.engine.version)
                         with self.recorder.span("rollout", name, self.engine.version,
                                                 prompt_id=task.id) as attrs:
-                            group = await (run_agent_group(
-                                self.gateway, self.spec, task, self.rollout, self.recorder, name,
-                            ) if self.gateway is not None else run_group(
-                                self.engine, self.tokenizer, self.spec, task,
-                                self.rollout, self.recorder, name,
-                            ))
+                            group = await (
+                                run_agent_group(self.gateway, self.runner, task, name, waited)
+                                if self.gateway is not None
+                                else self.runner.group(task, name, waited))
                             attrs["start_version"] = group.start_version
-                            group = replace(group, queue_wait=waited)
                 except BaseException:
                     with anyio.CancelScope(shield=True):
                         await self.staleness.release(group_size, dropped=False)
                     raise
-                if not group.trajectories:  # agent programs that never called the model
+                if not len(group):  # agent programs that never called the model
                     self.sampler.settle(task.id)
                     await self.staleness.release(group_size, dropped=False)
                     continue
@@ -321,16 +323,16 @@ class Pipeline:
 
     async def _trainer_loop(
         self,
-        receive: ObjectReceiveStream[Group],
+        receive: ObjectReceiveStream[TimedGroup],
         send_weights: ObjectSendStream[WeightUpdate],
         groups_per_batch: int,
         tg: TaskGroup,
     ) -> None:
-        pending: list[Group] = []
+        pending: list[TimedGroup] = []
         last_report = self.recorder.now()
         async with send_weights:  # closing it lets weight sync finish; receive stays open
             # until the workers are cancelled, so none of them fails on a closed stream.
-            for step in range(self.start_step, self.config.num_steps):
+            for step in range(self.step, self.config.num_steps):
                 if self.stopped:
                     break
                 version = self.trainer.version
@@ -340,11 +342,12 @@ class Pipeline:
                 self._waiting = None
                 if self.stopped:
                     break
-                for group in batch:
+                groups = [g.group for g in batch]  # the trainer gets no timings
+                for group in groups:
                     self.sampler.settle(group.prompt_id)
                 with self.recorder.span("train_step", "trainer", version, step=step) as attrs:
-                    metrics = await self.trainer.step(batch)
-                    attrs["samples"] = sum(len(g) for g in batch)
+                    metrics = await self.trainer.step(groups)
+                    attrs["samples"] = sum(len(g) for g in groups)
                 await send_weights.send(await self.trainer.weights())
                 metrics = {**metrics, **self._evaluated}
                 self._evaluated = {}
@@ -356,7 +359,8 @@ class Pipeline:
                 report = self._report(step, version, batch, metrics, last_report, now)
                 last_report = now
                 # Kept without its batch: a long run must not hold every trajectory it trained.
-                self.reports.append(replace(report, groups=()))
+                self.reports.append(replace(report, groups=(), timings=()))
+                self.step = step + 1
                 if self.on_step is not None:
                     result = self.on_step(report)
                     if result is not None:
@@ -372,11 +376,11 @@ class Pipeline:
 
     async def _next_batch(
         self,
-        receive: ObjectReceiveStream[Group],
-        pending: list[Group],
+        receive: ObjectReceiveStream[TimedGroup],
+        pending: list[TimedGroup],
         groups_per_batch: int,
         version: int,
-    ) -> list[Group]:
+    ) -> list[TimedGroup]:
         while True:
             fresh = []
             for group in pending:
@@ -407,13 +411,7 @@ class Pipeline:
                             await self.gate.acquire_exclusive()
                     try:
                         started = self.recorder.now()
-                        await self.engine.pause()
-                        try:
-                            kill_point("weight_sync", version)
-                            await self.engine.update_weights(update)
-                        finally:
-                            await self.engine.resume()
-                            update.release()
+                        await sync_weights(self.engine, update)
                         attrs.update(transport=update.transport, bytes=update.nbytes,
                                      load_seconds=self.recorder.now() - started,
                                      **update.stats)  # gather_seconds from trainer ranks
@@ -429,12 +427,12 @@ class Pipeline:
         self,
         step: int,
         version: int,
-        batch: Sequence[Group],
+        batch: Sequence[TimedGroup],
         metrics: dict[str, float],
         since: float,
         now: float,
     ) -> StepReport:
-        trajectories = [t for g in batch for t in g.trajectories]
+        trajectories = [t for g in batch for t in g.group.trajectories]
         stage_seconds: Counter[str] = Counter()
         for span in reversed(self.recorder.spans):
             if span.end <= since:
@@ -455,5 +453,6 @@ class Pipeline:
             elapsed=now - since,
             stage_seconds=dict(stage_seconds),
             length_capped=sum(t.finish_reason is FinishReason.LENGTH for t in trajectories),
-            groups=tuple(batch),
+            groups=tuple(g.group for g in batch),
+            timings=tuple(g.timing for g in batch),
         )

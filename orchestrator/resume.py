@@ -1,33 +1,56 @@
-"""What a run needs to continue after a crash, beyond the trainer's checkpoint.
+"""Resuming a run: what its checkpoints hold beyond the trainer's files, and the command line's
+``resume=``.
 
-A periodic checkpoint (:class:`~orchestrator.checkpoint.CheckpointStore`) taken at the end
-of train step ``N`` holds the trainer (model, optimiser, schedule, version) plus:
+A periodic checkpoint (:class:`~orchestrator.checkpoint.CheckpointStore`) taken at the end of
+train step ``N`` holds the trainer's own files (:meth:`Trainer.snapshot`) plus:
 
-* ``run_state.json`` (:class:`RunState`): the next step, the policy version, the task
-  sampler (its shuffle state, the rest of the current pass, and every prompt handed out but
-  not yet trained: they are handed out again first), the count of samples dropped as stale,
-  the warm start and first evaluation already done, and the W&B run id;
+* ``run_state.json`` (:class:`RunState`): the pipeline's own state
+  (:meth:`Pipeline.state_dict`: the next step, the count of samples dropped as stale, the task
+  sampler with every prompt handed out but not yet trained, which are handed out again
+  first), the policy version, the warm start and first evaluation already done, and the W&B
+  run id;
 * ``rng.pt``: the python, numpy and torch random states.
 
 Not saved: episodes in flight and groups generated but not yet trained. Their prompts go back
 to the sampler and are rolled out again under the restored weights. Admission control
 restarts from the restored version, so its capacity is ``(k + 1) × B`` ahead of it, never
 more (the rule of :mod:`orchestrator.staleness`).
+
+Who restores what: :func:`restore` loads the trainer (wherever it lives) and the random
+states and reads the run state; the run loop hands the pipeline its part, and the run
+directory (:class:`~orchestrator.rundir.RunDir`) cuts its records back to the checkpoint's
+step.
+
+On the command line, ``resume=<run_dir>`` continues that run from its latest valid
+checkpoint, in the same directory, with the config it was started with: only keys that
+cannot change the maths may be overridden (:data:`RESUMABLE`); any other override is refused
+in one line. ``resume=auto`` with ``hydra.run.dir=<run_dir>`` resumes when that directory has
+a checkpoint and starts the run there otherwise (for a job scheduler that restarts a job):
+:func:`from_command_line`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from orchestrator.checkpoint import CheckpointStore
+from orchestrator.config import CONF
 from orchestrator.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from orchestrator.trainer.base import Trainer
+
+log = logging.getLogger(__name__)
 
 RUN_STATE = "run_state.json"
 RNG = "rng.pt"
@@ -35,10 +58,8 @@ RNG = "rng.pt"
 
 @dataclass
 class RunState:
-    step: int  # the next step to train (steps 0 .. step - 1 are done)
+    pipeline: dict[str, Any]  # Pipeline.state_dict(): the next step, dropped count, sampler
     version: int
-    sampler: dict[str, Any]
-    dropped: int = 0
     warm_start_steps: int = 0
     eval_before: float | None = None
     logger_run_id: str | None = None
@@ -49,9 +70,28 @@ class RunState:
         (directory / RUN_STATE).write_text(json.dumps(asdict(self)) + "\n")
         torch.save(rng, directory / RNG)
 
+    @property
+    def step(self) -> int:
+        """The next step to train (steps 0 .. step - 1 are done)."""
+        return int(self.pipeline["step"])
+
     @classmethod
     def read(cls, directory: Path) -> RunState:
-        return cls(**json.loads((directory / RUN_STATE).read_text()))
+        state = json.loads((directory / RUN_STATE).read_text())
+        if "sampler" in state:  # a checkpoint of the earlier layout, the pipeline's keys at the top
+            state["pipeline"] = {"step": state.pop("step"), "dropped": state.pop("dropped", 0),
+                                 "sampler": state.pop("sampler")}
+        return cls(**state)
+
+
+def restore(trainer: Trainer, checkpoint: Path) -> RunState:
+    """Load ``checkpoint`` into ``trainer`` and this process's random states; the run state
+    for the rest of the run to take its parts from."""
+    trainer.load(checkpoint)
+    state = RunState.read(checkpoint)
+    restore_rng(checkpoint)
+    log.info("resuming at step %d (version %d) from %s", state.step, state.version, checkpoint)
+    return state
 
 
 def capture_rng() -> dict[str, Any]:
@@ -89,49 +129,106 @@ def find_checkpoint(run_dir: Path) -> Path:
     return found
 
 
-def truncate_after(run_dir: Path, step: int) -> None:
-    """Make ``run_dir``'s records end where the checkpoint at ``step`` does, so the resumed
-    run appends steps ``step, step + 1, …`` with no repeat: lines of later steps (and a
-    finished run's summary line) leave ``metrics.jsonl`` and ``samples.jsonl``, and later
-    steps' PolyTrace records are removed (:func:`~orchestrator.trace.writer.drop_steps_from`).
-    A line cut short by a crash is dropped too."""
-    from orchestrator.trace.writer import drop_steps_from
+# -- the command line's resume= ------------------------------------------------------------
 
-    for name, keep in (("metrics.jsonl", _metrics_line_kept), ("samples.jsonl", _sample_line_kept)):
-        path = run_dir / name
-        if path.is_file():
-            lines = [line for line in path.read_text().splitlines() if keep(line, step)]
-            path.write_text("".join(line + "\n" for line in lines))
-    drop_steps_from(run_dir, step)
+# Keys a resumed run may change: how long it runs, what it logs, how it checkpoints, how many
+# trainer ranks share the step (the same maths at any world size) and where they run.
+RESUMABLE = ("pipeline.num_steps", "progress", "progress_every", "logger", "checkpoint",
+             "trainer.world_size", "launcher")
 
 
-def steps_before(run_dir: Path, step: int) -> list[dict[str, Any]]:
-    """The ``metrics.jsonl`` records of steps ``0 .. step - 1`` (a resumed run's summary
-    covers them too)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = [_parse(line) for line in path.read_text().splitlines()]
-    return [r for r in records if r is not None and _metrics_line_kept_record(r, step)]
+@dataclass(frozen=True)
+class Resumed:
+    """A run to go on with: its config, its directory and the checkpoint to start from."""
+
+    config: DictConfig
+    run_dir: Path
+    checkpoint: Path
+
+    def log_to_run_dir(self) -> None:
+        """Log as a fresh run does (Hydra sets that up for those), into the run's ``train.log``."""
+        logging.basicConfig(
+            level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s",
+            handlers=[logging.StreamHandler(), logging.FileHandler(self.run_dir / "train.log")])
+        log.info("resume=%s: from %s", self.run_dir, self.checkpoint)
 
 
-def _parse(line: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads(line)
-    except ValueError:
+def from_command_line(args: list[str]) -> Resumed | None:
+    """The run that ``resume=`` in ``args`` asks to go on with, or None for a fresh run (then
+    ``resume=auto`` is taken out of ``args``: a fresh run in ``hydra.run.dir``)."""
+    target, auto = resume_target(args)
+    if target is None:
         return None
-    return record if isinstance(record, dict) else None
+    checkpoint = find_checkpoint(target)
+    cfg = same_command_config(target, args) if auto else resumed_config(target, args)
+    return Resumed(cfg, target, checkpoint)
 
 
-def _metrics_line_kept(line: str, step: int) -> bool:
-    record = _parse(line)
-    return record is not None and _metrics_line_kept_record(record, step)
+def resume_target(args: list[str]) -> tuple[Path | None, bool]:
+    """The run directory ``resume=`` names (``auto``: ``hydra.run.dir`` when it holds a
+    checkpoint) and whether it came from ``resume=auto``; (None, …) for a fresh run."""
+    value = next((a.split("=", 1)[1] for a in args if a.startswith("resume=")), None)
+    if value in (None, "null"):
+        return None, False
+    if value != "auto":
+        return Path(value), False
+    args.remove("resume=auto")
+    run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")), None)
+    if run_dir is None:
+        raise ConfigError("resume=auto needs the run directory: add hydra.run.dir=<run_dir>")
+    if CheckpointStore(Path(run_dir) / "checkpoints").latest_valid() is None:
+        return None, True  # nothing to resume yet: a fresh run in that directory
+    return Path(run_dir), True
 
 
-def _metrics_line_kept_record(record: dict[str, Any], step: int) -> bool:
-    return record.get("step", step) < step and not any(k.startswith("summary/") for k in record)
+def resumed_config(run_dir: Path, overrides: list[str]) -> DictConfig:
+    """``run_dir``'s own config with ``overrides`` of :data:`RESUMABLE` keys applied."""
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    assert isinstance(cfg, DictConfig)
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if key == "resume" or key.startswith("hydra."):
+            continue
+        if not _resumable(key):
+            raise ConfigError(
+                f"{key} cannot change when resuming (the run's maths depend on it); only "
+                f"{', '.join(RESUMABLE)} can: start a new run to change it")
+        if key == "logger":  # a config group: its option's file
+            cfg.logger = OmegaConf.load(CONF / "logger" / f"{value}.yaml")
+        else:
+            OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=False)  # typed as YAML
+    return cfg
 
 
-def _sample_line_kept(line: str, step: int) -> bool:
-    record = _parse(line)
-    return record is not None and record.get("step", step) < step
+def same_command_config(run_dir: Path, overrides: list[str]) -> DictConfig:
+    """``resume=auto``: the command line is the one that started the run, so it is composed
+    as it was then and must give the run's config again, but for :data:`RESUMABLE` keys."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        now = compose("config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+    now_flat = _flat(OmegaConf.to_container(now, resolve=True))
+    changed = [k for k, v in _flat(OmegaConf.to_container(saved)).items()
+               if now_flat.get(k) != v and not _resumable(k)]
+    if changed:
+        raise ConfigError(f"{changed[0]} differs from the run being resumed in {run_dir} (the "
+                          f"run's maths depend on it); only {', '.join(RESUMABLE)} can change")
+    return now
+
+
+def _resumable(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in RESUMABLE)
+
+
+def _flat(tree: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        out: dict[str, object] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}

@@ -1,7 +1,12 @@
 """The episode runner: drives an ``Env`` with an engine, token in and token out.
 
+:class:`EpisodeRunner` holds what every episode of a run shares (the engine, tokenizer,
+environment spec, rollout settings and recorder); the pipeline's rollout workers, the
+evaluations and the warm start's checks each run their episodes through one.
+
 An episode reads top to bottom: reset; per turn, generate, step the environment, check the
-caps, append the observation; then the reward and the trajectory. Two helpers own the rest:
+caps, append the observation; then the reward, and the trajectory (what the trainer gets)
+and its timing (what the trace writers get), each built once. Two helpers own the rest:
 
 * :class:`~orchestrator.trajectory.TrajectoryBuilder` holds the token sequence, built only by
   appending: the prompt, exactly the tokens the engine sampled (trained on, with their
@@ -22,7 +27,7 @@ A group is ``group_size`` episodes of one task run concurrently (the engine batc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 
@@ -33,7 +38,14 @@ from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
 from orchestrator.trace.episode import EpisodeTrace
 from orchestrator.trajectory import TrajectoryBuilder
-from orchestrator.types import Group, SamplingParams, Trajectory
+from orchestrator.types import (
+    EpisodeTiming,
+    Group,
+    GroupTiming,
+    SamplingParams,
+    TimedGroup,
+    Trajectory,
+)
 
 
 @dataclass(frozen=True)
@@ -57,53 +69,82 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.{key} must be >= 1 or null, got {value}")
 
 
-async def run_episode(
-    engine: InferenceEngine,
-    tokenizer: Tokenizer,
-    spec: EnvSpec,
-    task: Task,
-    config: RolloutConfig,
-    recorder: Recorder,
-    worker: str,
-    sample_index: int = 0,
-) -> Trajectory:
-    trace = EpisodeTrace(recorder, worker, sample_index, tokenizer)
-    tokens = TrajectoryBuilder()
-    metrics: dict[str, float] = {}
-    step_reward, end_reason = 0.0, "max_turns"
-    async with spec.make_env() as env:
-        tokens.add_prompt(tokenizer.chat_prompt(await env.reset(task)))
-        _check_context(engine, spec, len(tokens))
-        for turn in range(config.max_turns):
-            sampling = _sampling(config, tokenizer, len(tokens))
-            if sampling is None:
-                end_reason = "max_length"
-                break
-            metrics["episode/turns"] = turn + 1.0
-            gen = await trace.generate(turn, engine.version, len(tokens),
-                                       engine.generate(tokens.ids, sampling))
-            tokens.add_generation(gen)
-            reply = _without(gen.token_ids, tokenizer.stop_ids)
-            result = await env.step(tokenizer.decode(reply))
-            step_reward += result.reward
-            for key, value in result.metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + value
-            observation = [] if result.done else tokenizer.chat_prompt(result.observation,
-                                                                       continuation=True)
-            ended = _end_reason(config, result.done, len(tokens), len(observation))
-            trace.turn(gen, result, sampling.max_tokens, len(reply),
-                       appended=None if ended else len(observation))
-            if ended:
-                end_reason = ended
-                break
-            tokens.add_observation(observation)
-        reward = await trace.reward(engine.version, env.reward())
-    metrics.update({f"reward/{k}": v for k, v in reward.components.items()})
-    return trace.finish(tokens.build(
-        prompt_id=task.id, sample_index=sample_index, reward=step_reward + reward.total,
-        version=engine.version, end_reason=end_reason, max_tokens=config.max_tokens,
-        metrics=metrics,
-    ))
+@dataclass(frozen=True)
+class EpisodeRunner:
+    """Runs episodes and groups of episodes of one environment on one engine."""
+
+    engine: InferenceEngine
+    tokenizer: Tokenizer
+    spec: EnvSpec
+    config: RolloutConfig
+    recorder: Recorder
+
+    def greedy(self) -> EpisodeRunner:
+        """This runner at temperature 0 (evaluations)."""
+        return replace(self, config=replace(self.config, temperature=0.0))
+
+    async def episode(self, task: Task, worker: str,
+                      sample_index: int = 0) -> tuple[Trajectory, EpisodeTiming]:
+        engine, tokenizer, config = self.engine, self.tokenizer, self.config
+        trace = EpisodeTrace(self.recorder, worker, sample_index, tokenizer)
+        tokens = TrajectoryBuilder()
+        metrics: dict[str, float] = {}
+        step_reward, end_reason = 0.0, "max_turns"
+        async with self.spec.make_env() as env:
+            tokens.add_prompt(tokenizer.chat_prompt(await env.reset(task)))
+            _check_context(engine, self.spec, len(tokens))
+            for turn in range(config.max_turns):
+                sampling = _sampling(config, tokenizer, len(tokens))
+                if sampling is None:
+                    end_reason = "max_length"
+                    break
+                metrics["episode/turns"] = turn + 1.0
+                gen = await trace.generate(turn, engine.version, len(tokens),
+                                           engine.generate(tokens.ids, sampling))
+                tokens.add_generation(gen)
+                reply = _without(gen.token_ids, tokenizer.stop_ids)
+                result = await env.step(tokenizer.decode(reply))
+                step_reward += result.reward
+                for key, value in result.metrics.items():
+                    metrics[key] = metrics.get(key, 0.0) + value
+                observation = [] if result.done else tokenizer.chat_prompt(result.observation,
+                                                                           continuation=True)
+                ended = _end_reason(config, result.done, len(tokens), len(observation))
+                trace.turn(gen, result, sampling.max_tokens, len(reply),
+                           appended=None if ended else len(observation))
+                if ended:
+                    end_reason = ended
+                    break
+                tokens.add_observation(observation)
+            reward = await trace.reward(engine.version, env.reward())
+        metrics.update({f"reward/{k}": v for k, v in reward.components.items()})
+        trajectory = tokens.build(
+            prompt_id=task.id, sample_index=sample_index, reward=step_reward + reward.total,
+            version=engine.version, end_reason=end_reason, max_tokens=config.max_tokens,
+            metrics=metrics,
+        )
+        return trajectory, trace.finish()
+
+    async def group(self, task: Task, worker: str, queue_wait: float = 0.0) -> TimedGroup:
+        """``group_size`` episodes of ``task``, run concurrently; ``queue_wait``: the seconds
+        the group waited for admission."""
+        started = self.recorder.now()
+        results: list[tuple[Trajectory, EpisodeTiming] | None] = [None] * self.config.group_size
+
+        async def one(index: int) -> None:
+            results[index] = await self.episode(task, worker, sample_index=index)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(self.config.group_size):
+                tg.start_soon(one, i)
+        done = [r for r in results if r is not None]
+        trajectories = tuple(t for t, _ in done)
+        return TimedGroup(
+            Group(prompt_id=task.id, trajectories=trajectories,
+                  start_version=min(t.start_version for t in trajectories)),
+            GroupTiming(started_at=started, finished_at=self.recorder.now(),
+                        episodes=tuple(timing for _, timing in done), queue_wait=queue_wait),
+        )
 
 
 def _check_context(engine: InferenceEngine, spec: EnvSpec, prompt: int) -> None:
@@ -151,33 +192,3 @@ def _end_reason(config: RolloutConfig, done: bool, length: int, observation: int
     if limit is not None and length + observation >= limit:
         return "max_length"
     return None
-
-
-async def run_group(
-    engine: InferenceEngine,
-    tokenizer: Tokenizer,
-    spec: EnvSpec,
-    task: Task,
-    config: RolloutConfig,
-    recorder: Recorder,
-    worker: str,
-) -> Group:
-    started = recorder.now()
-    results: list[Trajectory | None] = [None] * config.group_size
-
-    async def one(index: int) -> None:
-        results[index] = await run_episode(
-            engine, tokenizer, spec, task, config, recorder, worker, sample_index=index
-        )
-
-    async with anyio.create_task_group() as tg:
-        for i in range(config.group_size):
-            tg.start_soon(one, i)
-    trajectories = tuple(t for t in results if t is not None)
-    return Group(
-        prompt_id=task.id,
-        trajectories=trajectories,
-        start_version=min(t.start_version for t in trajectories),
-        started_at=started,
-        finished_at=recorder.now(),
-    )

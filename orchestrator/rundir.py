@@ -14,6 +14,11 @@ so a day-long run's directory stays a few GB (``python -m bench.rundir``). The r
 and replay both write through it, so their run directories have one layout and one metrics
 schema. Steps are written as they are reported and the rest on :meth:`close`, which also runs
 for a failed run; memory stays flat however long the run.
+
+A resumed run opens its directory at the checkpoint's step (``resume_step``): the records of
+later steps, which it will write again, are cut first (:func:`truncate_after`), and the
+metrics of the steps before it are read back (:attr:`RunDir.earlier`) for a summary of the
+whole run.
 """
 
 from __future__ import annotations
@@ -41,9 +46,15 @@ TIMELINE_STEPS = 50  # the steps timeline.json shows at the end of a run (the la
 class RunDir:
     def __init__(self, path: Path, config: Mapping[str, Any], loggers: Sequence[Logger] = (),
                  max_model_len: int | None = None, codec: Codec = CODEC,
-                 timeline_steps: int | None = TIMELINE_STEPS) -> None:
+                 timeline_steps: int | None = TIMELINE_STEPS,
+                 resume_step: int | None = None) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.resumed = resume_step is not None
+        self.earlier: list[dict[str, Any]] = []  # metrics of the steps before a resumed run's
+        if resume_step is not None:
+            truncate_after(self.path, resume_step)  # steps past the checkpoint are redone
+            self.earlier = steps_before(self.path, resume_step)
         (self.path / "config.yaml").write_text(_yaml(config))
         self._metrics = JsonlMetrics(self.path / "metrics.jsonl")
         self._sinks: list[Logger] = [self._metrics, *loggers]
@@ -56,10 +67,11 @@ class RunDir:
         self.recorder: Recorder | None = None
         self.steps = 0
 
-    def open_recorder(self, clock: Clock, append: bool = False) -> Recorder:
-        """The run's recorder on ``clock``, streaming to ``spans/`` (after the spans already
-        there, on a clock that goes on from them, with ``append``: a resumed run; a run of the
-        earlier layout goes on in its ``spans.jsonl``)."""
+    def open_recorder(self, clock: Clock) -> Recorder:
+        """The run's recorder on ``clock``, streaming to ``spans/`` (a resumed run's after the
+        spans already there, on a clock that goes on from them; a run of the earlier layout
+        goes on in its ``spans.jsonl``)."""
+        append = self.resumed
         plain = self.codec == "none" or (append and (self.path / PLAIN_SPANS).is_file())
         if plain:
             self.recorder = Recorder(clock, self.path / PLAIN_SPANS, append=append)
@@ -71,7 +83,7 @@ class RunDir:
         return self.path / "checkpoints" / name
 
     def write_step(self, report: StepReport, tokenizer: Tokenizer) -> None:
-        self._trace.write_step(report.step, report.version, report.groups)
+        self._trace.write_step(report.step, report.version, report.groups, report.timings)
         for group in report.groups[:SAMPLES_PER_STEP]:  # the first episode of a few groups
             t = group.trajectories[0]
             self._samples.write(json.dumps({
@@ -99,6 +111,54 @@ class RunDir:
             if scalars:
                 sink.log(scalars, self.steps)
             sink.finish(failed=failed)
+
+
+def truncate_after(run_dir: Path, step: int) -> None:
+    """Make ``run_dir``'s records end where the checkpoint at ``step`` does, so the resumed
+    run appends steps ``step, step + 1, …`` with no repeat: lines of later steps (and a
+    finished run's summary line) leave ``metrics.jsonl`` and ``samples.jsonl``, and later
+    steps' PolyTrace records are removed (:func:`~orchestrator.trace.writer.drop_steps_from`).
+    A line cut short by a crash is dropped too."""
+    from orchestrator.trace.writer import drop_steps_from
+
+    for name, keep in (("metrics.jsonl", _metrics_line_kept), ("samples.jsonl", _sample_line_kept)):
+        path = run_dir / name
+        if path.is_file():
+            lines = [line for line in path.read_text().splitlines() if keep(line, step)]
+            path.write_text("".join(line + "\n" for line in lines))
+    drop_steps_from(run_dir, step)
+
+
+def steps_before(run_dir: Path, step: int) -> list[dict[str, Any]]:
+    """The ``metrics.jsonl`` records of steps ``0 .. step - 1`` (a resumed run's summary
+    covers them too)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = [_parse(line) for line in path.read_text().splitlines()]
+    return [r for r in records if r is not None and _metrics_line_kept_record(r, step)]
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _metrics_line_kept(line: str, step: int) -> bool:
+    record = _parse(line)
+    return record is not None and _metrics_line_kept_record(record, step)
+
+
+def _metrics_line_kept_record(record: dict[str, Any], step: int) -> bool:
+    return record.get("step", step) < step and not any(k.startswith("summary/") for k in record)
+
+
+def _sample_line_kept(line: str, step: int) -> bool:
+    record = _parse(line)
+    return record is not None and record.get("step", step) < step
 
 
 def _yaml(config: Mapping[str, Any]) -> str:

@@ -9,9 +9,10 @@ turns a config into :class:`RunParts`; :func:`run_session` runs them in one even
 4. a greedy evaluation, the RL pipeline with its progress bar, a second evaluation.
 
 Every trained step goes to ``on_step`` (the run directory's writer) as it is reported, and
-every ``checkpoint.every`` steps to a periodic checkpoint (:class:`Checkpointer`). A resumed
-run (``parts.resume``) skips the warm start and the first evaluation, which were done, and
-goes on from the checkpoint's step. SIGTERM or SIGINT ends the run after the step in
+periodically to a checkpoint (:class:`Checkpointer`: the trainer's own snapshot, the
+pipeline's own state). A resumed run (``resume``, :func:`orchestrator.resume.restore`) hands
+the pipeline its state back, skips the warm start and the first evaluation, which were done,
+and goes on from the checkpoint's step. SIGTERM or SIGINT ends the run after the step in
 progress, with a checkpoint of it, in :class:`~orchestrator.errors.RunAborted`'s one line.
 """
 
@@ -31,8 +32,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 from envs.base import Clock, EnvSpec, Task
-from orchestrator.checkpoint import CheckpointStore, Snapshot
-from orchestrator.engines.base import InferenceEngine
+from orchestrator.checkpoint import CheckpointStore
+from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.errors import ConfigError, RunAborted
 from orchestrator.evaluate import evaluate
 from orchestrator.loggers.progress import StepProgress
@@ -40,14 +41,14 @@ from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import PeriodicEval, Pipeline, PipelineConfig, StepReport, TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.resume import RunState, capture_rng
-from orchestrator.rollout import RolloutConfig
-from orchestrator.trainer.base import Trainer
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.trainer.base import Snapshot, Trainer
 from orchestrator.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
 
-# (engine, recorder) -> supervised steps taken; runs before RL with the run's one engine
-WarmStart = Callable[[InferenceEngine, Recorder], Awaitable[int]]
+# (the run's episode runner) -> supervised steps taken; runs before RL on the run's one engine
+WarmStart = Callable[[EpisodeRunner], Awaitable[int]]
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ class CheckpointConfig:
 class Checkpointer:
     """The run's periodic checkpoints, written off the trainer's path.
 
-    :meth:`capture` notes the run's state at the end of each step (cheap: the sampler's lists,
-    the RNG states). When a checkpoint is due (:meth:`due`: ``every_s`` wall seconds since the
+    :meth:`capture` notes the run's state at the end of each step (cheap: the pipeline's
+    :meth:`~Pipeline.state_dict`, the RNG states). When a checkpoint is due (:meth:`due`: ``every_s`` wall seconds since the
     last one began, or ``every`` steps), :meth:`checkpoint` takes a snapshot of the trainer
     (its tensors copied; the only part the trainer waits for) and writes it with that state in
     a worker thread while training goes on; the next snapshot waits for a write still going,
@@ -82,15 +83,15 @@ class Checkpointer:
     periodic checkpoint is the one to resume from).
     """
 
-    def __init__(self, store: CheckpointStore, config: CheckpointConfig,
-                 snapshot: Callable[[], Snapshot], trainer: Trainer,
-                 logger_run_id: Callable[[], str | None] = lambda: None, last_saved: int = -1,
+    def __init__(self, store: CheckpointStore, config: CheckpointConfig, trainer: Trainer,
+                 logger_run_id: Callable[[], str | None] = lambda: None,
+                 resumed: RunState | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.config = config
-        self.snapshot = snapshot  # the trainer's state, copied (blocking: call in a thread)
-        self.trainer = trainer
+        self.trainer = trainer  # its snapshot() copies its state (blocking: call in a thread)
         self.logger_run_id = logger_run_id
+        last_saved = resumed.step if resumed is not None else -1
         self.last_saved = last_saved  # the step (``RunState.step``) of the newest one written
         self.last_saved_at: float | None = None  # when (``clock``) it was written
         self.on_written: Callable[[int], None] = lambda step: None
@@ -103,7 +104,10 @@ class Checkpointer:
         self._written: anyio.Event | None = None  # set when the write in progress ends
         self._tg: TaskGroup | None = None
         self._count = 0
-        self.carried: dict[str, float] = {}  # totals of the run's earlier processes (resumed)
+        # totals of the run's earlier processes (a resumed run)
+        self.carried: dict[str, float] = {}
+        if resumed is not None:
+            self.carried = {**resumed.extra, "resumes": resumed.extra.get("resumes", 0) + 1}
 
     def totals(self) -> dict[str, float]:
         """The whole run's checkpoints: how many, the seconds the trainer waited for their
@@ -126,11 +130,13 @@ class Checkpointer:
             finally:
                 self._tg = None
 
-    def capture(self, sampler: TaskSampler, dropped: int, result: RunResult, step: int) -> None:
+    def capture(self, pipeline: Pipeline, result: RunResult) -> None:
+        """The run's state now, at the end of a step: the pipeline's own, the trainer's
+        version, what ran before RL."""
         self._state = RunState(
-            step=step, version=self.trainer.version, sampler=sampler.state_dict(),
-            dropped=dropped, warm_start_steps=result.warm_start_steps,
-            eval_before=result.eval_before, logger_run_id=self.logger_run_id())
+            pipeline=pipeline.state_dict(), version=self.trainer.version,
+            warm_start_steps=result.warm_start_steps, eval_before=result.eval_before,
+            logger_run_id=self.logger_run_id())
         self._rng = capture_rng()
 
     def due(self) -> bool:
@@ -148,7 +154,7 @@ class Checkpointer:
         await self._wait_written()
         self._begun_step, self._last_begun = state.step, self._clock()
         with self.recorder.span("checkpoint_snapshot", "trainer", state.version, step=state.step):
-            snapshot = await anyio.to_thread.run_sync(self.snapshot)
+            snapshot = await anyio.to_thread.run_sync(self.trainer.snapshot)
         self._written = written = anyio.Event()
         if self._tg is None:  # not inside writing(): write it here
             await self._write_in_thread(state, rng, snapshot, written)
@@ -173,7 +179,7 @@ class Checkpointer:
         if self.trainer.version != state.version:
             return None
         try:
-            snapshot = self.snapshot()
+            snapshot = self.trainer.snapshot()
         except RunAborted as error:  # the trainer itself is gone
             log.warning("no checkpoint of the last step: %s", error)
             return None
@@ -226,15 +232,12 @@ class RunParts:
     eval_every: int = 0  # steps between evaluations during RL (0: before and after only)
     progress: bool = False
     progress_every: float = 10.0  # seconds between progress lines when stdout is not a TTY
-    # the trainer's state copied for a checkpoint (blocking); None: no checkpoints
-    snapshot_trainer: Callable[[], Snapshot] | None = None
     anyio_backend: str = "asyncio"
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     # (result) -> extra summary entries: replay adds its virtual-time figures
     describe: Callable[[RunResult], dict[str, Any]] | None = None
-    checkpoint: CheckpointConfig | None = None  # periodic checkpoints (with snapshot_trainer)
-    keep_batches: bool = False  # keep each report's trained groups in RunResult.reports
-    resume: RunState | None = None  # the checkpoint a resumed run goes on from
+    checkpoint: CheckpointConfig | None = None  # periodic checkpoints (None: none, no final)
+    keep_batches: bool = False  # keep each report's trained groups and timings in RunResult.reports
 
 
 @dataclass
@@ -249,70 +252,74 @@ class RunResult:
     summary: dict[str, Any] = field(default_factory=dict)
     stopped_by: str | None = None  # the signal that ended the run early
 
+    @property
+    def final_reward(self) -> float | None:
+        """The mean reward of the run's last tenth of steps (a sweep's objective)."""
+        return float(self.summary["reward_last_10pct"]) if self.summary else None
 
-async def load_into(engine: InferenceEngine, update: WeightUpdate) -> None:
-    """Pause, load, resume, release: weight sync outside the pipeline (warm start, eval)."""
-    await engine.pause()
-    try:
-        await engine.update_weights(update)
-    finally:
-        await engine.resume()
-        update.release()
+    def line(self) -> str:
+        """The run's result in one line, the last the command line prints."""
+        s = self.summary
+        if not s:
+            return f"run_dir={self.run_dir} steps=0"
+        return (f"run_dir={self.run_dir} steps={s['steps']} "
+                f"reward_first_10pct={s['reward_first_10pct']:.3f} "
+                f"reward_last_10pct={s['reward_last_10pct']:.3f} "
+                f"eval_before={s['eval_before']} eval_after={s['eval_after']} "
+                f"dropped_stale={s['dropped_stale']} samples_per_s={s['samples_per_s']:.1f}")
 
 
 async def run_session(parts: RunParts, result: RunResult,
                       on_step: Callable[[StepReport], None] | None = None,
                       checkpointer: Checkpointer | None = None,
-                      make_recorder: Callable[[Clock], Recorder] = Recorder) -> None:
+                      make_recorder: Callable[[Clock], Recorder] = Recorder,
+                      resume: RunState | None = None) -> None:
     """Run ``parts``, filling ``result`` as it goes (so a failed run still reports); the
-    recorder is ``make_recorder(parts.clock)`` (a run directory's streams to its spans file)."""
+    recorder is ``make_recorder(parts.clock)`` (a run directory's streams to its spans file).
+    ``resume``: the state of the checkpoint a resumed run goes on from."""
     recorder = make_recorder(parts.clock)
     result.recorder = recorder
-    resume = parts.resume
     async with parts.spec.running(), _checkpoints(checkpointer, recorder):
         update = await parts.trainer.weights()
         engine = parts.make_engine(update, recorder)
         update.release()
         started = recorder.now()
         async with engine:
+            runner = EpisodeRunner(engine, parts.tokenizer, parts.spec, parts.rollout, recorder)
+            pipeline = Pipeline(parts.pipeline, runner, parts.trainer, parts.sampler,
+                                evaluation=PeriodicEval(
+                                    parts.eval_every, partial(evaluate, runner, parts.eval_tasks),
+                                ) if parts.eval_every and parts.eval_tasks else None)
             if resume is not None:
+                pipeline.load_state_dict(resume.pipeline)
                 result.warm_start_steps, result.eval_before = resume.warm_start_steps, resume.eval_before
             else:
                 if parts.warm_start is not None:
-                    result.warm_start_steps = await parts.warm_start(engine, recorder)
-                    await load_into(engine, await parts.trainer.weights())
+                    result.warm_start_steps = await parts.warm_start(runner)
+                    await sync_weights(engine, await parts.trainer.weights())
                 if parts.eval_tasks:
-                    result.eval_before = await _evaluate(engine, parts, recorder)
+                    result.eval_before = await evaluate(runner, parts.eval_tasks)
                     log.info("eval before RL: %.3f", result.eval_before)
                 if checkpointer is not None:  # a long warm start is work worth keeping too
-                    checkpointer.capture(parts.sampler, 0, result, 0)
-                    if checkpointer.due():
-                        await checkpointer.checkpoint()
+                    await _checkpoint(checkpointer, pipeline, result)
 
             async def step_done(report: StepReport) -> None:
                 # The batch goes to on_step (the run directory) and is dropped here, unless the
                 # parts need it afterwards (a replay's fidelity figures): memory stays bounded.
-                result.reports.append(report if parts.keep_batches else replace(report, groups=()))
+                result.reports.append(report if parts.keep_batches
+                                      else replace(report, groups=(), timings=()))
                 if on_step is not None:
                     on_step(report)
                 progress.update(report)
                 if checkpointer is not None:
-                    checkpointer.capture(pipeline.sampler, pipeline.staleness.dropped, result,
-                                         report.step + 1)
-                    if checkpointer.due():
-                        await checkpointer.checkpoint()
+                    await _checkpoint(checkpointer, pipeline, result)
 
-            start = resume.step if resume is not None else 0
+            start = pipeline.step
+            pipeline.on_step = step_done
             with StepProgress(parts.pipeline.num_steps, enabled=parts.progress,
                               completed=start, interval=parts.progress_every) as progress:
                 if checkpointer is not None:
                     checkpointer.on_written = progress.checkpointed
-                pipeline = Pipeline(parts.pipeline, parts.rollout, engine, parts.trainer,
-                                    parts.tokenizer, parts.spec, parts.sampler, recorder, step_done,
-                                    start_step=start, dropped=resume.dropped if resume else 0,
-                                    evaluation=PeriodicEval(
-                                        parts.eval_every, partial(_evaluate, engine, parts, recorder),
-                                    ) if parts.eval_every and parts.eval_tasks else None)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_stop_on_signal, pipeline, result, tg.cancel_scope)
                     await pipeline.run()
@@ -325,8 +332,14 @@ async def run_session(parts: RunParts, result: RunResult,
                 raise RunAborted(f"stopped by {result.stopped_by} after "
                                  f"{start + len(result.reports)} steps; {where}")
             if parts.eval_tasks:
-                result.eval_after = await _evaluate(engine, parts, recorder)
+                result.eval_after = await evaluate(runner, parts.eval_tasks)
                 log.info("eval after RL: %.3f", result.eval_after)
+
+
+async def _checkpoint(checkpointer: Checkpointer, pipeline: Pipeline, result: RunResult) -> None:
+    checkpointer.capture(pipeline, result)
+    if checkpointer.due():
+        await checkpointer.checkpoint()
 
 
 @asynccontextmanager
@@ -354,11 +367,6 @@ async def _stop_on_signal(pipeline: Pipeline, result: RunResult, scope: anyio.Ca
             log.warning("%s: stopping after the step in progress (again to stop at once)",
                         result.stopped_by)
             pipeline.request_stop()
-
-
-async def _evaluate(engine: InferenceEngine, parts: RunParts, recorder: Recorder) -> float:
-    return await evaluate(engine, parts.tokenizer, parts.spec, parts.eval_tasks, parts.rollout,
-                          recorder)
 
 
 def summarise(result: RunResult, earlier: Sequence[Mapping[str, Any]] = (),

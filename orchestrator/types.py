@@ -89,8 +89,22 @@ class ToolTiming:
 
 
 @dataclass(frozen=True)
+class EpisodeTiming:
+    """When one episode ran and what each of its turns and tool calls took (recorder clock):
+    the trace writers' record of it, kept apart from its :class:`Trajectory`, which is what
+    the trainer is sent."""
+
+    worker: str
+    started_at: float
+    finished_at: float
+    reward_seconds: float = 0.0
+    turns: tuple[TurnTiming, ...] = ()
+    tool_calls: tuple[ToolTiming, ...] = ()
+
+
+@dataclass(frozen=True)
 class Trajectory:
-    """One finished episode, ready to be trained on.
+    """One finished episode, ready to be trained on (its timings: :class:`EpisodeTiming`).
 
     ``token_ids`` is the whole sequence (prompt, then every turn) exactly as the engine and
     the environment produced it. ``loss_mask[i]`` is True for tokens the policy generated;
@@ -108,15 +122,8 @@ class Trajectory:
     finish_reason: FinishReason  # of the last turn's generation
     metrics: dict[str, float] = field(default_factory=dict)
     end_reason: str = "done"  # done | max_turns | max_length | tool_response_too_long
-    # Timings of every turn and tool call, and of the whole episode (recorder clock).
-    turns: tuple[TurnTiming, ...] = ()
-    tool_calls: tuple[ToolTiming, ...] = ()
     prompt_tokens: int = 0  # the opening prompt
     max_tokens: int = 0  # per-turn generation cap the episode ran with
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    reward_seconds: float = 0.0
-    worker: str = ""
 
     @property
     def num_generated(self) -> int:
@@ -130,14 +137,12 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class Group:
-    """The samples of one prompt; GRPO normalises rewards within a group."""
+    """The samples of one prompt, as the trainer gets them; GRPO normalises rewards within
+    a group."""
 
     prompt_id: int
     trajectories: tuple[Trajectory, ...]
     start_version: int
-    started_at: float
-    finished_at: float
-    queue_wait: float = 0.0  # seconds the group waited for admission before it started
 
     @property
     def rewards(self) -> tuple[float, ...]:
@@ -145,3 +150,33 @@ class Group:
 
     def __len__(self) -> int:
         return len(self.trajectories)
+
+
+@dataclass(frozen=True)
+class GroupTiming:
+    """When a group ran: its wait for admission, its span, and each episode's timing (in the
+    order of the group's trajectories)."""
+
+    started_at: float
+    finished_at: float
+    episodes: tuple[EpisodeTiming, ...]
+    queue_wait: float = 0.0  # seconds the group waited for admission before it started
+
+
+@dataclass(frozen=True)
+class TimedGroup:
+    """What a rollout worker hands on: the group for the trainer, its timing for the traces."""
+
+    group: Group
+    timing: GroupTiming
+
+    @property
+    def prompt_id(self) -> int:
+        return self.group.prompt_id
+
+    @property
+    def start_version(self) -> int:
+        return self.group.start_version
+
+    def __len__(self) -> int:
+        return len(self.group)

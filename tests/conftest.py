@@ -45,11 +45,11 @@ def make_policy() -> Callable[[int], Policy]:
 
 @pytest.fixture
 def fake_trainer_cls() -> Callable[..., SimulatedTrainer]:
-    """``fake_trainer_cls(min_s, max_s, seed)``: the simulated trainer whose step sleeps
-    ``min_s`` to ``max_s`` seconds (seeded) in a worker thread, as a real step computes there,
-    and remembers every batch it was given (``trainer.batches``: version and groups)."""
+    """``fake_trainer_cls(min_s, max_s, seed)``: the simulated trainer whose step waits
+    ``min_s`` to ``max_s`` seconds (seeded; virtual seconds under a mock clock) and remembers
+    every batch it was given (``trainer.batches``: version and groups)."""
 
     def make(min_s: float = 0.001, max_s: float = 0.005, seed: int = 0) -> SimulatedTrainer:
-        return SimulatedTrainer(UniformCost(min_s, max_s, seed), in_thread=True, record=True)
+        return SimulatedTrainer(UniformCost(min_s, max_s, seed), record=True)
 
     return make

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -30,6 +31,16 @@ def scripted_engine(reply: Callable[[list[int]], str], version: int = 3) -> Simu
     asked."""
     return SimulatedEngine(ScriptedReplies(reply, TOK), seconds_per_token=0.0,
                            chunk_tokens=1 << 20, version=version)
+
+
+@pytest.fixture(name="anyio_backend")
+def virtual_time() -> tuple[str, dict[str, Any]]:
+    """A module's ``anyio_backend`` when imported there: trio with a clock that jumps to the
+    next timer whenever every task waits, so simulated waits order events exactly and take no
+    real time (what :func:`orchestrator.replay.run.run_virtual` runs a replay under)."""
+    from trio.testing import MockClock
+
+    return "trio", {"clock": MockClock(autojump_threshold=0)}
 
 
 def engine_for(policy: Policy, cls: type[TorchEngine] | None = None, **kwargs: Any) -> TorchEngine:

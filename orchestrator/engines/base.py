@@ -2,7 +2,8 @@
 
 An engine turns prompt token ids into sampled token ids, each stamped with its behaviour
 log-probability and the policy version that produced it. Weight updates land while requests
-are in flight: the pipeline calls :meth:`pause`, :meth:`update_weights`, :meth:`resume`.
+are in flight: :func:`sync_weights` calls :meth:`pause`, :meth:`update_weights`,
+:meth:`resume` (the pipeline's weight sync, and the warm start's and evaluations' loads).
 Between ``pause`` returning and ``resume`` no token is produced; requests that were in
 flight continue after ``resume`` under the new weights. (Finishing in-flight episodes under
 the old weights instead is the pipeline's choice: it waits for them before pausing.)
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Self
 
+from orchestrator.faults import kill_point
 from orchestrator.types import Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 
@@ -68,5 +70,17 @@ class InferenceEngine(ABC):
     ) -> None:
         await self.aclose()
 
-    async def aclose(self) -> None:  # noqa: B027 - engines without resources need nothing here
+    async def aclose(self) -> None:
         pass
+
+
+async def sync_weights(engine: InferenceEngine, update: WeightUpdate) -> None:
+    """Pause ``engine`` at a token boundary, load ``update``, resume, release the update (an
+    in-process trainer waits for that before changing its tensors again)."""
+    await engine.pause()
+    try:
+        kill_point("weight_sync", update.version)
+        await engine.update_weights(update)
+    finally:
+        await engine.resume()
+        update.release()

@@ -25,7 +25,7 @@ PolyTrace turns and tool calls come out as for a built-in environment.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,7 +48,7 @@ from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
 from orchestrator.trace.episode import EpisodeTrace
 from orchestrator.trajectory import TrajectoryBuilder
-from orchestrator.types import FinishReason, Generation, SamplingParams, Trajectory
+from orchestrator.types import EpisodeTiming, FinishReason, Generation, SamplingParams, Trajectory
 
 AGENT_TOOL = "agent"  # the name of the span between two calls of one segment
 
@@ -312,19 +312,21 @@ class AgentEpisode:
     def generated_segments(self) -> int:
         return sum(s.last is not None for s in self.segments)
 
-    def trajectories(self, outcome: AgentOutcome, prompt_id: int,
-                     metrics: dict[str, float]) -> list[Trajectory]:
-        """Each segment that generated something, as a sample with the episode's reward."""
+    def trajectories(self, outcome: AgentOutcome, prompt_id: int, metrics: dict[str, float],
+                     numbers: Iterator[int]) -> list[tuple[Trajectory, EpisodeTiming]]:
+        """Each segment that generated something, as a sample with the episode's reward (its
+        sample index the next of ``numbers``) and its timing."""
         end = {"ok": "done", "error": "agent_error", "timeout": "agent_timeout"}[outcome.status]
         out = []
         for segment in self.segments:
             if segment.last is None:
                 continue
             self._end_turn(segment, StepResult((), 0.0, True), None)
-            out.append(segment.trace.finish(segment.builder.build(
-                prompt_id=prompt_id, sample_index=self.sample,
+            trajectory = segment.builder.build(
+                prompt_id=prompt_id, sample_index=next(numbers),
                 reward=outcome.reward.total, version=self.engine.version, end_reason=end,
-                max_tokens=self.limits.max_tokens, metrics=dict(metrics))))
+                max_tokens=self.limits.max_tokens, metrics=dict(metrics))
+            out.append((trajectory, segment.trace.finish()))
         return out
 
 

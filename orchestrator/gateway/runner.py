@@ -1,4 +1,4 @@
-"""Agent episodes and groups: the agent env's counterpart of :func:`orchestrator.rollout.run_group`.
+"""Agent episodes and groups: the agent env's counterpart of :meth:`EpisodeRunner.group`.
 
 An episode opens a key on the gateway, runs the program (:meth:`envs.agent.AgentSpec.run_episode`)
 with that key and the gateway's URL, revokes the key, and turns what the gateway recorded into
@@ -11,36 +11,38 @@ is ``group_size`` such episodes of one task, run concurrently; it holds every se
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import itertools
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import anyio
 
 from envs.agent import AgentOutcome, AgentSpec
-from envs.base import EnvSpec, Reward, Task
-from orchestrator.engines.base import InferenceEngine
+from envs.base import Reward, Task
 from orchestrator.gateway.server import Gateway, GatewayConfig
-from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig
-from orchestrator.types import Group, Trajectory
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.types import EpisodeTiming, Group, GroupTiming, TimedGroup, Trajectory
+
+Segments = list[tuple[Trajectory, EpisodeTiming]]
 
 
 @asynccontextmanager
-async def agent_gateway(spec: EnvSpec, engine: InferenceEngine, tokenizer: Tokenizer,
-                        recorder: Recorder) -> AsyncIterator[Gateway | None]:
-    """The run's gateway when ``spec`` is an agent env (None otherwise), open for the block."""
-    if not isinstance(spec, AgentSpec):
+async def agent_gateway(runner: EpisodeRunner) -> AsyncIterator[Gateway | None]:
+    """The gateway of ``runner``'s engine when its env is an agent env (None otherwise), open
+    for the block."""
+    if not isinstance(runner.spec, AgentSpec):
         yield None
         return
-    async with Gateway(engine, tokenizer, recorder, GatewayConfig.of(spec)) as gateway:
+    async with Gateway(runner.engine, runner.tokenizer, runner.recorder,
+                       GatewayConfig.of(runner.spec)) as gateway:
         yield gateway
 
 
 async def run_agent_episode(gateway: Gateway, spec: AgentSpec, task: Task, rollout: RolloutConfig,
-                            worker: str, sample: int) -> tuple[list[Trajectory], AgentOutcome]:
-    """One episode: its trajectories (one per segment) and how its program ended."""
+                            worker: str, sample: int,
+                            numbers: Iterator[int] | None = None) -> tuple[Segments, AgentOutcome]:
+    """One episode: its trajectories (one per segment, numbered from ``numbers``: the group's
+    sample indices) with their timings, and how its program ended."""
     async with gateway.episode(rollout, worker, sample) as episode:
         outcome = await spec.run_episode(task, episode.endpoint)
         if episode.close() and outcome.status == "ok":
@@ -57,32 +59,41 @@ async def run_agent_episode(gateway: Gateway, spec: AgentSpec, task: Task, rollo
     metrics = {"agent/calls": float(episode.calls), "agent/segments": float(segments),
                "agent/failed": float(outcome.status != "ok"),
                **{f"reward/{k}": v for k, v in outcome.reward.components.items()}}
-    return episode.trajectories(outcome, task.id, metrics), outcome
+    numbers = numbers if numbers is not None else itertools.count()
+    return episode.trajectories(outcome, task.id, metrics, numbers), outcome
 
 
-async def run_agent_group(gateway: Gateway, spec: AgentSpec, task: Task, rollout: RolloutConfig,
-                          recorder: Recorder, worker: str) -> Group:
+async def run_agent_group(gateway: Gateway, runner: EpisodeRunner, task: Task, worker: str,
+                          queue_wait: float = 0.0) -> TimedGroup:
+    """``group_size`` episodes of ``task``; every segment of them a sample of the group, in the
+    order they finished."""
+    assert isinstance(runner.spec, AgentSpec)
+    recorder, rollout = runner.recorder, runner.config
     started, version = recorder.now(), gateway.engine.version
-    results: list[list[Trajectory]] = [[] for _ in range(rollout.group_size)]
+    numbers = itertools.count()  # the group's sample indices, taken as episodes finish
+    done: Segments = []
 
     async def one(index: int) -> None:
-        results[index], _ = await run_agent_episode(gateway, spec, task, rollout, worker, index)
+        segments, _ = await run_agent_episode(gateway, runner.spec, task, rollout,  # type: ignore[arg-type]
+                                              worker, index, numbers)
+        done.extend(segments)
 
     async with anyio.create_task_group() as tg:
         for i in range(rollout.group_size):
             tg.start_soon(one, i)
-    trajectories = tuple(replace(t, sample_index=i)
-                         for i, t in enumerate(t for episode in results for t in episode))
-    return Group(
-        prompt_id=task.id, trajectories=trajectories,
-        start_version=min((t.start_version for t in trajectories), default=version),
-        started_at=started, finished_at=recorder.now(),
+    trajectories = tuple(t for t, _ in done)
+    return TimedGroup(
+        Group(prompt_id=task.id, trajectories=trajectories,
+              start_version=min((t.start_version for t in trajectories), default=version)),
+        GroupTiming(started_at=started, finished_at=recorder.now(),
+                    episodes=tuple(timing for _, timing in done), queue_wait=queue_wait),
     )
 
 
-async def evaluate_agents(gateway: Gateway, spec: AgentSpec, tasks: Sequence[Task],
-                          rollout: RolloutConfig) -> float:
-    """Mean reward of one episode per task (``rollout`` as the evaluation sets it: greedy)."""
+async def evaluate_agents(gateway: Gateway, runner: EpisodeRunner, tasks: Sequence[Task]) -> float:
+    """Mean reward of one episode per task (``runner`` as the evaluation sets it: greedy)."""
+    assert isinstance(runner.spec, AgentSpec)
+    spec, rollout = runner.spec, runner.config
     rewards: list[float] = []
 
     async def one(task: Task) -> None:

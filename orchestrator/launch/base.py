@@ -15,11 +15,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from orchestrator.checkpoint import Snapshot
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.recorder import Recorder
 from orchestrator.trainer.base import Trainer
@@ -78,24 +76,13 @@ class Launcher(ABC):
         called once, in the run's event loop. Spans recorded elsewhere (in actors) go to
         ``recorder``."""
 
-    @abstractmethod
-    def snapshot(self, trainer: Trainer) -> Snapshot:
-        """``trainer``'s checkpoint state, copied now (blocking): training may go on while the
-        driver writes it into the run directory (``snapshot.write(directory)``). The next call
-        may reuse its memory: make it only once this one is written."""
-
-    @abstractmethod
-    def load_checkpoint(self, trainer: Trainer, directory: Path) -> None:
-        """Load the checkpoint in the run directory's ``directory`` into ``trainer`` (a resumed
-        run), wherever the trainer lives."""
-
     def recover(self, error: BaseException) -> bool:
         """After the run failed with ``error``: True when the launcher replaced what was lost
         (a dead trainer actor, within its restart budget) so that the run may go on from its
         last checkpoint; the next :meth:`trainer` and :meth:`engine` calls build it again."""
         return False
 
-    def close(self) -> None:  # noqa: B027 - the local launcher holds nothing
+    def close(self) -> None:
         pass
 
     def __enter__(self) -> Self:

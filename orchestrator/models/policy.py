@@ -127,6 +127,21 @@ def checkpoint_dir(config: Mapping[str, Any]) -> Path | None:
     return Path(path)
 
 
+def build_tokenizer(config: Mapping[str, Any]) -> Tokenizer:
+    """The tokenizer a ``conf/model`` node describes, without building its model (a driver
+    whose trainer lives in another process needs only this); a model target this module does
+    not know is built whole for its tokenizer."""
+    from hydra.utils import get_object
+
+    target = get_object(str(config.get("_target_")))
+    if target is tiny_policy:
+        return CharTokenizer()
+    if target is pretrained_policy:
+        return HFTokenizer(str(checkpoint_dir({"path": config.get("path"),
+                                               "gguf": config.get("gguf")})))
+    return build_policy(config).tokenizer
+
+
 def build_policy(config: Mapping[str, Any]) -> Policy:
     """The policy a ``conf/model`` node describes (``_target_`` plus its keyword arguments);
     how an engine or a remote trainer makes its own copy of the model from config."""

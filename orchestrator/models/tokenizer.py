@@ -76,6 +76,10 @@ class Tokenizer(ABC):
         """Token ids of an assistant reply, stop token included (for supervised targets)."""
         return self.encode(text) + [self.stop_ids[0]]
 
+    def save_pretrained(self, directory: Path) -> None:
+        """Write this tokenizer's files beside a checkpoint's model (a built-in tokenizer has
+        none: the model config names it)."""
+
 
 class CharTokenizer(Tokenizer):
     SPECIALS = ("<pad>", "<bos>", "<end>", "<system>", "<user>", "<assistant>", "<tool>")
@@ -134,6 +138,9 @@ class HFTokenizer(Tokenizer):
             if isinstance(tid, int) and tid != self._tok.unk_token_id and tid not in stops:
                 stops.append(tid)
         self._stops = tuple(s for s in stops if s is not None)
+
+    def save_pretrained(self, directory: Path) -> None:
+        self._tok.save_pretrained(str(directory))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))

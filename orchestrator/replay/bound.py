@@ -209,7 +209,7 @@ class BoundMeter:
         self.turns.append([
             (turn.start, turn_work(turn.prompt_tokens, turn.cached_tokens,
                                    turn.completion_tokens, self.params))
-            for group in report.groups for t in group.trajectories for turn in t.turns])
+            for timing in report.timings for e in timing.episodes for turn in e.turns])
 
     def bound(self, reports: Sequence[StepReport], recorder: Recorder, skip: int) -> RunBound:
         """The bound of steps ``skip ..`` of the run that produced ``reports`` (its recorder

@@ -3,7 +3,8 @@ timings its trajectory carries into the PolyTrace files.
 
 The episode runner calls :meth:`EpisodeTrace.generate` around each engine call,
 :meth:`EpisodeTrace.turn` once per environment step, :meth:`EpisodeTrace.reward` around the
-reward, and :meth:`EpisodeTrace.finish` on the built trajectory. Spans: one ``generate`` per
+reward, and :meth:`EpisodeTrace.finish` for the episode's :class:`EpisodeTiming`, which the
+trace writers read beside its trajectory. Spans: one ``generate`` per
 turn, one ``tool_call`` per call the environment reports, one ``reward``.
 
 Tool-call start times are readings of the environment spec's clock, which the orchestrator
@@ -20,12 +21,12 @@ not one message per call gets zeros. Tool calls of a turn whose observation was 
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from envs.base import Reward, StepResult
 from orchestrator.recorder import Recorder
-from orchestrator.types import FinishReason, Generation, ToolTiming, Trajectory, TurnTiming
+from orchestrator.types import EpisodeTiming, FinishReason, Generation, ToolTiming, TurnTiming
 
 if TYPE_CHECKING:
     from orchestrator.models.tokenizer import Tokenizer
@@ -99,12 +100,12 @@ class EpisodeTrace:
         self.reward_seconds = self.recorder.now() - start
         return reward
 
-    def finish(self, trajectory: Trajectory) -> Trajectory:
-        """``trajectory`` with this episode's timings."""
-        return replace(
-            trajectory, turns=tuple(self.turns), tool_calls=tuple(self.tool_calls),
-            started_at=self.started_at, finished_at=self.recorder.now(),
-            reward_seconds=self.reward_seconds, worker=self.worker,
+    def finish(self) -> EpisodeTiming:
+        """The episode's timings, now that it has ended."""
+        return EpisodeTiming(
+            worker=self.worker, started_at=self.started_at, finished_at=self.recorder.now(),
+            reward_seconds=self.reward_seconds, turns=tuple(self.turns),
+            tool_calls=tuple(self.tool_calls),
         )
 
     def _tool_timings(self, turn: int, result: StepResult, appended: int) -> list[ToolTiming]:

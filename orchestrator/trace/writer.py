@@ -57,7 +57,7 @@ from orchestrator.trace.records import (
     TurnRecord,
     WorkloadRecord,
 )
-from orchestrator.types import Group, ToolTiming, Trajectory
+from orchestrator.types import EpisodeTiming, Group, GroupTiming, ToolTiming, Trajectory
 
 TOOL_STATUS = {"ok": "success"}
 
@@ -79,18 +79,17 @@ def query_count(call: ToolTiming) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
-def workload_record(trajectory: Trajectory, step: int, train_version: int | None = None,
-                    queue_wait: float = 0.0, max_model_len: int | None = None) -> WorkloadRecord:
-    t = trajectory
+def workload_record(trajectory: Trajectory, timing: EpisodeTiming, step: int,
+                    train_version: int | None = None, queue_wait: float = 0.0,
+                    max_model_len: int | None = None) -> WorkloadRecord:
+    """One episode's record: its tokens from ``trajectory``, its timings from ``timing``."""
+    t, e = trajectory, timing
     prompt_len = t.prompt_tokens
     response_mask = t.loss_mask[prompt_len:]
-    total_max = max_model_len or prompt_len + t.max_tokens * max(len(t.turns), 1)
-    calls_by_turn: dict[int, int] = defaultdict(int)
-    for call in t.tool_calls:
-        calls_by_turn[call.turn] += 1
+    total_max = max_model_len or prompt_len + t.max_tokens * max(len(e.turns), 1)
     turns = []
     length = prompt_len
-    for turn in t.turns:
+    for turn in e.turns:
         length = turn.prompt_tokens + turn.completion_tokens
         turns.append(TurnRecord(
             turn=turn.turn, generation_prompt_len=turn.prompt_tokens,
@@ -106,18 +105,18 @@ def workload_record(trajectory: Trajectory, step: int, train_version: int | None
         turn=c.turn, tool_name=c.name or "", query_count=query_count(c), latency_s=c.latency,
         response_token_len=c.response_tokens, append_len=c.append_tokens, loss_len=0,
         status=TOOL_STATUS.get(c.status, c.status), total_results=0,
-    ) for c in t.tool_calls)
+    ) for c in e.tool_calls)
     info = RunInfo(
         start_version=t.start_version,
-        turn_versions=tuple(turn.version for turn in t.turns),
-        start_s=t.started_at, end_s=t.finished_at,
-        turn_start_s=tuple(turn.start for turn in t.turns),
-        tool_start_s=tuple(c.start for c in t.tool_calls),
-        tool_error_kind=tuple(c.error_kind for c in t.tool_calls),
-        reward=t.reward, reward_s=t.reward_seconds, end_reason=t.end_reason,
+        turn_versions=tuple(turn.version for turn in e.turns),
+        start_s=e.started_at, end_s=e.finished_at,
+        turn_start_s=tuple(turn.start for turn in e.turns),
+        tool_start_s=tuple(c.start for c in e.tool_calls),
+        tool_error_kind=tuple(c.error_kind for c in e.tool_calls),
+        reward=t.reward, reward_s=e.reward_seconds, end_reason=t.end_reason,
         queue_wait_s=queue_wait, train_step=step if train_version is not None else None,
         staleness=None if train_version is None else train_version - t.start_version,
-        worker=t.worker,
+        worker=e.worker,
     )
     return WorkloadRecord(
         step=step, prompt_len=prompt_len, max_response_len=total_max - prompt_len,
@@ -131,17 +130,18 @@ def workload_record(trajectory: Trajectory, step: int, train_version: int | None
     )
 
 
-def reward_timing_records(groups: Sequence[Group], step: int) -> list[RewardTimingRecord]:
-    by_worker: dict[str, list[Trajectory]] = defaultdict(list)
-    for group in groups:
-        for t in group.trajectories:
-            by_worker[t.worker].append(t)
+def reward_timing_records(groups: Sequence[Group], timings: Sequence[GroupTiming],
+                          step: int) -> list[RewardTimingRecord]:
+    by_worker: dict[str, list[tuple[Trajectory, EpisodeTiming]]] = defaultdict(list)
+    for group, timing in zip(groups, timings, strict=True):
+        for t, e in zip(group.trajectories, timing.episodes, strict=True):
+            by_worker[e.worker].append((t, e))
     records = []
-    for rank, (_, trajectories) in enumerate(sorted(by_worker.items())):
-        lengths = [len(t.token_ids) - t.prompt_tokens for t in trajectories]
+    for rank, (_, episodes) in enumerate(sorted(by_worker.items())):
+        lengths = [len(t.token_ids) - t.prompt_tokens for t, _ in episodes]
         records.append(RewardTimingRecord(
-            step=step, rank=rank, tp_rank=0, dp_rank=rank, batch_size=len(trajectories),
-            reward_time_s=sum(t.reward_seconds for t in trajectories),
+            step=step, rank=rank, tp_rank=0, dp_rank=rank, batch_size=len(episodes),
+            reward_time_s=sum(e.reward_seconds for _, e in episodes),
             response_sum=sum(lengths), response_mean=sum(lengths) / len(lengths),
             response_max=max(lengths), validate=False,
         ))
@@ -180,11 +180,16 @@ class TraceWriter:
         self._first = 0  # the first step of the open segments
         self.steps = 0
 
-    def write_step(self, step: int, version: int, groups: Sequence[Group]) -> None:
+    def write_step(self, step: int, version: int, groups: Sequence[Group],
+                   timings: Sequence[GroupTiming]) -> None:
+        """Step ``step``'s records: its trained ``groups`` (trained at ``version``) and when
+        they ran (``timings``, in the groups' order)."""
         records: dict[str, list[Record]] = {
-            "multiturn_workload": [workload_record(t, step, version, g.queue_wait, self.max_model_len)
-                                   for g in groups for t in g.trajectories],
-            "reward_timings": list(reward_timing_records(groups, step)),
+            "multiturn_workload": [
+                workload_record(t, e, step, version, timing.queue_wait, self.max_model_len)
+                for g, timing in zip(groups, timings, strict=True)
+                for t, e in zip(g.trajectories, timing.episodes, strict=True)],
+            "reward_timings": list(reward_timing_records(groups, timings, step)),
             "packed_lengths": list(packed_lengths_records(groups, step)),
         }
         if self.codec == "none":

@@ -1,9 +1,15 @@
 """The ``Trainer`` interface: what the pipeline needs of whatever trains the policy.
 
 One abstract class, implemented in process by :class:`~orchestrator.trainer.TorchTrainer`
-(its compute in a worker thread), in virtual time by the replay's cost model
-(:class:`orchestrator.replay.SimulatedTrainer`), and later by a proxy for a trainer in
-another process. The pipeline awaits these methods and cannot tell the implementations apart.
+(its compute in a worker thread), by a group of trainer ranks
+(:class:`~orchestrator.launch.ranks.RankGroup`), by a proxy for a trainer in a Ray actor
+(:class:`~orchestrator.launch.ray.trainer.RayTrainer`), and in virtual time by a cost model
+for replay and benchmarks. The pipeline awaits these methods and cannot tell the
+implementations apart.
+
+Checkpoints belong to the trainer: :meth:`Trainer.snapshot` copies its state (the only part
+training waits for), the run writes that copy in the background; :meth:`Trainer.save` and
+:meth:`Trainer.load` write and read a checkpoint directory wherever the trainer lives.
 
 ``version`` counts optimiser steps: a batch trained at version ``v`` produces ``v + 1``, and
 :meth:`weights` hands out that new version's weights as a :class:`WeightUpdate`.
@@ -13,12 +19,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from orchestrator.errors import ConfigError
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
 TrainStats = dict[str, float]  # the step's metrics: loss, grad_norm, lr, …
+
+
+class Snapshot(Protocol):
+    """A trainer's checkpoint state taken at one moment (:meth:`Trainer.snapshot`), written
+    later, in a worker thread, while training goes on."""
+
+    def write(self, directory: Path) -> Any:
+        """Write the trainer's files into ``directory``."""
 
 
 class Trainer(ABC):
@@ -37,6 +53,23 @@ class Trainer(ABC):
         """One cross-entropy step on the masked tokens (the warm start), with an optimiser of
         its own at ``lr``; returns the loss and leaves the version alone."""
         raise NotImplementedError(f"{type(self).__name__} has no supervised warm start")
+
+    # -- checkpoints: the trainer saves and loads its own ----------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """This trainer's checkpoint state, copied now (blocking: call it in a worker thread);
+        training may go on while the run writes it (``snapshot.write(directory)``). The next
+        call may reuse its memory: make it only once this one is written."""
+        raise ConfigError(f"a {type(self).__name__} has no checkpoint to take")
+
+    def save(self, directory: Path) -> None:
+        """Write this trainer's checkpoint into ``directory`` now."""
+        self.snapshot().write(Path(directory))
+
+    def load(self, directory: Path) -> None:
+        """Load the checkpoint in ``directory`` (written by :meth:`save` or a snapshot),
+        wherever this trainer lives."""
+        raise ConfigError(f"cannot load a checkpoint into a {type(self).__name__}")
 
     @abstractmethod
     def state_dict(self) -> Mapping[str, Any]:

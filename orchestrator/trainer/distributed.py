@@ -39,7 +39,6 @@ import heapq
 import os
 import socket
 import time
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,11 +50,9 @@ import torch.distributed as dist
 
 from orchestrator.errors import ConfigError
 from orchestrator.trainer.lora import adapter_update
+from orchestrator.trainer.snapshot import SHARDS, TRAINER_STATE, load_shards
 from orchestrator.trainer.torch_trainer import LogprobAgreement, TorchTrainer
 from orchestrator.weights import WeightUpdate
-
-SHARDS = "shards"  # the torch.distributed.checkpoint directory inside a checkpoint
-STATE = "trainer.pt"
 
 
 @dataclass(frozen=True)
@@ -268,7 +265,7 @@ class RankTrainer(TorchTrainer):
         path = Path(directory) / SHARDS
         dcp.save(shards, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
         if self.rank == 0:
-            torch.save(rest, Path(directory) / STATE)
+            torch.save(rest, Path(directory) / TRAINER_STATE)
         dist.barrier()
 
     def load(self, directory: Path) -> None:
@@ -281,26 +278,3 @@ class RankTrainer(TorchTrainer):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def load_shards(trainer: TorchTrainer, directory: Path) -> None:
-    """Load a sharded checkpoint (:meth:`RankTrainer.save`, any world size) into ``trainer``: a
-    rank of a group (every rank calls it), or the one in-process trainer."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    directory = Path(directory)
-    if not (directory / SHARDS).is_dir():
-        raise ConfigError(f"{directory} holds no {SHARDS}/ (a checkpoint of a run with "
-                          f"trainer.world_size unset): resume it with trainer.world_size unset")
-    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    with warnings.catch_warnings():  # one process, no group: what is meant, said as a warning
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
-                                category=UserWarning)
-        dcp.load(state, checkpoint_id=str(directory / SHARDS), no_dist=not dist.is_initialized())
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-    rest = torch.load(directory / STATE, weights_only=True)
-    trainer.scheduler.load_state_dict(rest["scheduler"])
-    trainer.version = int(rest["version"])

@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -31,6 +32,7 @@ from orchestrator.faults import kill_point
 from orchestrator.models.policy import Policy
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.trainer.lora import LoraConfig, adapter_update
+from orchestrator.trainer.snapshot import SHARDS, TrainerSnapshot, load_shards
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
@@ -491,6 +493,26 @@ class TorchTrainer(Trainer):
             return update
         self._published = WeightUpdate.by_reference(self.version, self.model.state_dict())
         return self._published
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    _last_snapshot: TrainerSnapshot | None = None  # written already: its memory is reused
+
+    def snapshot(self) -> TrainerSnapshot:
+        self._last_snapshot = TrainerSnapshot.capture(self.state_dict(), self.model,
+                                                      self.policy.tokenizer, self._last_snapshot)
+        return self._last_snapshot
+
+    def load(self, directory: Path) -> None:
+        if (Path(directory) / SHARDS).is_dir():  # a run of trainer ranks, resumed in one process
+            load_shards(self, Path(directory))
+        else:
+            self.restore(TrainerSnapshot.read(Path(directory)))
+
+    def restore(self, snapshot: TrainerSnapshot) -> None:
+        """Load a snapshot (read from a checkpoint, or shipped to a trainer actor)."""
+        self.model.load_state_dict(snapshot.weights, strict=False)  # tied weights are saved once
+        self.load_state_dict({**snapshot.state, "model": self.model.state_dict()})
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version, "model": self.model.state_dict(),

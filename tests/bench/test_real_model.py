@@ -61,7 +61,7 @@ def _trajectory(ids: list[int], prompt: int) -> Trajectory:
 
 def test_computed_tokens_run_a_groups_shared_prompt_once() -> None:
     prompt = [5, 6, 7, 8]
-    group = Group(0, (_trajectory([*prompt, 1, 2], 4), _trajectory([*prompt, 3], 4)), 0, 0.0, 0.0)
+    group = Group(0, (_trajectory([*prompt, 1, 2], 4), _trajectory([*prompt, 3], 4)), 0)
     # fed: every token but the last (5 and 4); the prompt's 4 once, then 1 and 0 of their own
     assert computed([group], share=True) == (4 + 1 + 0, 10 + (1 * 4 + 1))
     assert computed([group], share=False) == (5 + 4, 15 + 10)

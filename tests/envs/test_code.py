@@ -21,7 +21,7 @@ from envs.parsers import HermesParser
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.main import run
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_episode
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.warmstart import demonstration_tokens
 from sandboxes.api import EngineUnavailable
 from sandboxes.docker import DockerSandboxConfig
@@ -143,8 +143,9 @@ async def test_the_python_tool_keeps_state_across_calls_in_a_docker_session() ->
     recorder = Recorder()
     async with spec.running():
         with anyio.fail_after(120):
-            trajectory = await run_episode(tool_policy(), TOK, spec, task,
-                                           RolloutConfig(max_tokens=120, max_turns=4), recorder, "w")
+            runner = EpisodeRunner(tool_policy(), TOK, spec,
+                                   RolloutConfig(max_tokens=120, max_turns=4), recorder)
+            trajectory, _ = await runner.episode(task, "w")
         # a reference episode is laid out exactly as the runner lays out the real one
         ids, mask = demonstration_tokens(TOK, spec.demonstration(task))
         assert mask.count(True) > 0 and len(ids) == len(mask)

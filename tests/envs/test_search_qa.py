@@ -19,7 +19,7 @@ from envs.search_qa import SearchQASpec, exact_match, f1, normalize, tool_call_t
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.main import run
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_episode, run_group
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.warmstart import demonstration_tokens
 from sandboxes.search import SearchClient, SearchError, SearchServer
 
@@ -204,7 +204,8 @@ async def test_the_runner_lays_out_exactly_the_tokens_the_warm_start_learns(runn
     task = spec.tasks("train")[5]
     config = RolloutConfig(max_tokens=100, max_turns=3, group_size=1)
     recorder = Recorder()
-    trajectory = await run_episode(reference_policy(spec), TOK, spec, task, config, recorder, "w")
+    runner = EpisodeRunner(reference_policy(spec), TOK, spec, config, recorder)
+    trajectory, _ = await runner.episode(task, "w")
     ids, mask = demonstration_tokens(TOK, spec.demonstration(task))
     assert list(trajectory.token_ids) == ids and list(trajectory.loss_mask) == mask
     assert trajectory.reward == 1.0 and trajectory.end_reason == "done"
@@ -224,8 +225,8 @@ async def test_many_episodes_against_a_flaky_service_all_finish() -> None:
     async with spec.running(), anyio.create_task_group() as tg:
         async def one(task_index: int) -> None:
             task = spec.tasks("train")[task_index]
-            groups.append(await run_group(reference_policy(spec), TOK, spec, task, config,
-                                          recorder, f"w{task_index}"))
+            runner = EpisodeRunner(reference_policy(spec), TOK, spec, config, recorder)
+            groups.append((await runner.group(task, f"w{task_index}")).group)
         for i in range(32):
             tg.start_soon(one, i)
     trajectories = [t for g in groups for t in g.trajectories]

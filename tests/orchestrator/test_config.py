@@ -14,9 +14,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from envs.base import EnvSpec
-from orchestrator.__main__ import explain
 from orchestrator.algo.base import Algorithm
-from orchestrator.config import build_env, typed
+from orchestrator.config import build_env, explain, typed
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.launch import EngineRecipe

@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import TINY_MODEL, build_hf_checkpoint
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.errors import ConfigError
 from orchestrator.models.policy import pretrained_policy, tiny_policy
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_episode
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.weights import WeightUpdate
-from helpers import TINY_MODEL, build_hf_checkpoint
 
 
 @pytest.mark.anyio
@@ -26,8 +26,8 @@ async def test_a_prompt_longer_than_the_context_is_named() -> None:
     async with TorchEngine(model, WeightUpdate.of_module(0, policy.model)) as engine:
         with pytest.raises(ConfigError, match=r"is \d+ tokens and the model's context is 8: "
                                               r"use a model with a longer context") as error:
-            await run_episode(engine, policy.tokenizer, spec, spec.tasks("train")[0],
-                              RolloutConfig(group_size=1), Recorder(), "w")
+            await EpisodeRunner(engine, policy.tokenizer, spec, RolloutConfig(group_size=1),
+                                Recorder()).episode(spec.tasks("train")[0], "w")
     assert "\n" not in str(error.value)
 
 

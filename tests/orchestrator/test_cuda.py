@@ -9,7 +9,7 @@ from envs.registry import make_spec
 from orchestrator.algo.grpo import GRPO
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_group
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.trainer import TorchTrainer, pack
 from orchestrator.weights import WeightUpdate
 
@@ -30,7 +30,8 @@ async def test_engine_and_trainer_on_cuda() -> None:
              "num_layers": 2, "num_heads": 2, "intermediate_size": 128, "device": "cuda"}
     async with TorchEngine(model, WeightUpdate.of_module(0, policy.model)) as engine:
         groups = [
-            await run_group(engine, policy.tokenizer, spec, task, RolloutConfig(group_size=4), Recorder(), "w")
+            (await EpisodeRunner(engine, policy.tokenizer, spec, RolloutConfig(group_size=4),
+                                 Recorder()).group(task, "w")).group
             for task in spec.tasks("train")[:4]
         ]
     trajectories = [t for g in groups for t in g.trajectories]

@@ -11,7 +11,7 @@ from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_episode
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 
 pytestmark = pytest.mark.anyio
 TASK = Task(id=0, messages=({"role": "user", "content": "hi"},), answer="")
@@ -47,10 +47,12 @@ class EchoSpec(EnvSpec):
         return EchoEnv(self.width, self.done_after)
 
 
-async def episode(spec: EchoSpec, **config: object):  # noqa: ANN201
+async def episode(spec: EchoSpec, **config: object):
     engine = SimulatedEngine(median_tokens=4, sigma=0.0, seconds_per_token=0.0)
     rollout = RolloutConfig(group_size=1, max_tokens=4, **config)  # type: ignore[arg-type]
-    return await run_episode(engine, CharTokenizer(), spec, TASK, rollout, Recorder(), "w")
+    trajectory, _ = await EpisodeRunner(engine, CharTokenizer(), spec, rollout,
+                                        Recorder()).episode(TASK, "w")
+    return trajectory
 
 
 async def test_turns_append_observations_unmasked_and_sum_metrics() -> None:
@@ -91,7 +93,7 @@ async def test_every_tool_call_becomes_a_span_with_latency_and_status() -> None:
         await anyio.sleep(seconds)
         return "rested"
 
-    async def answered(episode) -> float:  # noqa: ANN001
+    async def answered(episode) -> float:
         return float(episode.final_reply == "ok")
 
     class NapSpec(EchoSpec):
@@ -105,15 +107,15 @@ async def test_every_tool_call_becomes_a_span_with_latency_and_status() -> None:
     ])
 
     class Scripted(SimulatedEngine):
-        async def generate(self, prompt_ids, sampling):  # noqa: ANN001, ANN202
+        async def generate(self, prompt_ids, sampling):
             gen = await super().generate(prompt_ids, sampling)
             ids = tuple(CharTokenizer().encode(next(replies))) + (sampling.stop_token_ids[0],)
             return type(gen)(ids, (-1.0,) * len(ids), (0,) * len(ids), gen.finish_reason, 0)
 
     recorder = Recorder()
     rollout = RolloutConfig(group_size=1, max_tokens=200, max_turns=3)
-    t = await run_episode(Scripted(median_tokens=1, sigma=0.0, seconds_per_token=0.0),
-                          CharTokenizer(), NapSpec(), TASK, rollout, recorder, "w")
+    t, _ = await EpisodeRunner(Scripted(median_tokens=1, sigma=0.0, seconds_per_token=0.0),
+                               CharTokenizer(), NapSpec(), rollout, recorder).episode(TASK, "w")
     assert t.end_reason == "done" and t.reward == 1.0
     spans = recorder.of("tool_call")
     assert [(s.attributes["tool"], s.attributes["status"]) for s in spans] == [

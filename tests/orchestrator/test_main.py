@@ -16,7 +16,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.algo.grpo import GRPO
-from orchestrator.checkpoint import load_checkpoint
 from orchestrator.main import run
 from orchestrator.models.policy import tiny_policy
 from orchestrator.trainer import TorchTrainer
@@ -93,7 +92,7 @@ def test_the_final_checkpoint_loads_back(tmp_path: Path) -> None:
                          max_position_embeddings=model.max_position_embeddings, seed=99,
                          device="cpu")
     trainer = TorchTrainer(policy, GRPO())
-    load_checkpoint(trainer, tmp_path / "checkpoints" / "final")
+    trainer.load(tmp_path / "checkpoints" / "final")
     assert trainer.version == 4
     from safetensors.torch import load_file
 

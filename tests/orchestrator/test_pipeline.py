@@ -1,5 +1,6 @@
-"""The asynchronous pipeline (orchestrator/pipeline.py) driven by the simulated engine and a
-fake trainer: the staleness invariant, k = 0 alternation, drops, and in-flight update modes."""
+"""The asynchronous pipeline (orchestrator/pipeline.py) driven by the simulated engine and the
+simulated trainer in virtual time: the staleness invariant, k = 0 alternation, drops, and
+in-flight update modes."""
 
 from __future__ import annotations
 
@@ -10,16 +11,24 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
-from helpers import peak_concurrency
+from helpers import peak_concurrency, virtual_time  # noqa: F401 - anyio_backend: virtual time
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline import Pipeline, PipelineConfig, StepReport, TaskSampler
-from orchestrator.recorder import Span
-from orchestrator.rollout import RolloutConfig
-from orchestrator.types import FinishReason, Generation, Group, SamplingParams, Trajectory
+from orchestrator.recorder import Recorder, Span
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.types import (
+    FinishReason,
+    Generation,
+    Group,
+    GroupTiming,
+    SamplingParams,
+    TimedGroup,
+    Trajectory,
+)
 from orchestrator.weights import WeightUpdate
 
 pytestmark = pytest.mark.anyio
@@ -46,8 +55,9 @@ def make_pipeline(
         overprovision=overprovision,
     )
     rollout = RolloutConfig(group_size=group_size, max_tokens=max_tokens)
-    return Pipeline(config, rollout, engine, trainer, CharTokenizer(), SPEC,
-                    TaskSampler(SPEC.tasks("train"), seed=0))
+    runner = EpisodeRunner(engine, CharTokenizer(), SPEC, rollout,
+                           Recorder(clock=anyio.current_time))
+    return Pipeline(config, runner, trainer, TaskSampler(SPEC.tasks("train"), seed=0))
 
 
 def overlaps(a: Span, b: Span) -> bool:
@@ -155,7 +165,7 @@ async def test_on_step_is_called_once_per_step(fake_trainer_cls: Any) -> None:
         reports = await pipeline.run()
     assert len(seen) == 4 and all(r.groups for r in seen)  # on_step gets each batch
     # the pipeline keeps its reports without their batches (memory stays bounded)
-    assert [replace(r, groups=()) for r in seen] == reports
+    assert [replace(r, groups=(), timings=()) for r in seen] == reports
 
 
 # -- drops -----------------------------------------------------------------------------------
@@ -208,7 +218,7 @@ async def test_a_group_that_comes_back_too_late_is_dropped_and_counted(fake_trai
         assert all(0 <= s <= k for s in report.staleness)
 
 
-def _group(prompt_id: int, start_version: int, size: int = 2) -> Group:
+def _group(prompt_id: int, start_version: int, size: int = 2) -> TimedGroup:
     trajectories = tuple(
         Trajectory(prompt_id=prompt_id, sample_index=i, token_ids=(1, 10, 11),
                    loss_mask=(False, True, True), logprobs=(0.0, -1.0, -1.0),
@@ -216,7 +226,7 @@ def _group(prompt_id: int, start_version: int, size: int = 2) -> Group:
                    start_version=start_version, finish_reason=FinishReason.LENGTH)
         for i in range(size)
     )
-    return Group(prompt_id, trajectories, start_version, 0.0, 0.0)
+    return TimedGroup(Group(prompt_id, trajectories, start_version), GroupTiming(0.0, 0.0, ()))
 
 
 async def test_next_batch_drops_stale_groups_and_gives_back_their_slots(fake_trainer_cls: Any) -> None:
@@ -228,11 +238,11 @@ async def test_next_batch_drops_stale_groups_and_gives_back_their_slots(fake_tra
     for g in groups:
         await ctl.admit(len(g))
     assert ctl.admitted == 12
-    send, receive = anyio.create_memory_object_stream[Group](10)
+    send, receive = anyio.create_memory_object_stream[TimedGroup](10)
     async with send, receive:
         for g in groups:
             send.send_nowait(g)
-        pending: list[Group] = []
+        pending: list[TimedGroup] = []
         with anyio.fail_after(5):
             batch = await pipeline._next_batch(receive, pending, 2, version=2)
         # group 0 started at version 0, older than 2 - 1: dropped, its slots given back
@@ -252,7 +262,7 @@ async def test_next_batch_rechecks_pending_groups_at_the_new_version(fake_traine
     ctl = pipeline.staleness
     for _ in range(2):
         await ctl.admit(2)
-    send, receive = anyio.create_memory_object_stream[Group](10)
+    send, receive = anyio.create_memory_object_stream[TimedGroup](10)
     async with send, receive:
         pending = [_group(7, 0)]  # left over from the previous batch, now one version old
         send.send_nowait(_group(8, 1))
@@ -268,7 +278,7 @@ async def test_next_batch_takes_the_oldest_groups_first(fake_trainer_cls: Any) -
     pipeline = make_pipeline(trainer, SimulatedEngine(), k=2, batch_size=4, group_size=2)
     ctl = pipeline.staleness
     await ctl.set_version(2)
-    send, receive = anyio.create_memory_object_stream[Group](10)
+    send, receive = anyio.create_memory_object_stream[TimedGroup](10)
     async with send, receive:
         # a slow group started at version 0 arrives after newer ones that were left over
         pending = [_group(1, 2), _group(2, 1), _group(3, 1)]

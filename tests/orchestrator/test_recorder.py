@@ -18,7 +18,7 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline import Pipeline, PipelineConfig, StepReport, TaskSampler
 from orchestrator.recorder import Recorder, read_spans
-from orchestrator.rollout import RolloutConfig
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.rundir import RunDir
 from orchestrator.trace import timeline
 from orchestrator.trace.timeline import trace_events, write_timeline
@@ -121,12 +121,13 @@ async def test_a_long_run_holds_one_step_of_spans_and_reports_every_span(
         lines_at_step.append(len(path.read_text().splitlines()))
 
     spec = ArithmeticSpec(digits=2, train_size=64, eval_size=4, seed=0)
-    pipeline = Pipeline(
-        PipelineConfig(batch_size=8, max_staleness=1, num_workers=8, num_steps=steps),
-        RolloutConfig(group_size=2, max_tokens=16),
+    runner = EpisodeRunner(
         SimulatedEngine(median_tokens=8, sigma=0.5, seconds_per_token=1e-4, chunk_tokens=8),
-        fake_trainer_cls(min_s=0.0, max_s=0.001), CharTokenizer(), spec,
-        TaskSampler(spec.tasks("train"), seed=0), recorder, on_step)
+        CharTokenizer(), spec, RolloutConfig(group_size=2, max_tokens=16), recorder)
+    pipeline = Pipeline(
+        PipelineConfig(batch_size=8, max_staleness=1, num_workers=8, num_steps=steps), runner,
+        fake_trainer_cls(min_s=0.0, max_s=0.001), TaskSampler(spec.tasks("train"), seed=0),
+        on_step)
     with anyio.fail_after(60):
         reports = await pipeline.run()
     recorder.close()

@@ -18,11 +18,10 @@ import torch
 from helpers import REPO, run_spans
 
 from envs.base import Task
-from orchestrator.__main__ import resumed_config
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline import TaskSampler
-from orchestrator.resume import RunState, find_checkpoint
+from orchestrator.resume import RunState, find_checkpoint, resumed_config
 from orchestrator.trace.reader import TraceDir
 
 STEPS = 6
@@ -97,7 +96,7 @@ def test_a_run_killed_at_any_point_resumes_to_the_end(tmp_path: Path, kill_at: s
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"steps={STEPS} " in resumed.stdout  # the summary covers the whole run
     assert "Traceback" not in resumed.stderr
-    check_finished(run_dir, set(state.sampler["again"]))
+    check_finished(run_dir, set(state.pipeline["sampler"]["again"]))
     assert not list((run_dir / "checkpoints").glob(".tmp-step-*"))
 
 
@@ -121,7 +120,7 @@ def test_sigterm_checkpoints_the_step_in_progress_and_exits_with_one_line(tmp_pa
     assert state.step == len([m for m in read_jsonl(metrics) if "summary/steps" not in m])
     resumed = orchestrator(f"resume={run_dir}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    check_finished(run_dir, set(state.sampler["again"]))
+    check_finished(run_dir, set(state.pipeline["sampler"]["again"]))
 
 
 def test_resume_auto_starts_a_run_then_resumes_it(tmp_path: Path) -> None:
@@ -216,7 +215,7 @@ def test_rng_state_round_trips(tmp_path: Path) -> None:
 
     from orchestrator.resume import capture_rng, restore_rng
 
-    RunState(step=1, version=1, sampler={}).write(tmp_path, capture_rng())
+    RunState(pipeline={"step": 1, "dropped": 0, "sampler": {}}, version=1).write(tmp_path, capture_rng())
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     restore_rng(tmp_path)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
@@ -260,7 +259,6 @@ def test_a_snapshot_is_a_copy_that_reuses_the_last_ones_memory(tiny, make_policy
     """Training after a snapshot leaves it alone; the next snapshot copies into the last one's
     tensors (already written) and holds the new state; a written snapshot loads back exactly."""
     from orchestrator.algo.grpo import GRPO
-    from orchestrator.checkpoint import TrainerSnapshot, load_checkpoint
     from orchestrator.trainer import TorchTrainer
 
     trainer = TorchTrainer(tiny, GRPO())
@@ -272,18 +270,18 @@ def test_a_snapshot_is_a_copy_that_reuses_the_last_ones_memory(tiny, make_policy
         trainer.optimizer.zero_grad()
 
     train()
-    first = TrainerSnapshot.capture(trainer)
+    first = trainer.snapshot()
     kept = {k: v.clone() for k, v in first.weights.items()}
     train()  # the live tensors change; the snapshot does not
     assert all(torch.equal(first.weights[k], kept[k]) for k in kept)
     pointers = {k: v.data_ptr() for k, v in first.weights.items()}
-    second = TrainerSnapshot.capture(trainer, into=first)
+    second = trainer.snapshot()  # into the first one's tensors
     live = tiny.model.state_dict()
     assert all(torch.equal(second.weights[k], live[k]) for k in second.weights)
     assert {k: v.data_ptr() for k, v in second.weights.items()} == pointers  # reused
     second.write(tmp_path / "ckpt")
     other = TorchTrainer(make_policy(1), GRPO())
-    load_checkpoint(other, tmp_path / "ckpt")
+    other.load(tmp_path / "ckpt")
     assert all(torch.equal(other.model.state_dict()[k], live[k]) for k in live)
     moments = other.optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(moments, trainer.optimizer.state_dict()["state"][0]["exp_avg"])

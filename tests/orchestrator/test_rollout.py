@@ -13,7 +13,7 @@ from envs.arithmetic import ArithmeticSpec
 from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
 from orchestrator.evaluate import evaluate
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_episode, run_group
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.types import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -25,7 +25,8 @@ async def test_a_correct_reply_is_rewarded_and_laid_out_token_by_token() -> None
     task = SPEC.tasks("train")[0]
     engine = scripted_engine(lambda _: task.answer)
     rec = Recorder()
-    t = await run_episode(engine, TOK, SPEC, task, RolloutConfig(max_tokens=8, temperature=0.7), rec, "w", 2)
+    runner = EpisodeRunner(engine, TOK, SPEC, RolloutConfig(max_tokens=8, temperature=0.7), rec)
+    t, timing = await runner.episode(task, "w", 2)
     prompt = TOK.chat_prompt(task.messages)
     reply = TOK.encode(task.answer) + [TOK.end_id]
     assert engine.replies.prompts == [prompt]
@@ -40,12 +41,15 @@ async def test_a_correct_reply_is_rewarded_and_laid_out_token_by_token() -> None
     assert [s.stage for s in rec.spans] == ["generate", "reward"]
     assert rec.spans[0].attributes["completion_tokens"] == len(reply)
     assert rec.spans[1].attributes["reward"] == 1.0
+    assert timing.worker == "w" and len(timing.turns) == 1
+    assert timing.turns[0].completion_tokens == len(reply)
 
 
 async def test_a_wrong_reply_gets_nothing() -> None:
     task = SPEC.tasks("train")[1]
-    t = await run_episode(scripted_engine(lambda _: task.answer + "1"), TOK, SPEC, task,
-                          RolloutConfig(), Recorder(), "w")
+    runner = EpisodeRunner(scripted_engine(lambda _: task.answer + "1"), TOK, SPEC,
+                           RolloutConfig(), Recorder())
+    t, _ = await runner.episode(task, "w")
     assert t.reward == 0.0
 
 
@@ -53,11 +57,14 @@ async def test_a_group_runs_every_sample_of_one_task() -> None:
     task = SPEC.tasks("train")[2]
     answers = iter([task.answer, "x", task.answer, "y"])
     engine = scripted_engine(lambda _: next(answers))
-    group = await run_group(engine, TOK, SPEC, task, RolloutConfig(group_size=4), Recorder(), "w")
+    runner = EpisodeRunner(engine, TOK, SPEC, RolloutConfig(group_size=4), Recorder())
+    timed = await runner.group(task, "w", queue_wait=0.5)
+    group, timing = timed.group, timed.timing
     assert len(group) == 4 and group.prompt_id == task.id and group.start_version == 3
     assert sorted(t.sample_index for t in group.trajectories) == [0, 1, 2, 3]
     assert sorted(group.rewards) == [0.0, 0.0, 1.0, 1.0]
-    assert group.finished_at >= group.started_at
+    assert timing.finished_at >= timing.started_at and timing.queue_wait == 0.5
+    assert len(timing.episodes) == 4  # one each, in the trajectories' order
 
 
 class EchoEnv(Env):
@@ -93,8 +100,8 @@ async def test_observations_are_appended_and_never_trained_on() -> None:
     spec = EchoSpec()
     replies = iter(["ab", "c"])
     engine = scripted_engine(lambda _: next(replies))
-    t = await run_episode(engine, TOK, spec, spec.tasks("train")[0], RolloutConfig(max_turns=3),
-                          Recorder(), "w")
+    runner = EpisodeRunner(engine, TOK, spec, RolloutConfig(max_turns=3), Recorder())
+    t, _ = await runner.episode(spec.tasks("train")[0], "w")
     prompt = TOK.chat_prompt([{"role": "user", "content": "hi"}])
     first = TOK.encode("ab") + [TOK.end_id]
     observation = TOK.chat_prompt([{"role": "tool", "content": "got ab"}], continuation=True)
@@ -112,8 +119,8 @@ async def test_observations_are_appended_and_never_trained_on() -> None:
 async def test_max_turns_ends_the_episode() -> None:
     spec = EchoSpec()
     engine = scripted_engine(lambda _: "z")
-    t = await run_episode(engine, TOK, spec, spec.tasks("train")[0], RolloutConfig(max_turns=1),
-                          Recorder(), "w")
+    runner = EpisodeRunner(engine, TOK, spec, RolloutConfig(max_turns=1), Recorder())
+    t, _ = await runner.episode(spec.tasks("train")[0], "w")
     assert len(engine.replies.prompts) == 1
     assert t.reward == 0.25 + 1.0
 
@@ -123,6 +130,7 @@ async def test_evaluate_is_greedy_and_averages_rewards() -> None:
     right = {tuple(TOK.chat_prompt(t.messages)): t.answer for t in tasks[:3]}
     engine = scripted_engine(lambda prompt: right.get(tuple(prompt), "wrong"))
     with anyio.fail_after(10):
-        score = await evaluate(engine, TOK, SPEC, tasks, RolloutConfig(temperature=1.0), Recorder())
+        score = await evaluate(EpisodeRunner(engine, TOK, SPEC, RolloutConfig(temperature=1.0),
+                                             Recorder()), tasks)
     assert score == pytest.approx(3 / 4)
     assert all(s.temperature == 0.0 for s in engine.replies.sampling)

@@ -9,17 +9,16 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from helpers import engine_for
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_group
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.trainer import TorchTrainer, pack
 from orchestrator.trainer.torch_trainer import shared_prefix
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
-
-from helpers import engine_for
 
 SPEC = ArithmeticSpec(digits=2, train_size=16, eval_size=4, seed=0)
 
@@ -32,8 +31,8 @@ def rollout_groups(policy: Any, num_groups: int = 2, group_size: int = 4,
         async with engine_for(policy, seed=seed) as engine:
             groups = []
             for task in SPEC.tasks("train")[:num_groups]:
-                groups.append(await run_group(engine, policy.tokenizer, SPEC, task, rollout,
-                                              Recorder(), "test"))
+                runner = EpisodeRunner(engine, policy.tokenizer, SPEC, rollout, Recorder())
+                groups.append((await runner.group(task, "test")).group)
             return groups
 
     return anyio.run(main)

@@ -24,9 +24,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh 
 
 import anyio.lowlevel
 
+from orchestrator.engines.base import sync_weights
 from orchestrator.engines.vllm_engine import VLLMEngine
 from orchestrator.models.policy import build_policy
-from orchestrator.runloop import load_into
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.anyio,
@@ -89,7 +89,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 async def test_ids_logprobs_and_versions_match_the_trainers_forward_pass(
         engine: VLLMEngine, policy: Any) -> None:
-    await load_into(engine, WeightUpdate.of_module(1, policy.model))
+    await sync_weights(engine, WeightUpdate.of_module(1, policy.model))
     requests = [(p, SamplingParams(max_tokens=4 + i % 9, temperature=0.7))
                 for i, p in enumerate(prompts(12))]
     with anyio.fail_after(120):
@@ -130,7 +130,7 @@ async def test_a_weight_update_changes_the_tokens_and_their_version(
         engine: VLLMEngine, policy: Any, tmp_path: Path) -> None:
     prompt = prompts(1, seed=5)[0]
     seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=123)  # the same draws each time
-    await load_into(engine, WeightUpdate.of_module(1, policy.model))
+    await sync_weights(engine, WeightUpdate.of_module(1, policy.model))
     with anyio.fail_after(60):
         before = await engine.generate(prompt, seeded)
         assert (await engine.generate(prompt, seeded)).token_ids == before.token_ids
@@ -141,19 +141,19 @@ async def test_a_weight_update_changes_the_tokens_and_their_version(
             update = update.to_file(tmp_path / "weights.safetensors")
         else:
             update = update.serialised()
-        await load_into(engine, update)
+        await sync_weights(engine, update)
         with anyio.fail_after(60):
             after = await engine.generate(prompt, seeded)
         assert after.token_ids != before.token_ids, transport
         assert set(after.versions) == {2} and after.start_version == 2
         expected = teacher_forced(other.model, prompt, after.token_ids, 1.0)
         torch.testing.assert_close(torch.tensor(after.logprobs), expected, atol=1e-3, rtol=0)
-        await load_into(engine, WeightUpdate.of_module(1, policy.model))
+        await sync_weights(engine, WeightUpdate.of_module(1, policy.model))
 
 
 async def test_requests_in_flight_continue_across_a_pause_under_the_new_weights(
         engine: VLLMEngine, policy: Any) -> None:
-    await load_into(engine, WeightUpdate.of_module(1, policy.model))
+    await sync_weights(engine, WeightUpdate.of_module(1, policy.model))
     long_requests = [(p, SamplingParams(max_tokens=200, temperature=1.0)) for p in prompts(8)]
     results: list[Generation] = []
 
@@ -178,7 +178,7 @@ async def test_requests_in_flight_continue_across_a_pause_under_the_new_weights(
         assert list(gen.versions) == sorted(gen.versions) and gen.versions[-1] == 2
     assert any(1 in gen.versions for gen in results), "no request was in flight at the pause"
     assert queued and set(queued[0].versions) == {2}
-    await load_into(engine, WeightUpdate.of_module(1, policy.model))
+    await sync_weights(engine, WeightUpdate.of_module(1, policy.model))
 
 
 async def _submit_while_paused(engine: VLLMEngine, tg: Any) -> list[Generation]:

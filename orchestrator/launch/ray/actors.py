@@ -196,7 +196,6 @@ class TrainerActor(_Reporting):
         self._threads = threads
         self._spans = SpanBuffer(name)
         self._trainer: Trainer | None = None
-        self._last_snapshot: Any = None  # its memory is reused by the next snapshot
 
     async def start(self) -> ActorInfo:
         """Build the trainer (a method, not the constructor: its errors reach the driver as
@@ -246,17 +245,14 @@ class TrainerActor(_Reporting):
         """The trainer's checkpoint state, copied before this returns (so no step can change
         it) and put into the object store for the driver to write: ``[ref]`` (a ref in a list
         is handed back as a ref, not fetched)."""
-        from orchestrator.checkpoint import TrainerSnapshot
-
         with self._spans.span("checkpoint_copy", self._built().version):
-            snapshot = TrainerSnapshot.capture(self._built(), into=self._last_snapshot)
-        self._last_snapshot = snapshot  # the store holds its own copy once put
+            snapshot = self._built().snapshot()
         return [await anyio.to_thread.run_sync(ray.put, snapshot)]
 
     async def restore(self, snapshot: Any) -> int:
         """Load a checkpoint the driver read from the run directory; returns its version."""
         trainer = self._built()
-        await anyio.to_thread.run_sync(snapshot.restore, trainer)
+        await anyio.to_thread.run_sync(trainer.restore, snapshot)  # type: ignore[attr-defined]
         return trainer.version
 
     async def version(self) -> int:

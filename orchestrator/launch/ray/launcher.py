@@ -31,7 +31,6 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any, Self
 
 import ray
@@ -42,7 +41,6 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.checkpoint import Snapshot
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError, chain
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
@@ -324,21 +322,6 @@ class RayLauncher(Launcher):
             return actor
 
         return ray_rank_group(recipe, size, place)
-
-    def snapshot(self, trainer: Trainer) -> Snapshot:
-        if isinstance(trainer, RankGroup):
-            return trainer.snapshot()
-        if not isinstance(trainer, RayTrainer):
-            raise ConfigError(f"launcher=ray cannot checkpoint a {type(trainer).__name__}")
-        return trainer.snapshot()
-
-    def load_checkpoint(self, trainer: Trainer, directory: Path) -> None:
-        if isinstance(trainer, RankGroup):
-            trainer.load(directory)
-            return
-        if not isinstance(trainer, RayTrainer):
-            raise ConfigError(f"launcher=ray cannot load a checkpoint into a {type(trainer).__name__}")
-        trainer.load_checkpoint(directory)
 
     def recover(self, error: BaseException) -> bool:
         """A dead trainer actor (``error`` holds a :class:`TrainerLost` or

@@ -94,10 +94,10 @@ class RayTrainer(Trainer):
         [ref] = self._call_now("a checkpoint", self.actor.snapshot.remote())
         return RemoteSnapshot(ref)
 
-    def load_checkpoint(self, directory: Path) -> None:
+    def load(self, directory: Path) -> None:
         """Load a checkpoint of the driver's run directory: read here, shipped to the actor
         (whose node need not see the driver's files)."""
-        from orchestrator.checkpoint import TrainerSnapshot
+        from orchestrator.trainer.snapshot import TrainerSnapshot
 
         snapshot = TrainerSnapshot.read(directory)
         self.version = self._call_now("a checkpoint load", self.actor.restore.remote(snapshot))

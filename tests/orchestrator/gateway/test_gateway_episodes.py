@@ -4,6 +4,7 @@ input; streaming, n, stop strings, /v1/completions and /v1/models."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,11 +46,11 @@ async def gateway() -> AsyncIterator[Gateway]:
 
 async def test_a_tool_loop_is_one_segment_of_exactly_the_engines_tokens(gateway: Gateway) -> None:
     spec = AgentSpec(program="toy_agents:calculator")
-    trajectories, outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
+    episodes, outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
     assert (outcome.status, outcome.reward.total) == ("ok", 1.0)
     engine: Any = gateway.engine
     first, second = engine.replies.prompts  # the call with the tool's result extended the first
-    [t] = trajectories
+    [(t, timing)] = episodes
     assert second[:len(first)] == first and tuple(second) == t.token_ids[:len(second)]
     # trained: exactly the two generations; everything else (prompt, tool result) masked
     trained = [tok for tok, m in zip(t.token_ids, t.loss_mask, strict=True) if m]
@@ -59,8 +60,8 @@ async def test_a_tool_loop_is_one_segment_of_exactly_the_engines_tokens(gateway:
     assert t.reward == 1.0 and t.end_reason == "done" and t.metrics["agent/calls"] == 2.0
     assert {v for v, m in zip(t.versions, t.loss_mask, strict=True) if m} == {engine.version}
     # PolyTrace: two turns, the first a tool call (the program's time between the calls)
-    assert [turn.finish_reason for turn in t.turns] == ["tool_calls", "stop"]
-    assert [c.name for c in t.tool_calls] == ["agent"]
+    assert [turn.finish_reason for turn in timing.turns] == ["tool_calls", "stop"]
+    assert [c.name for c in timing.tool_calls] == ["agent"]
     stages = [s.stage for s in gateway.recorder.spans]
     assert stages.count("generate") == 2 and stages.count("tool_call") == 1
 
@@ -85,9 +86,10 @@ async def test_a_rewritten_history_starts_a_segment_and_each_is_a_sample(gateway
         await chat(gateway, key, model="m", messages=[{"role": "user", "content": "summary"}])
     from envs.agent import AgentOutcome
     from envs.base import Reward
-    trajectories = episode.trajectories(AgentOutcome(Reward(0.5)), 7, {})
-    assert len(trajectories) == 2 and all(t.reward == 0.5 for t in trajectories)
-    assert [len(t.turns) for t in trajectories] == [2, 1]
+    segments = episode.trajectories(AgentOutcome(Reward(0.5)), 7, {}, itertools.count())
+    assert len(segments) == 2 and all(t.reward == 0.5 for t, _ in segments)
+    assert [len(timing.turns) for _, timing in segments] == [2, 1]
+    assert [t.sample_index for t, _ in segments] == [0, 1]
 
 
 async def test_keys_missing_unknown_or_expired_get_401_and_record_nothing(gateway: Gateway) -> None:
@@ -173,9 +175,9 @@ async def test_completions_extend_by_text(gateway: Gateway) -> None:
 
 async def test_a_sync_client_from_a_worker_thread(gateway: Gateway) -> None:
     spec = AgentSpec(program="toy_agents:calculator_sync")
-    trajectories, outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
-    assert (outcome.status, outcome.reward.total, len(trajectories)) == ("ok", 1.0, 1)
-    assert trajectories[0].metrics["agent/calls"] == 2.0
+    segments, outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
+    assert (outcome.status, outcome.reward.total, len(segments)) == ("ok", 1.0, 1)
+    assert segments[0][0].metrics["agent/calls"] == 2.0
 
 
 async def test_a_call_after_the_episode_or_one_left_in_flight_fails_it(gateway: Gateway) -> None:
@@ -202,17 +204,17 @@ async def test_a_call_after_the_episode_or_one_left_in_flight_fails_it(gateway: 
 
 async def test_an_agents_sdk_runner_with_a_function_tool(gateway: Gateway) -> None:
     spec = AgentSpec(program="toy_agents:agents_sdk")
-    trajectories, outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
+    episodes, outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
     assert (outcome.status, outcome.reward.total) == ("ok", 1.0), outcome.error
     # the Runner sent the tool's result after the call it answered: one segment of two turns
-    [t] = trajectories
-    assert t.metrics["agent/calls"] == 2.0 and len(t.turns) == 2
+    [(t, timing)] = episodes
+    assert t.metrics["agent/calls"] == 2.0 and len(timing.turns) == 2
 
 
 async def test_a_transcript_is_scored_by_the_envs_reward_functions(gateway: Gateway) -> None:
     spec = AgentSpec(program="toy_agents:transcript",
                      rewards={"toy_agents:transcript_digits": 2.0})
-    [t], outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
+    [(t, _)], outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
     # the scripted reply (no tools offered, so it stays text): a call with two digits in it
     call = HermesParser.format("add", {"a": 3, "b": 4})
     share = sum(c.isdigit() for c in call) / len(call)

@@ -29,7 +29,7 @@ ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip i
 from helpers import REPO, quick_config, run_spans, run_step_files
 from ray.cluster_utils import Cluster
 
-from orchestrator.__main__ import explain
+from orchestrator.config import explain
 from orchestrator.errors import ConfigError
 from orchestrator.launch.ray import TrainerLost, WeightsLost
 from orchestrator.main import run

@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip i
 from helpers import quick_config, run_spans
 from ray.cluster_utils import Cluster
 
-from orchestrator.__main__ import explain
+from orchestrator.config import explain
 from orchestrator.launch.ranks import RankLost
 from orchestrator.main import run
 from orchestrator.resume import RunState

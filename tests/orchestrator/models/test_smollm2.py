@@ -20,7 +20,7 @@ from orchestrator.models.gguf import load_gguf, packaged_gguf
 from orchestrator.models.policy import build_policy, checkpoint_dir
 from orchestrator.models.tokenizer import TOOLS_PREAMBLE
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_episode
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 
@@ -131,9 +131,9 @@ async def test_a_multi_turn_episode_keeps_the_sampled_ids_that_reencoding_would_
     sampled = tok.encode(word[:3]) + tok.encode(word[3:])
     assert tok.decode(sampled) == word and sampled != canonical  # decode -> encode changes ids
     spec = _Spec()
-    trajectory = await run_episode(_Sampled(sampled), tok, spec, spec.tasks("train")[0],
-                                   RolloutConfig(group_size=1, max_tokens=8, max_turns=2),
-                                   Recorder(), "w")
+    runner = EpisodeRunner(_Sampled(sampled), tok, spec,
+                           RolloutConfig(group_size=1, max_tokens=8, max_turns=2), Recorder())
+    trajectory, _ = await runner.episode(spec.tasks("train")[0], "w")
     ids = list(trajectory.token_ids)
     generated = [t for t, m in zip(ids, trajectory.loss_mask, strict=True) if m]
     stop = tok.stop_ids[0]

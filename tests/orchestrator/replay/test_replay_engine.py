@@ -72,15 +72,16 @@ def test_the_engine_in_virtual_time_matches_the_standalone_model() -> None:
     result = run_virtual(replay, plans, fit, ReplayConfig(groups_per_step=None, num_steps=1))
     (report,) = result.reports
     trajectories = [t for g in report.groups for t in g.trajectories]
-    assert len(trajectories) == 6
-    latencies = [turn.latency for t in trajectories for turn in t.turns]
+    timings = [e for g in report.timings for e in g.episodes]
+    assert len(trajectories) == len(timings) == 6
+    latencies = [turn.latency for e in timings for turn in e.turns]
     assert sorted(latencies) == pytest.approx(sorted(expected_latencies))
-    e2e = [t.finished_at - t.started_at for t in trajectories]
+    e2e = [e.finished_at - e.started_at for e in timings]
     assert sorted(e2e) == pytest.approx(sorted(expected_e2e))
-    t = trajectories[0]
-    assert [turn.completion_tokens for turn in t.turns] in [[5 + i, 3 * i + 1, 4] for i in range(6)]
+    t, e = trajectories[0], timings[0]
+    assert [turn.completion_tokens for turn in e.turns] in [[5 + i, 3 * i + 1, 4] for i in range(6)]
     assert len(t.token_ids) == t.prompt_tokens + sum(x.completion_tokens + x.observation_tokens
-                                                     for x in t.turns)
+                                                     for x in e.turns)
     # The trainer cost model: rollout share 0.7 of (makespan 10 s) -> 10 * 0.3 / 0.7 per 1000 tokens.
     train = result.recorder.of("train_step")[0]
     tokens = sum(len(t.token_ids) for t in trajectories)

@@ -52,8 +52,7 @@ def test_the_simulated_trainer_is_a_trainer() -> None:
     trajectory = Trajectory(prompt_id=0, sample_index=0, token_ids=(1, 2, 3, 4),
                             loss_mask=(True,) * 4, logprobs=(0.0,) * 4, versions=(0,) * 4,
                             reward=0.0, start_version=0, finish_reason=FinishReason.STOP)
-    groups = [Group(prompt_id=0, trajectories=(trajectory,), start_version=0, started_at=0.0,
-                    finished_at=0.0)]
+    groups = [Group(prompt_id=0, trajectories=(trajectory,), start_version=0)]
 
     async def step() -> tuple[dict[str, float], int, float]:
         stats = await trainer.step(groups)
@@ -74,7 +73,7 @@ def test_experiment_replay_composes_only_what_it_uses() -> None:
         assert OmegaConf.select(cfg, key) is None, key
     parts = replay_parts(cfg)
     assert isinstance(parts.trainer, SimulatedTrainer)
-    assert parts.warm_start is None and not parts.eval_tasks and parts.snapshot_trainer is None
+    assert parts.warm_start is None and not parts.eval_tasks and parts.checkpoint is None
     assert parts.anyio_backend == "trio" and parts.pipeline.batch_size == 16 * 8
     # a checkpoint's model swaps in for any experiment on the command line, replay included
     assert composed("experiment=replay", "model=hf", "model.path=/x").model.path == "/x"

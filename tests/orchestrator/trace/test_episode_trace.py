@@ -21,9 +21,16 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.evaluate import evaluate
 from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig, run_episode
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.trace.writer import TraceWriter, workload_record
-from orchestrator.types import FinishReason, Group, ToolTiming, Trajectory
+from orchestrator.types import (
+    EpisodeTiming,
+    FinishReason,
+    Group,
+    GroupTiming,
+    ToolTiming,
+    Trajectory,
+)
 
 pytestmark = pytest.mark.anyio
 TASK = Task(id=0, messages=({"role": "user", "content": "who?"},), answer="ann")
@@ -88,7 +95,7 @@ ROLLOUT = RolloutConfig(group_size=1, max_tokens=200, max_turns=3)
 async def test_tool_calls_and_spans_are_read_from_the_recorders_clock() -> None:
     clock = ManualClock()
     recorder, spec = Recorder(clock=clock), LookupSpec(clock)
-    assert await evaluate(engine(clock), TOK, spec, [TASK], ROLLOUT, recorder) == 1.0
+    assert await evaluate(EpisodeRunner(engine(clock), TOK, spec, ROLLOUT, recorder), [TASK]) == 1.0
     assert spec.clock is recorder.clock  # evaluate handed the recorder's clock to the spec
     (record,) = spec.envs[0].episode.tool_calls  # type: ignore[union-attr]
     (span,) = recorder.of("tool_call")
@@ -104,8 +111,9 @@ async def test_the_pipeline_hands_its_recorders_clock_to_the_spec() -> None:
 
     clock = ManualClock()
     recorder, spec = Recorder(clock=clock), LookupSpec(clock)
-    Pipeline(PipelineConfig(batch_size=1, num_workers=1), ROLLOUT, engine(clock), Trainer(),  # type: ignore[arg-type]
-             TOK, spec, TaskSampler(spec.tasks("train")), recorder)
+    runner = EpisodeRunner(engine(clock), TOK, spec, ROLLOUT, recorder)
+    Pipeline(PipelineConfig(batch_size=1, num_workers=1), runner, Trainer(),  # type: ignore[arg-type]
+             TaskSampler(spec.tasks("train")))
     assert spec.clock is recorder.clock
 
 
@@ -113,10 +121,11 @@ async def test_tool_metadata_reaches_the_written_record_untouched(tmp_path: Path
     clock = ManualClock()
     recorder, spec = Recorder(clock=clock), LookupSpec(clock)
     spec.use_clock(recorder.clock)
-    t = await run_episode(engine(clock), TOK, spec, TASK, ROLLOUT, recorder, "w")
-    (call,) = t.tool_calls
+    t, timing = await EpisodeRunner(engine(clock), TOK, spec, ROLLOUT, recorder).episode(TASK, "w")
+    (call,) = timing.tool_calls
     assert call.metadata == METADATA and call.start == 1.0 and call.latency == 5.0
-    TraceWriter(tmp_path, codec="none").write_step(0, 0, [Group(0, (t,), 0, 0.0, 1.0)])
+    TraceWriter(tmp_path, codec="none").write_step(0, 0, [Group(0, (t,), 0)],
+                                                   [GroupTiming(0.0, 1.0, (timing,))])
     raw = json.loads((tmp_path / "multiturn_workload_step_0.jsonl").read_text())
     assert [c["query_count"] for c in raw["tool_calls"]] == [3]
     # the writer owns the published name; the runner reads no tool's keys
@@ -127,5 +136,6 @@ def test_a_call_whose_tool_reported_no_query_count_counts_one() -> None:
     call = ToolTiming(0, "python", "ok", 0.0, 0.1, metadata={"exit_code": 0})
     trajectory = Trajectory(prompt_id=0, sample_index=0, token_ids=(1,), loss_mask=(False,),
                             logprobs=(0.0,), versions=(-1,), reward=0.0, start_version=0,
-                            finish_reason=FinishReason.STOP, tool_calls=(call,), prompt_tokens=1)
-    assert workload_record(trajectory, 0).tool_calls[0].query_count == 1
+                            finish_reason=FinishReason.STOP, prompt_tokens=1)
+    timing = EpisodeTiming("w", 0.0, 0.1, tool_calls=(call,))
+    assert workload_record(trajectory, timing, 0).tool_calls[0].query_count == 1

@@ -16,7 +16,7 @@ from orchestrator.recorder import Recorder, read_spans, spans_path
 from orchestrator.trace import TraceDir
 from orchestrator.trace.__main__ import main
 from orchestrator.trace.writer import TraceWriter, drop_steps_from
-from orchestrator.types import FinishReason, Group, Trajectory
+from orchestrator.types import EpisodeTiming, FinishReason, Group, GroupTiming, Trajectory
 
 STEPS = 7
 
@@ -26,8 +26,12 @@ def group(step: int, i: int) -> Group:
     t = Trajectory(prompt_id=step * 10 + i, sample_index=0, token_ids=tuple(range(4 + n)),
                    loss_mask=(False,) * 4 + (True,) * n, logprobs=(0.0,) * (4 + n),
                    versions=(step,) * (4 + n), reward=float(i % 2), start_version=step,
-                   finish_reason=FinishReason.STOP, prompt_tokens=4, max_tokens=16, worker=f"rollout-{i}")
-    return Group(step * 10 + i, (t,), step, 0.0, 1.0)
+                   finish_reason=FinishReason.STOP, prompt_tokens=4, max_tokens=16)
+    return Group(step * 10 + i, (t,), step)
+
+
+def timing(i: int) -> GroupTiming:
+    return GroupTiming(0.0, 1.0, (EpisodeTiming(f"rollout-{i}", 0.0, 1.0),))
 
 
 def write(directory: Path, codec: str, roll_steps: int = 3, crashed: Path | None = None) -> None:
@@ -35,7 +39,8 @@ def write(directory: Path, codec: str, roll_steps: int = 3, crashed: Path | None
     closes them: what a process killed after its last step leaves on disk."""
     writer = TraceWriter(directory, codec=codec, roll_steps=roll_steps)  # type: ignore[arg-type]
     for step in range(STEPS):
-        writer.write_step(step, step, [group(step, i) for i in range(3)])
+        writer.write_step(step, step, [group(step, i) for i in range(3)],
+                          [timing(i) for i in range(3)])
     if crashed is not None:
         shutil.copytree(directory, crashed)
     writer.close()

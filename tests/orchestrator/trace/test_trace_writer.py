@@ -15,7 +15,15 @@ from orchestrator.trace import NAMESPACE, TraceDir, iter_records
 from orchestrator.trace.summarize import summarize
 from orchestrator.trace.timeline import trace_events
 from orchestrator.trace.writer import TraceWriter, loss_mask_rle, workload_record
-from orchestrator.types import FinishReason, Group, ToolTiming, Trajectory, TurnTiming
+from orchestrator.types import (
+    EpisodeTiming,
+    FinishReason,
+    Group,
+    GroupTiming,
+    ToolTiming,
+    Trajectory,
+    TurnTiming,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -27,14 +35,19 @@ def trajectory(prompt_id: int, sample: int) -> Trajectory:
     return Trajectory(
         prompt_id=prompt_id, sample_index=sample, token_ids=tuple(range(n)), loss_mask=mask,
         logprobs=(0.0,) * n, versions=(-1,) * n, reward=1.0, start_version=2,
-        finish_reason=FinishReason.STOP, end_reason="done",
+        finish_reason=FinishReason.STOP, end_reason="done", prompt_tokens=prompt, max_tokens=8,
+    )
+
+
+def timing() -> EpisodeTiming:
+    prompt, turn0, obs, turn1 = 5, 3, 4, 2
+    return EpisodeTiming(
+        worker="rollout-1", started_at=0.5, finished_at=3.0, reward_seconds=0.01,
         turns=(
             TurnTiming(0, 0.5, 1.25, prompt, 0, turn0, 8, turn0 - 1, "tool_calls", 1, 2, obs),
             TurnTiming(1, 2.0, 0.75, prompt + turn0 + obs, 7, turn1, 8, turn1 - 1, "stop", 0, 3),
         ),
         tool_calls=(ToolTiming(0, "search", "ok", 1.75, 0.2, None, {"query_count": 2}, 3, obs),),
-        prompt_tokens=prompt, max_tokens=8, started_at=0.5, finished_at=3.0,
-        reward_seconds=0.01, worker="rollout-1",
     )
 
 
@@ -44,13 +57,13 @@ def test_loss_mask_rle() -> None:
 
 
 def test_write_then_read_gives_equal_records(tmp_path: Path) -> None:
-    groups = [Group(p, tuple(trajectory(p, s) for s in range(2)), 2, 0.0, 3.0, queue_wait=0.25)
-              for p in range(3)]
-    TraceWriter(tmp_path, codec="none").write_step(4, 3, groups)
+    groups = [Group(p, tuple(trajectory(p, s) for s in range(2)), 2) for p in range(3)]
+    timings = [GroupTiming(0.0, 3.0, (timing(), timing()), queue_wait=0.25) for _ in groups]
+    TraceWriter(tmp_path, codec="none").write_step(4, 3, groups, timings)
     trace = TraceDir.open(tmp_path)
     assert trace.steps() == [4] and trace.steps("reward_timings") == [4]
     written = list(trace.workload(4))
-    expected = [workload_record(t, 4, 3, 0.25) for g in groups for t in g.trajectories]
+    expected = [workload_record(t, timing(), 4, 3, 0.25) for g in groups for t in g.trajectories]
     assert written == expected
     record = written[0]
     assert record.turn_count == 2 and record.tool_call_count == 1
