@@ -3,10 +3,12 @@ prompt) and a composed config for a seconds-long run of any experiment."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -41,6 +43,25 @@ def virtual_time() -> tuple[str, dict[str, Any]]:
     from trio.testing import MockClock
 
     return "trio", {"clock": MockClock(autojump_threshold=0)}
+
+
+@contextmanager
+def threads_held() -> Iterator[anyio.CapacityLimiter]:
+    """Every free token of anyio's default thread limiter held: a task that tries to start a
+    worker thread meanwhile (a decode step, an optimiser step) waits for one instead, and
+    ``limiter.statistics().tasks_waiting`` counts it. With
+    :func:`anyio.wait_all_tasks_blocked` that proves, without waiting "long enough", that
+    nothing started computing: everything runnable ran and parked somewhere else."""
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    holders: list[object] = []
+    while limiter.available_tokens >= 1:
+        holders.append(object())
+        limiter.acquire_on_behalf_of_nowait(holders[-1])
+    try:
+        yield limiter
+    finally:
+        for holder in holders:
+            limiter.release_on_behalf_of(holder)
 
 
 def engine_for(policy: Policy, cls: type[TorchEngine] | None = None, **kwargs: Any) -> TorchEngine:

@@ -14,12 +14,12 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from helpers import engine_for, threads_held
 
 from orchestrator.engines.torch_engine import BATCHING, SlotCache, TorchEngine
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
-from helpers import engine_for
 
 pytestmark = pytest.mark.anyio
 
@@ -431,11 +431,12 @@ async def test_requests_sent_while_paused_join_the_running_batch_on_resume(tiny:
                 tg.start_soon(run, 0, long_prompt, 30)
                 await engine.steps(3)  # decode step 4 is held
                 await pause_after_held_step(engine)
-                for i, prompt in enumerate(short_prompts, 1):
-                    tg.start_soon(run, i, prompt, 5)
-                await anyio.wait_all_tasks_blocked()
-                await anyio.sleep(0.05)
-                assert engine.decodes == 4 and not finished, "a token was produced while paused"
+                with threads_held() as threads:
+                    for i, prompt in enumerate(short_prompts, 1):
+                        tg.start_soon(run, i, prompt, 5)
+                    await anyio.wait_all_tasks_blocked()
+                    assert threads.statistics().tasks_waiting == 0, "a step started while paused"
+                    assert engine.decodes == 4 and not finished
                 await engine.resume()
     assert finished[-1] == 0  # both joined the long one's batch and finished first
     assert max(engine.resident) == 3
@@ -485,8 +486,10 @@ async def test_weights_updated_mid_generation_continue_under_the_new_version(
         async def swap_weights() -> None:  # what weight sync does, in one task
             await engine.pause()
             paused_at.append(engine.decodes)
-            await anyio.sleep(0.05)
-            assert engine.decodes == paused_at[0], "a token was produced while paused"
+            with threads_held() as threads:
+                await anyio.wait_all_tasks_blocked()
+                assert threads.statistics().tasks_waiting == 0, "a step started while paused"
+            assert engine.decodes == paused_at[0]
             await engine.update_weights(WeightUpdate.by_reference(1, new_weights, leased=False))
             assert engine.version == 1
             await engine.resume()
@@ -587,9 +590,11 @@ async def test_pause_blocks_new_tokens_until_resume(tiny: Any, batching: str) ->
                 async def run() -> None:
                     result.append(await engine.generate(prompt, SamplingParams(max_tokens=3)))
 
-                tg.start_soon(run)
-                await anyio.sleep(0.1)
-                assert result == []
+                with threads_held() as threads:
+                    tg.start_soon(run)
+                    await anyio.wait_all_tasks_blocked()
+                    assert threads.statistics().tasks_waiting == 0, "a step started while paused"
+                    assert result == []
                 await engine.resume()
     assert len(result[0].token_ids) == 3
 

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from helpers import engine_for
+from helpers import engine_for, threads_held
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
@@ -261,9 +261,12 @@ def test_weights_are_shared_by_reference_and_the_next_step_waits_for_their_relea
         assert tensor.data_ptr() == tiny.model.state_dict()[name].data_ptr()  # no copy
         before = tensor.clone()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(trainer.step, groups)
-            await anyio.sleep(0.2)  # the step must not touch the tensors the engine reads
-            assert trainer.version == 0 and torch.equal(tensor, before)
+            with threads_held() as threads:
+                tg.start_soon(trainer.step, groups)
+                await anyio.wait_all_tasks_blocked()
+                # the step waits for the release before it computes: no thread, tensors intact
+                assert threads.statistics().tasks_waiting == 0
+                assert trainer.version == 0 and torch.equal(tensor, before)
             update.release()
         assert trainer.version == 1 and not torch.equal(tensor, before)
 
