@@ -63,7 +63,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from envs.replay import EpisodePlan
-from orchestrator.pipeline import PipelineConfig, StepReport
+from orchestrator.pipeline import PipelineConfig
 from orchestrator.replay import (
     EngineFit,
     ReplayConfig,
@@ -77,6 +77,7 @@ from orchestrator.replay.bound import Bound, BoundMeter, mean_tokens, workload_b
 from orchestrator.replay.run import TrainerModel
 from orchestrator.trace.generate import generate_workload
 from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
+from orchestrator.types import StepReport
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from itertools import cycle
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import torch
@@ -283,8 +283,7 @@ def training(budget: Budget, threads: int) -> dict[str, float]:
 
     cfg = experiment("torch_threads=null", *budget.shrink, base=base_args(EXPERIMENT))
     parts = training_parts(cfg)
-    trainer = parts.trainer
-    assert isinstance(trainer, TorchTrainer)
+    trainer = cast(TorchTrainer, parts.trainer)  # launcher=local builds the one the config names
     rollout = parts.rollout
     size = budget.groups or parts.pipeline.batch_size // rollout.group_size
     tasks = list(parts.spec.tasks("train"))

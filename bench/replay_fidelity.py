@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     print(f"standalone model: makespan_err={standalone.makespan_error:+.2%} "
           f"median_e2e_err={standalone.median_e2e_error:+.2%} ks={standalone.latency_ks:.3f}")
-    print(f"pipeline replay ({len(trajectories)} trajectories, {replay_seconds:.1f} s real, "
+    print(f"pipeline replay ({len(episodes)} trajectories, {replay_seconds:.1f} s real, "
           f"{result.wall:.0f} s virtual incl. train step):")
     rows = [
         ("rollout makespan s", max(observed_e2e), max(e2e), makespan_error, 0.05),

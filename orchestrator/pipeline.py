@@ -49,7 +49,7 @@ import random
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import anyio
@@ -64,7 +64,7 @@ from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.rollout import EpisodeRunner
 from orchestrator.staleness import StalenessController, admission_budget
 from orchestrator.trainer.base import Trainer
-from orchestrator.types import FinishReason, Group, GroupTiming, TimedGroup
+from orchestrator.types import FinishReason, StepReport, TimedGroup
 from orchestrator.weights import WeightUpdate
 
 
@@ -119,30 +119,6 @@ class PipelineConfig:
                 f"pipeline.batch_size={self.batch_size} must be a positive multiple of "
                 f"rollout.group_size={group_size}"
             )
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """Everything about one train step, for loggers and tests."""
-
-    step: int
-    version: int  # the version the batch was trained at (the new weights are version + 1)
-    metrics: dict[str, float]
-    rewards: tuple[float, ...]
-    staleness: tuple[int, ...]  # per trained sample: version - start version
-    start_versions: tuple[int, ...]
-    dropped_total: int
-    samples: int
-    tokens: int  # generated (trained) tokens in the batch
-    elapsed: float  # seconds since the previous step's report
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    length_capped: int = 0  # samples that ran into rollout.max_tokens
-    groups: tuple[Group, ...] = ()  # the trained batch, for trace writers
-    timings: tuple[GroupTiming, ...] = ()  # and when its groups ran (groups' order)
-
-    @property
-    def reward_mean(self) -> float:
-        return sum(self.rewards) / max(len(self.rewards), 1)
 
 
 class TaskSampler:

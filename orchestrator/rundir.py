@@ -32,11 +32,11 @@ from envs.base import Clock
 from orchestrator.jsonl import CODEC, Codec
 from orchestrator.loggers.base import JsonlMetrics, Logger
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.pipeline import StepReport
 from orchestrator.recorder import PLAIN_SPANS, SPANS_DIR, Recorder, spans_path
 from orchestrator.trace.reader import RUN_TRACE
 from orchestrator.trace.timeline import write_timeline
 from orchestrator.trace.writer import TraceWriter
+from orchestrator.types import StepReport
 
 SAMPLES_PER_STEP = 4
 TIMELINE = "timeline.json"

@@ -38,11 +38,12 @@ from orchestrator.errors import ConfigError, RunAborted
 from orchestrator.evaluate import evaluate
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.pipeline import PeriodicEval, Pipeline, PipelineConfig, StepReport, TaskSampler
+from orchestrator.pipeline import PeriodicEval, Pipeline, PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.resume import RunState, capture_rng
 from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.trainer.base import Snapshot, Trainer
+from orchestrator.types import StepReport
 from orchestrator.weights import WeightUpdate
 
 log = logging.getLogger(__name__)

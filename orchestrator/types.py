@@ -180,3 +180,27 @@ class TimedGroup:
 
     def __len__(self) -> int:
         return len(self.group)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """Everything about one train step, for loggers and tests."""
+
+    step: int
+    version: int  # the version the batch was trained at (the new weights are version + 1)
+    metrics: dict[str, float]
+    rewards: tuple[float, ...]
+    staleness: tuple[int, ...]  # per trained sample: version - start version
+    start_versions: tuple[int, ...]
+    dropped_total: int
+    samples: int
+    tokens: int  # generated (trained) tokens in the batch
+    elapsed: float  # seconds since the previous step's report
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    length_capped: int = 0  # samples that ran into rollout.max_tokens
+    groups: tuple[Group, ...] = ()  # the trained batch, for trace writers
+    timings: tuple[GroupTiming, ...] = ()  # and when its groups ran (groups' order)
+
+    @property
+    def reward_mean(self) -> float:
+        return sum(self.rewards) / max(len(self.rewards), 1)

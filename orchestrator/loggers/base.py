@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.pipeline import StepReport
-from orchestrator.types import Trajectory
+from orchestrator.types import StepReport, Trajectory
 
 
 def step_metrics(report: StepReport) -> dict[str, float]:
@@ -54,7 +53,7 @@ class Logger(ABC):
     # A resumed run's logger continues the run it logged before (``run_id`` from then).
     resume_id: str | None = None
 
-    def start(self, config: dict[str, Any], run_dir: Path) -> None:  # noqa: B027
+    def start(self, config: dict[str, Any], run_dir: Path) -> None:
         pass
 
     @property
@@ -65,10 +64,10 @@ class Logger(ABC):
     @abstractmethod
     def log_step(self, report: StepReport) -> None: ...
 
-    def log(self, metrics: dict[str, float], step: int) -> None:  # noqa: B027
+    def log(self, metrics: dict[str, float], step: int) -> None:
         pass
 
-    def finish(self, failed: bool = False) -> None:  # noqa: B027
+    def finish(self, failed: bool = False) -> None:
         pass
 
 

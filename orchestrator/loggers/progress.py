@@ -26,7 +26,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from orchestrator.pipeline import StepReport
+from orchestrator.types import StepReport
 
 log = logging.getLogger("orchestrator.progress")
 

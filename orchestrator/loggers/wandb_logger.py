@@ -14,7 +14,7 @@ from typing import Any
 
 from orchestrator.errors import ConfigError
 from orchestrator.loggers.base import Logger, step_metrics
-from orchestrator.pipeline import StepReport
+from orchestrator.types import StepReport
 
 _MODES = ("auto", "online", "offline", "disabled")
 

@@ -79,9 +79,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from envs.replay import EpisodePlan
-from orchestrator.pipeline import StepReport
 from orchestrator.recorder import Recorder
 from orchestrator.replay.model import ServerParams
+from orchestrator.types import StepReport
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from envs.arithmetic import ArithmeticSpec
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import Pipeline, PipelineConfig, StepReport, TaskSampler
+from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder, Span
 from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.types import (
@@ -26,6 +26,7 @@ from orchestrator.types import (
     Group,
     GroupTiming,
     SamplingParams,
+    StepReport,
     TimedGroup,
     Trajectory,
 )

@@ -12,7 +12,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.loggers.base import JsonlMetrics, NullLogger, step_metrics
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.loggers.wandb_logger import WandbLogger
-from orchestrator.pipeline import StepReport
+from orchestrator.types import StepReport
 
 
 def report(step: int = 2) -> StepReport:

@@ -11,9 +11,8 @@ from helpers import peak_concurrency
 from hydra import compose, initialize_config_dir
 
 from orchestrator.main import training_parts
-from orchestrator.pipeline import StepReport
 from orchestrator.runloop import RunResult, run_session
-from orchestrator.types import Trajectory
+from orchestrator.types import StepReport, Trajectory
 
 REPO = Path(__file__).resolve().parents[3]
 

