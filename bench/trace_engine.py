@@ -20,9 +20,9 @@ chunk is stamped with the version current when it ran, and pause/resume hold a
 :class:`~orchestrator.gate.Gate` exclusively. ``model`` and ``weights`` are accepted so an
 ``EngineRecipe`` can build it like any engine; ``weights`` only sets the starting version. A
 weight update from another process (bytes, a file, the object store) is pulled in a worker
-thread, as a real engine would before loading it, and then dropped. Engines built from one recipe with a ``seed`` draw
-the same sequence of lengths (a benchmark comparing engine counts then compares like with
-like); with ``seed=None`` each draws its own.
+thread, as a real engine would before loading it, and then dropped. Engines built from one
+recipe with a ``seed`` draw the same sequence of lengths (a benchmark comparing engine counts
+then compares like with like); with ``seed=None`` each draws its own.
 
 Limits: prefill runs concurrently with decoding (the model serialises it), there is no slot
 cap or KV-cache pressure, and a trajectory's turns and tool calls are folded into one

@@ -18,11 +18,11 @@ model advances event to event (arrival, prefill done, request done) in ``O(log n
 token by token: a 2,048-trajectory step takes well under a second of CPU.
 
 :class:`ServerModel` is pure (the caller supplies the time): the replay engine
-(:mod:`orchestrator.replay.engine`) drives it in (virtual) time, and the fit
+(:class:`orchestrator.replay.engine.FluidServer`) drives it in (virtual) time, and the fit
 (:mod:`orchestrator.replay.fit`) replays trace steps through it closed-loop. Limits: a fit
 of a traced deployment is one aggregate server (its engines pooled; ``replay.engines``
-replicates it, :mod:`orchestrator.replay.router`), no preemption or KV-cache pressure,
-prefix-cache hits taken from the trace (a replica that did not serve an episode's previous
+replicates it, :func:`orchestrator.replay.engine.replay_router`), no preemption or KV-cache
+pressure, prefix-cache hits taken from the trace (a replica that did not serve an episode's previous
 turn misses, :mod:`orchestrator.replay.engine`).
 """
 

@@ -1,6 +1,6 @@
 """Replay at cluster scale and its scheduling policies: engine replicas behind the router, per-token
 versions across weight updates, the trainer cost model, the throughput bound, and the staleness
-invariant of every policy (orchestrator/replay/router.py, engine.py, bound.py, run.py)."""
+invariant of every policy (orchestrator/engines/router.py, replay/engine.py, bound.py, run.py)."""
 
 from __future__ import annotations
 
