@@ -154,3 +154,8 @@ class EnvSpec(ABC):
         """What the environment needs for the whole run (a sandbox pool, a service), held
         while the run's episodes go on; the runner enters it once around all of them."""
         yield
+
+    def metrics(self) -> dict[str, float]:
+        """Counters of what the environment's services rode out (``faults/sandbox_lost``, …),
+        added to each step's metrics: totals since :meth:`running` was entered."""
+        return {}

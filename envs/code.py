@@ -177,6 +177,9 @@ class CodeSpec(EnvSpec):
             finally:
                 self.pool = None
 
+    def metrics(self) -> dict[str, float]:
+        return self.pool.metrics() if self.pool is not None else {}
+
     def _pool(self) -> SandboxPool:
         if self.pool is None:
             raise EnvNotRunning("the code environment's sandbox pool is not running: run its "

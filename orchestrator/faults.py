@@ -1,4 +1,5 @@
-"""Fault injection for the crash-and-resume tests: ``POLYRL_KILL_AT=<point>@<version>``.
+"""Fault injection for the crash-and-resume tests (``POLYRL_KILL_AT=<point>@<version>``), and
+the run's fault counters across resumes.
 
 A run started with that variable SIGKILLs itself the first time it passes ``point`` at policy
 version ``version`` or later: no handler runs, no file is closed, exactly as when a machine
@@ -6,14 +7,41 @@ dies. The points are ``generate`` (a rollout starting, other episodes in flight)
 ``train_step`` (between the backward pass and the optimiser step), ``weight_sync`` (the
 engine paused, the weights not loaded) and ``checkpoint`` (the files written, not the
 manifest). Unset, :func:`kill_point` costs one dictionary lookup.
+
+Fault counters (``faults/…`` in each step's metrics: engines restarted, sandbox containers
+lost, Docker outages, resumes, …) are totals of the whole run. Each process counts from zero;
+:func:`add_faults` adds the earlier processes' totals, which the pipeline keeps in its state
+(so a checkpoint carries them), and :func:`resumed_faults` takes, on resume, the larger of
+the checkpoint's and the last ones recorded before the crash (the records of the steps being
+redone are cut, but the faults they counted happened), plus this resume.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Mapping
 
 ENV = "POLYRL_KILL_AT"
+PREFIX = "faults/"
+RESUMES = "faults/resumes"  # the run went on from a checkpoint (a new driver, or in-process)
+
+
+def add_faults(before: Mapping[str, float], now: Mapping[str, float]) -> dict[str, float]:
+    """The whole run's fault counters: ``before`` (earlier processes) plus this process's
+    ``faults/…`` entries of ``now``."""
+    keys = {k for k in (*before, *now) if k.startswith(PREFIX)}
+    return {k: float(before.get(k, 0.0)) + float(now.get(k, 0.0)) for k in sorted(keys)}
+
+
+def resumed_faults(checkpoint: Mapping[str, float],
+                   recorded: Mapping[str, float]) -> dict[str, float]:
+    """The counters a resumed process starts from: per counter the larger of the checkpoint's
+    and those last recorded before the crash, and one more resume."""
+    keys = set(checkpoint) | set(recorded)
+    totals = {k: max(float(checkpoint.get(k, 0.0)), float(recorded.get(k, 0.0))) for k in keys}
+    totals[RESUMES] = totals.get(RESUMES, 0.0) + 1
+    return totals
 
 
 def kill_point(point: str, version: int) -> None:

@@ -35,6 +35,7 @@ from orchestrator.config import build_env, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.errors import ConfigError
 from orchestrator.evaluate import evaluate
+from orchestrator.faults import resumed_faults
 from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRecipe
 from orchestrator.loggers.base import Logger
 from orchestrator.models.policy import build_tokenizer
@@ -106,6 +107,9 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path,
         logger.resume_id = resume.logger_run_id
     out = RunDir(run_dir, OmegaConf.to_container(cfg, resolve=True), [logger],  # type: ignore[arg-type]
                  parts.rollout.max_total_tokens, resume_step=resume.step if resume else None)
+    if resume is not None:  # the fault counters go on from the whole run's, this resume counted
+        resume.pipeline["faults"] = resumed_faults(resume.pipeline.get("faults", {}),
+                                                   out.faults_recorded)
     checkpointer = None
     if parts.checkpoint is not None:
         checkpointer = Checkpointer(

@@ -58,7 +58,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 from envs.base import Task
 from orchestrator.engines.base import sync_weights
 from orchestrator.errors import ConfigError
-from orchestrator.faults import kill_point
+from orchestrator.faults import add_faults, kill_point
 from orchestrator.gate import Gate
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.rollout import EpisodeRunner
@@ -222,6 +222,8 @@ class Pipeline:
         self.evaluation = evaluation
         self._evaluated: dict[str, float] = {}  # a finished periodic eval, for the next report
         self._evaluating = False  # one periodic eval at a time: a due one is skipped
+        self.faults_before: dict[str, float] = {}  # the run's earlier processes' fault counters
+        self.faults: dict[str, float] = {}  # the whole run's, as of the last report
 
     async def run(self) -> list[StepReport]:
         groups_per_batch = self.config.batch_size // self.rollout.group_size
@@ -244,15 +246,18 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs of the pipeline to go on from the end of the last step: the
-        next step, the samples dropped as stale so far, the task sampler."""
+        next step, the samples dropped as stale so far, the task sampler, the run's fault
+        counters (:mod:`orchestrator.faults`)."""
         return {"step": self.step, "dropped": self.staleness.dropped,
-                "sampler": self.sampler.state_dict()}
+                "sampler": self.sampler.state_dict(), "faults": dict(self.faults)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from a checkpoint's :meth:`state_dict` (before :meth:`run`)."""
         self.step = int(state["step"])
         self.staleness.dropped = int(state["dropped"])
         self.sampler.load_state_dict(state["sampler"])
+        self.faults_before = dict(state.get("faults", {}))
+        self.faults = dict(self.faults_before)
 
     def request_stop(self) -> None:
         """End the run after the step in progress (at once if the trainer is only waiting for
@@ -409,6 +414,11 @@ class Pipeline:
         now: float,
     ) -> StepReport:
         trajectories = [t for g in batch for t in g.group.trajectories]
+        # the engine's, the agent gateway's and the environment's counters under their own
+        # names; fault counters are the whole run's (earlier processes' added)
+        counters = {**self.engine.metrics(), **self.runner.spec.metrics(),
+                    **(self.gateway.metrics() if self.gateway is not None else {})}
+        self.faults = add_faults(self.faults_before, counters)
         stage_seconds: Counter[str] = Counter()
         for span in reversed(self.recorder.spans):
             if span.end <= since:
@@ -417,9 +427,7 @@ class Pipeline:
         return StepReport(
             step=step,
             version=version,
-            # the engine's and the agent gateway's counters under their own names
-            metrics={**metrics, **self.engine.metrics(),
-                     **(self.gateway.metrics() if self.gateway is not None else {})},
+            metrics={**metrics, **counters, **self.faults},
             rewards=tuple(t.reward for t in trajectories),
             staleness=tuple(version - t.start_version for t in trajectories),
             start_versions=tuple(t.start_version for t in trajectories),

@@ -52,6 +52,8 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.resumed = resume_step is not None
         self.earlier: list[dict[str, Any]] = []  # metrics of the steps before a resumed run's
+        # the fault counters last recorded (before a resume cuts the records they are in)
+        self.faults_recorded: dict[str, float] = faults_recorded(self.path)
         if resume_step is not None:
             truncate_after(self.path, resume_step)  # steps past the checkpoint are redone
             self.earlier = steps_before(self.path, resume_step)
@@ -127,6 +129,18 @@ def truncate_after(run_dir: Path, step: int) -> None:
             lines = [line for line in path.read_text().splitlines() if keep(line, step)]
             path.write_text("".join(line + "\n" for line in lines))
     drop_steps_from(run_dir, step)
+
+
+def faults_recorded(run_dir: Path) -> dict[str, float]:
+    """The largest value of each ``faults/…`` counter in ``metrics.jsonl`` (empty: none)."""
+    path = run_dir / "metrics.jsonl"
+    totals: dict[str, float] = {}
+    if path.is_file():
+        for record in map(_parse, path.read_text().splitlines()):
+            for key, value in (record or {}).items():
+                if key.startswith("faults/") and isinstance(value, int | float):
+                    totals[key] = max(totals.get(key, 0.0), float(value))
+    return totals
 
 
 def steps_before(run_dir: Path, step: int) -> list[dict[str, Any]]:

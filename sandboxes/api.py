@@ -89,6 +89,10 @@ class SandboxPool(ABC):
     @abstractmethod
     async def aclose(self) -> None: ...
 
+    def metrics(self) -> dict[str, float]:
+        """Faults the pool rode out so far (``faults/…`` counters); none by default."""
+        return {}
+
     async def __aenter__(self) -> Self:
         return self
 

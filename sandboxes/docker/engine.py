@@ -205,6 +205,15 @@ def remove(client: docker.DockerClient, container_id: str) -> bool:
         raise
 
 
+def is_running(client: docker.DockerClient, container_id: str) -> bool:
+    """Whether the container exists and runs (blocking)."""
+    try:
+        state = client.api.inspect_container(container_id).get("State") or {}
+    except docker.errors.NotFound:
+        return False
+    return bool(state.get("Running")) and not state.get("Restarting")
+
+
 def reap(client: docker.DockerClient, run_id: str | None = None) -> int:
     """Remove leaked containers (blocking; see the module docstring). Returns how many."""
     return sum(remove(client, c.id) for c in labelled(client) if is_leaked(c.labels, run_id))

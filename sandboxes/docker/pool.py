@@ -18,12 +18,20 @@ OOM kills of exec'd processes do not set Docker's ``OOMKilled``; the runner read
 cgroup's ``oom_kill`` counter inside, and the host reads the container's cgroup when the
 runner itself was lost.
 
-The engine going away mid-run is the operator's problem, not the model's: a call whose runner
-stream ends or misses its host deadline pings the engine, and an engine that does not answer
-(or any container create, exec or remove that gets no answer) makes the pool lost: the call
-and every later one raise :class:`~sandboxes.api.EngineUnavailable` with one sentence naming
-the engine's URL and the fix, nothing is retried, and shutdown leaves the containers to the
-reaper of the next start (and to their own lifetime) instead of waiting on a dead engine.
+The engine going away mid-run is the operator's problem, not the model's. A watch pings it
+every second; an engine that does not answer (a ping, or a container create, exec or remove
+with no answer) is an outage, counted once (``faults/docker_unreachable``). Calls that got
+no answer wait for it and run again once it answers, for up to ``engine_grace_s``; past that
+the pool is lost: the call and every later one raise :class:`~sandboxes.api.EngineUnavailable`
+with one sentence naming the engine's URL and the fix, nothing is retried, and shutdown
+leaves the containers to the reaper of the next start (and to their own lifetime) instead of
+waiting on a dead engine.
+
+A container that disappears under a call (``docker kill``, the engine's OOM killer of the
+whole container: not the code's doing, since its PID 1 runs as another uid) is lost, not a
+``killed`` result: the call runs once more in a fresh container (the session's state is gone:
+``session_reset``), counted as ``faults/sandbox_lost``. :meth:`DockerSandboxPool.metrics`
+has both counters.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -66,6 +74,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _RUNTIME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 ENGINE_ERRORS = engine.ENGINE_ERRORS
+WATCH_S = 1.0          # between pings of the engine by the pool's watch
+WATCH_PING_S = 2.0     # a ping unanswered this long is an outage
+GONE_RECHECK_S = 0.5   # a container still running after its runner vanished: looked at again
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +106,8 @@ class DockerSandboxConfig(SandboxConfig):
     docker_host: str | None = None    # None: $DOCKER_HOST or unix:///var/run/docker.sock
     docker_call_concurrency: int = 8  # SDK calls in worker threads at once
     reap_interval_s: float = 60.0
+    engine_grace_s: float = 30.0      # an engine that stops answering is waited for this long
+                                      # (its unanswered calls run again) before the pool is lost
     run_id: str | None = None         # label of this run's containers (default: random)
 
     def __post_init__(self) -> None:
@@ -110,6 +123,7 @@ class DockerSandboxConfig(SandboxConfig):
         self.require("lifetime_s", self.lifetime_s >= 60, ">= 60")
         self.require("docker_call_concurrency", self.docker_call_concurrency >= 1, ">= 1")
         self.require("reap_interval_s", self.reap_interval_s > 0, "> 0")
+        self.require("engine_grace_s", self.engine_grace_s >= 0, ">= 0")
         self.require("user", self.user.split(":")[0] not in ("0", "root"), "a uid other than root")
         self.require("runtime", bool(_RUNTIME_NAME.fullmatch(self.runtime)),
                      "the name of a runtime registered with Docker, e.g. runc or runsc")
@@ -161,45 +175,60 @@ class DockerSandbox(Sandbox):
                    limits: ExecLimits | None = None) -> ExecResult:
         timeout_s, max_output = self._pool.config.call_limits(timeout, limits)
         async with self._lock:
-            if self._container is None:
-                self._container = await self._pool._acquire()
-            box = self._container
-            self.calls += 1
-            oom_before = _cgroup_oom_kills(box.id)
-            start = time.perf_counter()
-            request = protocol.exec_request(code, language, timeout_s, max_output)
-            frame: bytes | None = None
-            gone: RunnerGone | None = None
-            try:
-                with anyio.move_on_after(timeout_s + self._pool.config.host_grace_s) as scope:
-                    frame = await box.channel.roundtrip(request)
-            except RunnerGone as e:
-                gone = e
-            except BaseException:
-                # cancelled mid-call: the stream is out of step, so the container goes and
-                # the session's next call starts in a fresh one
-                box.broken = True
-                self._container = None
-                self._pool._release_soon(box)
-                raise
-            duration = time.perf_counter() - start
-            if frame is not None and not scope.cancelled_caught:
-                return protocol.to_result(frame, duration)
-            # lost: the host deadline passed or the runner died; the container goes
+            result = await self._exec_once(code, language, timeout_s, max_output, retry=True)
+            if result is None:  # the container was lost under the call: once more, afresh
+                self._pool.stats["lost"] += 1
+                log.warning("sandbox pool: a container disappeared under a call; running it "
+                            "again in a fresh one")
+                result = await self._exec_once(code, language, timeout_s, max_output, retry=False)
+                assert result is not None
+                result = replace(result, session_reset=True)
+            return result
+
+    async def _exec_once(self, code: str, language: Language, timeout_s: float,
+                         max_output: int, retry: bool) -> ExecResult | None:
+        """One call; None (with ``retry``) when its container disappeared under it."""
+        if self._container is None:
+            self._container = await self._pool._acquire()
+        box = self._container
+        self.calls += 1
+        oom_before = _cgroup_oom_kills(box.id)
+        start = time.perf_counter()
+        request = protocol.exec_request(code, language, timeout_s, max_output)
+        frame: bytes | None = None
+        gone: RunnerGone | None = None
+        try:
+            with anyio.move_on_after(timeout_s + self._pool.config.host_grace_s) as scope:
+                frame = await box.channel.roundtrip(request)
+        except RunnerGone as e:
+            gone = e
+        except BaseException:
+            # cancelled mid-call: the stream is out of step, so the container goes and
+            # the session's next call starts in a fresh one
             box.broken = True
             self._container = None
-            try:  # ... unless the engine itself went away: then it is not the code's doing
-                await self._pool._require_engine(gone)
-            finally:
-                self._pool._release_soon(box)
-            if scope.cancelled_caught:
-                status = "timeout"
-            else:
-                oom_after = _cgroup_oom_kills(box.id)
-                grew = oom_before is not None and oom_after is not None and oom_after > oom_before
-                status = "oom" if grew else "killed"
-            return ExecResult("", box.channel.stderr[-2000:].decode("utf-8", "replace"), None,
-                              status, duration, session_reset=True)
+            self._pool._release_soon(box)
+            raise
+        duration = time.perf_counter() - start
+        if frame is not None and not scope.cancelled_caught:
+            return protocol.to_result(frame, duration)
+        # lost: the host deadline passed or the runner died; the container goes
+        box.broken = True
+        self._container = None
+        try:  # ... unless the engine itself went away: then it is not the code's doing
+            await self._pool._require_engine(gone)
+            if gone is not None and await self._pool._gone(box):
+                return None  # killed from outside: not the code's doing either
+        finally:
+            self._pool._release_soon(box)
+        if scope.cancelled_caught:
+            status = "timeout"
+        else:
+            oom_after = _cgroup_oom_kills(box.id)
+            grew = oom_before is not None and oom_after is not None and oom_after > oom_before
+            status = "oom" if grew else "killed"
+        return ExecResult("", box.channel.stderr[-2000:].decode("utf-8", "replace"), None,
+                          status, duration, session_reset=True)
 
     async def _finish(self) -> None:
         if self._container is not None:
@@ -226,7 +255,9 @@ class DockerSandboxPool(SandboxPool):
         self._closed = False
         self._lost: str | None = None  # why the engine is gone (then nothing calls it again)
         self.url = engine.engine_url(self.config.docker_host)
-        self.stats = {"created": 0, "reused": 0, "destroyed": 0, "reaped": 0}
+        self.stats = {"created": 0, "reused": 0, "destroyed": 0, "reaped": 0,
+                      "lost": 0, "engine_outages": 0}
+        self._down = False  # in an outage: the engine's last ping or call went unanswered
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -243,6 +274,7 @@ class DockerSandboxPool(SandboxPool):
             raise
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._tg.start_soon(self._reap_periodically)
+        self._tg.start_soon(self._watch_engine)
         self._fill()
         return self
 
@@ -285,6 +317,35 @@ class DockerSandboxPool(SandboxPool):
                 return  # the pool is lost: the next call says so
             except ENGINE_ERRORS as e:  # an API error: try next time
                 log.warning("sandbox reaper: %s", e)
+
+    async def _watch_engine(self) -> None:
+        """Ping the engine every :data:`WATCH_S`: an unanswered ping is an outage."""
+        while self._lost is None:
+            await anyio.sleep(WATCH_S)
+            await self._ping()
+
+    async def _ping(self) -> BaseException | None:
+        """Ping the engine (not behind the pool's call limiter, which calls stuck on a hung
+        engine may fill); None when it answered. Notes an outage's start and end."""
+        failed = await anyio.to_thread.run_sync(
+            functools.partial(engine.probe, self.client, self.url, WATCH_PING_S))
+        if failed is None:
+            if self._down:
+                log.warning("sandbox pool: the Docker engine at %s answers again", self.url)
+            self._down = False
+        elif not self._down:
+            self._down = True
+            self.stats["engine_outages"] += 1
+            log.warning("sandbox pool: the Docker engine at %s does not answer (%s); waiting "
+                        "up to sandbox.engine_grace_s=%g for it", self.url, failed,
+                        self.config.engine_grace_s)
+        return failed
+
+    def metrics(self) -> dict[str, float]:
+        """Faults the pool rode out: containers lost under a call (the call ran again) and
+        outages of the engine."""
+        return {"faults/sandbox_lost": float(self.stats["lost"]),
+                "faults/docker_unreachable": float(self.stats["engine_outages"])}
 
     # -- sessions ----------------------------------------------------------------------------
     @asynccontextmanager
@@ -363,7 +424,8 @@ class DockerSandboxPool(SandboxPool):
                 try:
                     frame = await box.channel.roundtrip(protocol.request(protocol.OP_RESET))
                 except RunnerGone:
-                    pass
+                    if await self._gone(box):  # killed from outside between two calls
+                        self.stats["lost"] += 1
             if frame is not None and protocol.parse_response(frame)[0] == 0:
                 self.stats["reused"] += 1
                 self._ready.append(box)
@@ -377,16 +439,33 @@ class DockerSandboxPool(SandboxPool):
                                               limiter=self._limiter)
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """An SDK call in a worker thread; no answer is :class:`EngineUnavailable` (the pool
-        is then lost), an answer that is an error stays a :class:`docker.errors.APIError`."""
+        """An SDK call in a worker thread. No answer waits for the engine (up to
+        ``engine_grace_s``) and calls again; past that it is :class:`EngineUnavailable` (the
+        pool is then lost). An answer that is an error stays a
+        :class:`docker.errors.APIError`."""
+        while True:
+            if self._lost is not None:
+                raise EngineUnavailable(self._lost)
+            try:
+                return await self._thread(fn, *args, **kwargs)
+            except ENGINE_ERRORS as e:
+                if not engine.unanswered(e):
+                    raise
+                await self._await_engine(e)
+
+    async def _await_engine(self, error: BaseException) -> None:
+        """The engine did not answer: return once it does, within ``engine_grace_s``; else the
+        pool is lost (:class:`EngineUnavailable`)."""
         if self._lost is not None:
-            raise EngineUnavailable(self._lost)
-        try:
-            return await self._thread(fn, *args, **kwargs)
-        except ENGINE_ERRORS as e:
-            if engine.unanswered(e):
-                raise self._lose(e) from e
-            raise
+            raise EngineUnavailable(self._lost) from error
+        deadline = time.monotonic() + self.config.engine_grace_s
+        while True:
+            failed = await self._ping()
+            if failed is None:
+                return
+            if time.monotonic() >= deadline:
+                raise self._lose(failed) from error
+            await anyio.sleep(min(WATCH_S, max(deadline - time.monotonic(), 0.0)))
 
     def _lose(self, error: BaseException) -> EngineUnavailable:
         if self._lost is None:
@@ -401,7 +480,16 @@ class DockerSandboxPool(SandboxPool):
             raise EngineUnavailable(self._lost) from error
         failed = await self._thread(engine.probe, self.client, self.url)  # bounded in time
         if failed is not None:
-            raise self._lose(failed) from error
+            await self._await_engine(failed)
+
+    async def _gone(self, box: _Container) -> bool:
+        """Whether ``box``'s container is no longer running (killed from outside: its PID 1
+        runs as another uid than the code, so the code cannot end it)."""
+        for wait in (0.0, GONE_RECHECK_S):  # a kill takes a moment to show in its state
+            await anyio.sleep(wait)
+            if not await self._call(engine.is_running, self.client, box.id):
+                return True
+        return False
 
     # -- containers --------------------------------------------------------------------------
     def _run_kwargs(self) -> dict[str, Any]:

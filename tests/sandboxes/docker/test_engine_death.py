@@ -107,7 +107,7 @@ def proxy(tmp_path: Path, docker_client) -> Iterator[DockerProxy]:
 async def test_a_session_whose_engine_died_raises_engine_unavailable(
         proxy: DockerProxy, docker_client) -> None:
     url = f"unix://{proxy.path}"
-    pool = DockerSandboxPool(small_config(docker_host=url))
+    pool = DockerSandboxPool(small_config(docker_host=url, engine_grace_s=1.0))
     try:
         with anyio.fail_after(60):
             async with pool:
@@ -166,6 +166,7 @@ def test_engine_death_ends_the_run_in_one_line_and_the_next_start_reaps(
         "warmstart.steps=2", "warmstart.target_accuracy=null", "eval.num_tasks=0",
         "env.train_size=32", "env.eval_size=4", "checkpoint.every=1",
         f"sandbox.docker_host={url}", "sandbox.pool_size=2", "sandbox.lifetime_s=300",
+        "sandbox.engine_grace_s=2",
         f"hydra.run.dir={run_dir}")
     try:
         deadline = time.monotonic() + START_S
