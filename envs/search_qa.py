@@ -37,7 +37,7 @@ from envs.tool_env import Episode, ToolEnv, WeightedReward
 from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
 from envs.toolset import ToolSet
 from sandboxes.search.bm25 import BM25Index, Document
-from sandboxes.search.client import SearchClient, SearchError
+from sandboxes.search.client import Attempt, SearchClient, SearchError
 from sandboxes.search.latency import TraceFaultModel
 from sandboxes.search.server import FaultModel, NoFaults, SearchServer, WithFailures
 
@@ -156,6 +156,7 @@ class SearchQASpec(EnvSpec):
                               metadata={"name": name, "kind": kind}))
         self.splits = {"train": tasks[:train_size], "eval": tasks[train_size:]}
         self._server: SearchServer | None = None  # the in-process one, while running()
+        self.faults: Counter[str] = Counter()  # failed search attempts, by kind
 
     # -- the service --------------------------------------------------------------------------
 
@@ -218,8 +219,10 @@ class SearchQASpec(EnvSpec):
             try:
                 results, attempts = await client.retrieve([query], topk=topk, return_scores=False)
             except SearchError as e:
+                spec._count(e.attempts)
                 raise ToolError(str(e), {"query_count": 1, "attempts": len(e.attempts),
                                          "attempt_statuses": [a.status for a in e.attempts]}) from e
+            spec._count(attempts)
             content = format_hits(results[0])
             return ToolOutput(content, {"query_count": 1, "attempts": len(attempts),
                                         "attempt_statuses": [a.status for a in attempts],
@@ -233,6 +236,19 @@ class SearchQASpec(EnvSpec):
         return ToolEnv(ToolSet([search], max_calls_per_turn=self.max_calls_per_turn,
                                clock=self.clock),
                        rewards, system_prompt=self.system_prompt, describe_tools=self.describe_tools)
+
+    def _count(self, attempts: Sequence[Attempt]) -> None:
+        for attempt in attempts:
+            if attempt.status.startswith("http_5"):
+                self.faults["faults/search_errors"] += 1
+            elif attempt.status in ("timeout", "connection_error"):
+                self.faults[f"faults/search_{attempt.status}s"] += 1
+
+    def metrics(self) -> dict[str, float]:
+        """Failed search attempts (each retried, up to ``retries``): answered 5xx
+        (``faults/search_errors``), unanswered in ``request_timeout``
+        (``faults/search_timeouts``), not connected (``faults/search_connection_errors``)."""
+        return {key: float(n) for key, n in self.faults.items()}
 
     def demonstration(self, task: Task) -> tuple[Message, ...]:
         """Search with the question itself, read the hit, answer. (Searching the question, not

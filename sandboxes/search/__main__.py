@@ -4,7 +4,8 @@
 
 The corpus is JSONL in Search-R1's format, one ``{"id": ..., "contents": ...}`` per line.
 ``--latency none|empirical|parametric`` picks the fault model (the shipped PolyTrace fit, or
-``--fit file.json``); ``--time-scale`` multiplies every drawn latency.
+``--fit file.json``); ``--time-scale`` multiplies every drawn latency. ``--control`` adds the
+``/faults`` endpoint that turns 500s, hangs or slow answers on for a while (a chaos test's).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ async def serve(args: argparse.Namespace) -> None:
         fitted = json.loads(args.fit.read_text()) if args.fit else None
         faults = TraceFaultModel(args.latency, fitted, seed=args.seed)
     index = BM25Index(load_corpus(args.corpus))
-    async with SearchServer(index, faults, args.host, args.port, args.time_scale) as server:
+    async with SearchServer(index, faults, args.host, args.port, args.time_scale,
+                            control=args.control) as server:
         print(f"search server on {server.url}/retrieve ({len(index.documents)} documents, "
               f"latency={args.latency})", flush=True)
         await anyio.sleep_forever()
@@ -56,6 +58,8 @@ def main() -> None:
     parser.add_argument("--fit", type=Path, default=None)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--control", action="store_true",
+                        help="serve POST/GET /faults: turn 500s, hangs or slow answers on")
     args = parser.parse_args()
     if not args.corpus.is_file():
         sys.exit(f"error: --corpus {args.corpus} is not a file")

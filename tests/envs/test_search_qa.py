@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import anyio
 import pytest
 from helpers import TOK, quick_config, run_spans, scripted_engine
@@ -252,3 +253,39 @@ def test_experiment_search_qa_trains_and_records_every_tool_call(tmp_path: Path)
     # every tool call the trainer saw is in the spans: count them from the per-episode metrics
     trained_calls = sum(m.get("tools/calls", 0.0) * 8 for m in metrics[:-1])
     assert len(calls) >= round(trained_calls)
+
+
+@pytest.mark.anyio
+async def test_faults_turned_on_at_the_server_are_ridden_out_and_counted() -> None:
+    """The server's /faults control (the chaos soak's): 500s, then held requests, then slow
+    answers; the episode's searches retry through them and the spec counts each failed
+    attempt in its faults/* metrics."""
+    spec = SearchQASpec(train_size=4, eval_size=0, latency="none")
+    async with SearchServer(spec.index, control=True) as server:
+        external = SearchQASpec(train_size=4, eval_size=0, latency="none", search_url=server.url,
+                                request_timeout=0.3, retries=1, backoff=0.001)
+        task = external.tasks("train")[0]
+        query = tool_call_text("search", {"query": str(task.metadata["name"])})
+        async with aiohttp.ClientSession() as http, external.running():
+
+            async def turn_on(mode: str, seconds: float, delay_s: float = 0.0) -> dict:
+                async with http.post(f"{server.url}/faults", json={
+                        "mode": mode, "seconds": seconds, "delay_s": delay_s}) as response:
+                    assert response.status == 200
+                    return await response.json()
+
+            assert external.metrics() == {}
+            statuses = []
+            for mode, seconds, delay in (("error", 30, 0), ("hang", 30, 0), ("slow", 30, 0.05)):
+                assert (await turn_on(mode, seconds, delay))["active"] == mode
+                async with external.make_env() as env:
+                    await env.reset(task)
+                    step = await env.step(query)
+                statuses.append(step.tool_calls[0].metadata["attempt_statuses"])
+            async with http.get(f"{server.url}/faults") as response:
+                served = (await response.json())["served"]
+            async with http.post(f"{server.url}/faults", json={"mode": "nap", "seconds": 1}) as bad:
+                assert bad.status == 400 and "mode" in (await bad.json())["error"]
+    assert statuses == [["http_500"] * 2, ["timeout"] * 2, ["success"]]
+    assert served == {"error": 2, "hang": 2, "slow": 1}
+    assert external.metrics() == {"faults/search_errors": 2.0, "faults/search_timeouts": 2.0}
