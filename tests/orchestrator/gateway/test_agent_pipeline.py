@@ -1,4 +1,4 @@
-"""Agent episodes through the real pipeline (simulated engine, fake trainer): admission and
+"""Agent episodes through the real pipeline (simulated engine and trainer): admission and
 the staleness bound hold, both in-flight update modes work, and programs that raise or hang
 are failed episodes, counted, while the run goes on."""
 
