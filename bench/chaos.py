@@ -1,36 +1,43 @@
-"""Chaos soak: a multi-turn tool run under Ray with two engines while a seeded injector breaks
-things at random moments, then an audit of the run from its own files that nothing was lost.
+"""Chaos soak: tool runs under Ray with two engines while a seeded injector breaks things at
+random moments, then an audit of each run from its own files that nothing was lost.
 
-The run is ``experiment=code env=code_tool`` (the model may run code in its episode's Docker
-sandbox before it answers; every answer is graded in a sandbox too) under ``launcher=ray`` on a
-local Ray cluster this bench starts (one node, 3 CPUs: two engine actors and the trainer), with
-``resume=auto`` and a fixed ``hydra.run.dir``, started as a user would (``python -m
-orchestrator``). After the first trained step the injector acts, one fault at a time, at
-random moments drawn from ``--seed``, cycling through a shuffled plan of:
+Two runs, one after the other, on a local Ray cluster this bench starts (one node, 3 CPUs: two
+engine actors and the trainer), each started as a user would (``python -m orchestrator
+launcher=ray launcher.num_engines=2 resume=auto hydra.run.dir=…``):
 
-* ``engine``: an engine actor SIGKILLed (Ray restarts it, the router carries on with the
-  other meanwhile and runs the lost requests again; ``faults/engine_restarts``);
-* ``container``: ``docker kill`` of one of the run's sandbox containers (the pool runs the
-  call again in a fresh one; ``faults/sandbox_lost``);
-* ``docker``: the Docker engine frozen (``kill -STOP`` of dockerd, ``kill -CONT`` 3–6 s later,
-  also if this bench fails; the pool's watch sees the outage and calls wait for the engine;
-  ``faults/docker_unreachable``);
-* ``driver``: the driver SIGKILLed and the same command started again (``resume=auto`` goes on
-  from its last checkpoint; ``faults/resumes``).
+* ``code_tool`` (``experiment=code env=code_tool``: the model may run code in its episode's
+  Docker sandbox before it answers, and every answer is graded in a sandbox), with the faults
+  ``engine``: an engine actor SIGKILLed mid-generation (Ray restarts it; the router carries on
+  with the other and runs the lost requests again; ``faults/engine_restarts``),
+  ``container``: ``docker kill`` of one of the run's sandbox containers, one executing code
+  when there is one (the pool runs the call again in a fresh container;
+  ``faults/sandbox_lost``), ``docker``: the Docker engine frozen 3–6 s (``kill -STOP`` of
+  dockerd, then ``kill -CONT``, also if this bench fails; the pool's watch sees the outage and
+  unanswered calls wait for it; ``faults/docker_unreachable``), and ``driver``: the driver
+  SIGKILLed and the same command started again (``resume=auto`` goes on from its last
+  checkpoint; ``faults/resumes``);
+* ``search_qa`` (``experiment=search_qa`` against the mock search server in a process of its
+  own, ``python -m sandboxes.search --control``), with ``search_error`` (every request
+  answered HTTP 500 for 3–6 s; ``faults/search_errors`` per failed attempt), ``search_hang``
+  (requests held unanswered; ``faults/search_timeouts`` per attempt the client gave up on),
+  ``search_slow`` (answers 1 s late, within the client's timeout: ridden out, no counter),
+  ``engine`` and ``driver``.
 
-After each fault it waits for two more trained steps before the next. At the end of
-``--minutes`` it sends SIGTERM (the run stops after the step in progress) and audits, from the
-PolyTrace step files (:class:`~orchestrator.trace.reader.TraceDir`), ``metrics.jsonl`` and
-``docker ps`` only: every trained sample appears once (``prompt_group_id``, ``sample_id``),
-every step 0..N-1 is there once with ``batch_size`` samples, staleness <= k for every sample,
-no container of the run's drivers is left, and each kind of fault injected is counted at
-least as often in the last ``faults/*`` record. ``chaos_lost`` is the sum of everything the
-audit found wrong (samples missing or repeated, steps missing, staleness violations,
-containers left, faults not counted). ``--quick``: one fault of each kind, about 4 minutes.
-Last line: ``chaos_lost=<n>`` (target 0).
+After the first trained step the injector acts one fault at a time, cycling through a shuffled
+plan of the run's kinds, and waits for two more trained steps after each. At the end of the
+run's share of ``--minutes`` it sends SIGTERM (the run stops after the step in progress) and
+audits, from the PolyTrace step files (:class:`~orchestrator.trace.reader.TraceDir`),
+``metrics.jsonl``, ``docker ps`` and the search server's own count of the requests it failed:
+every trained sample appears once (``prompt_group_id``, ``sample_id``), every step 0..N-1 is
+there once with ``batch_size`` samples, staleness <= k for every sample, no container of the
+run's drivers is left, and each fault injected is counted in the last ``faults/*`` record (a
+search fault once per request it met). ``chaos_lost`` sums everything the audit found wrong
+(samples repeated, steps or trace files missing, batch sizes off, staleness violations,
+containers left, faults not counted). ``--quick``: one fault of each kind per run (about 3.5
+minutes). ``--keep DIR`` keeps the run directories. Last line: ``chaos_lost=<n>`` (target 0).
 
-Not covered: the search service's faults (500s, hangs, slow answers) need ``env=search_qa``,
-a run of its own.
+Needs root (``kill -STOP`` of dockerd), a Docker engine with the sandbox image, and the ray
+extra. Freezing dockerd stalls every Docker client on the machine for those seconds.
 """
 
 from __future__ import annotations
@@ -40,10 +47,12 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -52,17 +61,43 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("engine", "container", "docker", "driver")
-COUNTER = {"engine": "faults/engine_restarts", "container": "faults/sandbox_lost",
-           "docker": "faults/docker_unreachable", "driver": "faults/resumes"}
+# the counter each kind of fault must show up in (None: nothing to count, only ridden out)
+COUNTER: dict[str, str | None] = {
+    "engine": "faults/engine_restarts", "container": "faults/sandbox_lost",
+    "docker": "faults/docker_unreachable", "driver": "faults/resumes",
+    "search_error": "faults/search_errors", "search_hang": "faults/search_timeouts",
+    "search_slow": None}
 BATCH, K = 8, 1
-RUN = ["experiment=code", "env=code_tool", "rollout.max_turns=2", "logger=none",
-       "progress=false", "model.device=cpu", f"pipeline.batch_size={BATCH}",
-       "pipeline.num_workers=4", f"pipeline.max_staleness={K}", "pipeline.num_steps=100000",
-       "warmstart.steps=2", "warmstart.target_accuracy=null", "eval.num_tasks=0",
-       "sandbox.pool_size=4", "sandbox.max_containers=8", "sandbox.max_idle=8",
-       "launcher=ray", "launcher.num_engines=2", "launcher.placement=pack", "resume=auto"]
+COMMON = ["logger=none", "progress=false", "model.device=cpu", f"pipeline.batch_size={BATCH}",
+          "pipeline.num_workers=4", f"pipeline.max_staleness={K}", "pipeline.num_steps=100000",
+          "warmstart.target_accuracy=null", "eval.num_tasks=0", "launcher=ray",
+          "launcher.num_engines=2", "launcher.placement=pack", "resume=auto"]
+SEARCH_PEOPLE = (2000, 200, 0)  # env.train_size, env.eval_size, seed: the corpus the run asks
 STEP_WAIT_S = 240  # a fault's handling: the next steps must come within this
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One run of the soak: its overrides, the faults injected into it, its share of the time."""
+
+    name: str
+    run: tuple[str, ...]
+    kinds: tuple[str, ...]
+    share: float
+
+
+CODE = Phase("code_tool", (
+    "experiment=code", "env=code_tool", "rollout.max_turns=2", "warmstart.steps=2",
+    "sandbox.pool_size=4", "sandbox.max_containers=8", "sandbox.max_idle=8", *COMMON),
+    ("engine", "container", "docker", "driver"), 0.6)
+# the tiny model learns to call the search tool in ~50 supervised steps (2 steps: it never does)
+SEARCH = Phase("search_qa", (
+    "experiment=search_qa", "warmstart.steps=50", "warmstart.lr=3e-3", "warmstart.batch_size=32",
+    f"env.train_size={SEARCH_PEOPLE[0]}", f"env.eval_size={SEARCH_PEOPLE[1]}",
+    f"seed={SEARCH_PEOPLE[2]}", "env.request_timeout=2", "env.retries=3", *COMMON),
+    ("search_error", "search_hang", "search_slow", "engine", "driver"), 0.4)
+PHASES = (CODE, SEARCH)
+KINDS = tuple(dict.fromkeys(k for phase in PHASES for k in phase.kinds))
 
 
 def driver_env() -> dict[str, str]:
@@ -89,15 +124,16 @@ class Chaos:
     command: list[str]
     namespace: str
     rng: random.Random
+    search_url: str | None = None  # the search server's, with its /faults control
     driver: subprocess.Popen[str] | None = None
     drivers: list[int] = field(default_factory=list)  # every driver process's pid
     injected: Counter[str] = field(default_factory=Counter)
     log: list[str] = field(default_factory=list)
 
     def start(self) -> None:
-        stderr = (self.run_dir.parent / f"driver-{len(self.drivers)}.log").open("w")
-        self.driver = subprocess.Popen(self.command, cwd=REPO, env=driver_env(),
-                                       stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        with (self.run_dir.parent / f"driver-{len(self.drivers)}.log").open("w") as stderr:
+            self.driver = subprocess.Popen(self.command, cwd=REPO, env=driver_env(),
+                                           stdout=subprocess.DEVNULL, stderr=stderr, text=True)
         self.drivers.append(self.driver.pid)
 
     def alive(self) -> bool:
@@ -113,8 +149,8 @@ class Chaos:
                 raise RuntimeError(f"no step {count} within {deadline_s} s")
             time.sleep(0.2)
 
-    def note(self, kind: str, what: str) -> None:
-        self.injected[kind] += 1
+    def note(self, kind: str, what: str, count: int = 1) -> None:
+        self.injected[kind] += count
         line = f"[{time.strftime('%H:%M:%S')}] step {steps_done(self.run_dir)}: {kind}: {what}"
         self.log.append(line)
         print(line, flush=True)
@@ -177,10 +213,27 @@ class Chaos:
         self.start()
         return True
 
+    def search_fault(self, mode: str) -> bool:
+        """500s, held requests or slow answers for 3–6 s; True when a request met them."""
+        seconds = self.rng.uniform(3.0, 6.0)
+        served = _faults(self.search_url, mode=mode, seconds=seconds, delay_s=1.0)
+        time.sleep(seconds)
+        met = _faults(self.search_url)[mode] - served[mode]
+        if not met:
+            print(f"search {mode} for {seconds:.1f} s met no request: not counted as injected",
+                  flush=True)
+            return False
+        # each request the server failed is one fault the run must count (a failed attempt)
+        self.note(f"search_{mode}", f"{mode} for {seconds:.1f} s ({met} requests)", count=met)
+        return True
+
     def inject(self, kind: str) -> bool:
         act: dict[str, Callable[[], bool]] = {
             "engine": self.kill_engine, "container": self.kill_container,
-            "docker": self.freeze_docker, "driver": self.kill_driver}
+            "docker": self.freeze_docker, "driver": self.kill_driver,
+            "search_error": lambda: self.search_fault("error"),
+            "search_hang": lambda: self.search_fault("hang"),
+            "search_slow": lambda: self.search_fault("slow")}
         return act[kind]()
 
     def stop(self, timeout: float = 240) -> int:
@@ -194,6 +247,45 @@ class Chaos:
         except subprocess.TimeoutExpired:
             self.driver.kill()
             return self.driver.wait()
+
+
+def _faults(url: str | None, **turn_on: Any) -> Counter[str]:
+    """The search server's served-fault counts (after turning a mode on, with ``turn_on``)."""
+    assert url is not None
+    data = json.dumps(turn_on).encode() if turn_on else None
+    request = urllib.request.Request(f"{url}/faults", data=data, method="POST" if data else "GET",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return Counter(json.loads(response.read())["served"])
+
+
+def search_server(root: Path) -> tuple[subprocess.Popen[str], str]:
+    """The mock search server in a process of its own, on the corpus the run's questions are
+    about, with its fault control; its URL once it answers."""
+    from envs.search_qa import SearchQASpec
+
+    train, eval_, seed = SEARCH_PEOPLE
+    spec = SearchQASpec(train_size=train, eval_size=eval_, seed=seed, latency="none")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": d.id, "contents": d.contents}) + "\n"
+                              for d in spec.documents))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sandboxes.search", "--corpus", str(corpus), "--port", str(port),
+         "--latency", "none", "--control"], cwd=REPO, stdout=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _faults(url)
+            return server, url
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError("the search server did not start") from None
+            time.sleep(0.2)
 
 
 def _busy(container: str) -> bool:
@@ -225,8 +317,9 @@ def audit(chaos: Chaos, batch: int, k: int) -> dict[str, Any]:
             if info is None or info.staleness is None or not 0 <= info.staleness <= k:
                 stale += 1
     last = records[-1] if records else {}
-    counted = {kind: int(last.get(COUNTER[kind], 0)) for kind in KINDS}
-    uncounted = {kind: max(0, chaos.injected[kind] - counted[kind]) for kind in KINDS}
+    counters = {kind: c for kind, c in COUNTER.items() if c is not None and kind in chaos.injected}
+    counted = {kind: int(last.get(c, 0)) for kind, c in counters.items()}
+    uncounted = {kind: max(0, chaos.injected[kind] - counted[kind]) for kind in counters}
     left = chaos.containers(running=False)
     return {
         "steps": len(steps),
@@ -244,7 +337,10 @@ def audit(chaos: Chaos, batch: int, k: int) -> dict[str, Any]:
     }
 
 
-def soak(minutes: float, quick: bool, seed: int, keep: Path | None) -> dict[str, Any]:
+def soak(minutes: float, quick: bool, seed: int, keep: Path | None,
+         phases: tuple[Phase, ...] = PHASES) -> dict[str, dict[str, Any]]:
+    """Run each phase in turn on one Ray cluster (``quick``: one fault of each kind) and
+    return :func:`audit`'s findings per phase; run directories stay under ``keep`` if given."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -253,27 +349,59 @@ def soak(minutes: float, quick: bool, seed: int, keep: Path | None) -> dict[str,
         "num_cpus": 3, "include_dashboard": False})
     tmp = tempfile.TemporaryDirectory(prefix="bench-chaos-")
     root = keep or Path(tmp.name)
-    run_dir = root / "run"
-    namespace = f"chaos-{uuid.uuid4().hex[:6]}"
-    command = [sys.executable, "-m", "orchestrator", *RUN, f"launcher.address='{cluster.address}'",
-               f"launcher.namespace={namespace}", f"hydra.run.dir={run_dir}",
-               *(["checkpoint.every_s=10"] if quick else [])]
-    chaos = Chaos(run_dir, command, namespace, rng)
-    started = time.monotonic()
+    results: dict[str, dict[str, Any]] = {}
+    server: subprocess.Popen[str] | None = None
     try:
-        ray.init(address=cluster.address, logging_level="ERROR", namespace=namespace)
+        ray.init(address=cluster.address, logging_level="ERROR")
+        for phase in phases:
+            search_url = None
+            if any(kind.startswith("search_") for kind in phase.kinds):
+                server, search_url = search_server(root)
+            results[phase.name] = run_phase(phase, root / phase.name, cluster.address, rng,
+                                            minutes * phase.share / sum(p.share for p in phases),
+                                            quick, search_url)
+            if server is not None:
+                server.kill()
+                server.wait()
+                server = None
+        return results
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+        if keep is None:
+            tmp.cleanup()
+
+
+def run_phase(phase: Phase, root: Path, address: str, rng: random.Random, minutes: float,
+              quick: bool, search_url: str | None) -> dict[str, Any]:
+    run_dir = root / "run"
+    root.mkdir(parents=True, exist_ok=True)
+    namespace = f"chaos-{uuid.uuid4().hex[:6]}"
+    command = [sys.executable, "-m", "orchestrator", *phase.run, f"launcher.address='{address}'",
+               f"launcher.namespace={namespace}", f"hydra.run.dir={run_dir}",
+               *([f"env.search_url={search_url}"] if search_url else []),
+               *(["checkpoint.every_s=10"] if quick else [])]
+    chaos = Chaos(run_dir, command, namespace, rng, search_url=search_url)
+    started = time.monotonic()
+    length = "one fault of each kind" if quick else f"{minutes:.1f} min"
+    print(f"-- {phase.name}: {length}; faults: {', '.join(phase.kinds)}", flush=True)
+    try:
         chaos.start()
-        chaos.wait_steps(1, deadline_s=600)  # Ray, the sandbox pool, the warm start
+        chaos.wait_steps(1, deadline_s=600)  # Ray actors, the sandbox pool, the warm start
         plan: list[str] = []
         end = started + minutes * 60
         while True:
             if not plan:
                 if quick and chaos.injected:
                     break
-                plan = list(KINDS)
+                plan = list(phase.kinds)
                 rng.shuffle(plan)
-            time.sleep(rng.uniform(1.0, 8.0 if quick else 30.0))
-            if time.monotonic() > end - (30 if quick else 90):
+            time.sleep(rng.uniform(1.0, 5.0 if quick else 20.0))
+            if not quick and time.monotonic() > end - 60:
                 break  # room for the last fault's handling
             kind = plan.pop()
             before = steps_done(run_dir)
@@ -281,7 +409,7 @@ def soak(minutes: float, quick: bool, seed: int, keep: Path | None) -> dict[str,
                 chaos.wait_steps(max(steps_done(run_dir), before) + 2)
         chaos.wait_steps(steps_done(run_dir) + 1)
         code = chaos.stop()
-        print(f"the driver stopped by SIGTERM (exit code {code}) after "
+        print(f"   stopped by SIGTERM (exit code {code}) after "
               f"{(time.monotonic() - started) / 60:.1f} min", flush=True)
         time.sleep(2)  # auto-remove of the last containers is asynchronous
         return audit(chaos, BATCH, K)
@@ -289,11 +417,7 @@ def soak(minutes: float, quick: bool, seed: int, keep: Path | None) -> dict[str,
         if chaos.alive():
             assert chaos.driver is not None
             chaos.driver.kill()
-        if ray.is_initialized():
-            ray.shutdown()
-        cluster.shutdown()
-        if keep is None:
-            tmp.cleanup()
+            chaos.driver.wait()
 
 
 def lost(result: dict[str, Any]) -> int:
@@ -306,26 +430,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true",
-                        help="one fault of each kind, within 5 minutes")
+                        help="one fault of each kind per run, within 5 minutes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=Path, default=None,
-                        help="keep the run directory under this folder")
+                        help="keep the run directories under this folder")
     args = parser.parse_args()
-    minutes = min(args.minutes, 4.5) if args.quick else args.minutes
-    print(f"bench.chaos: {minutes:g} min, seed {args.seed}, load average "
-          f"{os.getloadavg()[0]:.1f}", flush=True)
-    result = soak(minutes, args.quick, args.seed, args.keep)
-    print(f"steps {result['steps']} (missing {result['steps_missing']}, trace files missing "
-          f"{result['trace_steps_missing']}); samples {result['samples']} (repeated "
-          f"{result['samples_repeated']}, batch size off by {result['batch_size_off']}); "
-          f"staleness > {K}: {result['staleness_over_k']}; containers left: "
-          f"{result['containers_left']}")
-    for kind in KINDS:
-        print(f"{kind:9s} injected {result['injected'].get(kind, 0)}  counted "
-              f"{result['counted'][kind]} ({COUNTER[kind]})")
-    print("faults/*: " + json.dumps(result["faults"]))
-    print(f"load average {os.getloadavg()[0]:.1f}")
-    print(f"chaos_lost={lost(result)}")
+    print(f"bench.chaos: {'quick' if args.quick else f'{args.minutes:g} min'}, seed {args.seed}, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    started = time.monotonic()
+    results = soak(args.minutes, args.quick, args.seed, args.keep)
+    total = 0
+    for name, result in results.items():
+        print(f"{name}: steps {result['steps']} (missing {result['steps_missing']}, trace files "
+              f"missing {result['trace_steps_missing']}); samples {result['samples']} (repeated "
+              f"{result['samples_repeated']}, batch size off by {result['batch_size_off']}); "
+              f"staleness > {K}: {result['staleness_over_k']}; containers left: "
+              f"{result['containers_left']}")
+        for kind, n in result["injected"].items():
+            counter = COUNTER[kind]
+            seen = f"counted {result['counted'][kind]} ({counter})" if counter else "not counted"
+            print(f"  {kind:13s} injected {n}  {seen}")
+        print("  faults/*: " + json.dumps(result["faults"]))
+        total += lost(result)
+    print(f"wall {(time.monotonic() - started) / 60:.1f} min; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"chaos_lost={total}")
 
 
 if __name__ == "__main__":
