@@ -26,7 +26,7 @@ import torch
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
 
-from helpers import REPO, quick_config, run_spans, run_step_files
+from helpers import REPO, quick_config, ray_cluster, run_spans, run_step_files
 from ray.cluster_utils import Cluster
 
 from orchestrator.config import explain
@@ -41,15 +41,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={
-        "num_cpus": 1, "resources": {"head_node": 1}, "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1, resources={"engine_node": 1})
-    cluster.wait_for_nodes()
-    yield cluster
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster.shutdown()
+    """A head (the driver, the trainer) and two engine nodes."""
+    with ray_cluster({"head_node": 1}, {"engine_node": 1}) as cluster:
+        yield cluster
 
 
 def ray_config(cluster: Cluster, namespace: str, *overrides: str) -> Any:

@@ -16,7 +16,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
 
-from helpers import quick_config, run_spans
+from helpers import quick_config, ray_cluster, run_spans
 from ray.cluster_utils import Cluster
 
 from orchestrator.config import explain
@@ -30,15 +30,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """A head (the driver, the engine) and two trainer nodes."""
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={
-        "num_cpus": 1, "resources": {"engine_node": 1}, "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1, resources={"trainer_node": 1})
-    cluster.wait_for_nodes()
-    yield cluster
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster.shutdown()
+    with ray_cluster({"engine_node": 1}, {"trainer_node": 1}) as cluster:
+        yield cluster
 
 
 def ranks_config(cluster: Cluster, namespace: str, *overrides: str):  # type: ignore[no-untyped-def]
