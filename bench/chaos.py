@@ -347,8 +347,9 @@ def soak(minutes: float, quick: bool, seed: int, keep: Path | None,
     rng = random.Random(seed)
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={
         "num_cpus": 3, "include_dashboard": False})
-    tmp = tempfile.TemporaryDirectory(prefix="bench-chaos-")
-    root = keep or Path(tmp.name)
+    tmp = tempfile.TemporaryDirectory(prefix="bench-chaos-") if keep is None else None
+    root = Path(tmp.name) if tmp is not None else keep
+    assert root is not None
     results: dict[str, dict[str, Any]] = {}
     server: subprocess.Popen[str] | None = None
     try:
@@ -372,7 +373,7 @@ def soak(minutes: float, quick: bool, seed: int, keep: Path | None,
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
-        if keep is None:
+        if tmp is not None:
             tmp.cleanup()
 
 
