@@ -20,8 +20,10 @@ from helpers import REPO, run_spans
 from envs.base import Task
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.errors import ConfigError
+from orchestrator.faults import add_faults, resumed_faults
 from orchestrator.pipeline import TaskSampler
 from orchestrator.resume import RunState, find_checkpoint, resumed_config
+from orchestrator.rundir import faults_recorded
 from orchestrator.trace.reader import TraceDir
 
 STEPS = 6
@@ -78,6 +80,7 @@ def check_finished(run_dir: Path, again: set[int]) -> None:
     assert summary["steps"] == STEPS and summary["eval_after"] is not None  # the whole run
     assert summary["eval_before"] is not None and summary["resumes"] >= 1
     assert summary["checkpoints"] >= 1 and summary["checkpoint_pause_s"] > 0
+    assert steps[-1]["faults/resumes"] == 1  # the run's fault counters count the resume
 
 
 @pytest.mark.parametrize("kill_at", ["generate@2", "train_step@2", "weight_sync@3", "checkpoint@3"])
@@ -206,6 +209,26 @@ def test_prompts_in_flight_at_a_checkpoint_are_handed_out_again_first() -> None:
     assert again[2:] == rest  # then the pass goes on where it was
     assert sorted(taken[:4] + again) == list(range(20))  # none skipped, none repeated
     assert restored.passes == 1
+
+
+def test_fault_counters_are_the_whole_runs_across_resumes(tmp_path: Path) -> None:
+    """A resume starts from the larger of the checkpoint's counters and the last recorded
+    before the crash (in records the resume cuts), plus itself; later steps add this
+    process's counts to them."""
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 0, "faults/engine_restarts": 1.0, "faults/sandbox_lost": 0.0}\n'
+        '{"step": 1, "faults/engine_restarts": 2.0, "faults/sandbox_lost": 1.0}\n'
+        '{"step": 2, "faults/engine_')  # cut short by the crash
+    recorded = faults_recorded(tmp_path)
+    assert recorded == {"faults/engine_restarts": 2.0, "faults/sandbox_lost": 1.0}
+    checkpoint = {"faults/engine_restarts": 1.0, "faults/resumes": 1.0}  # of step 0
+    before = resumed_faults(checkpoint, recorded)
+    assert before == {"faults/engine_restarts": 2.0, "faults/sandbox_lost": 1.0,
+                      "faults/resumes": 2.0}
+    now = {"faults/engine_restarts": 1.0, "faults/docker_unreachable": 1.0, "engine/x": 5.0}
+    assert add_faults(before, now) == {
+        "faults/docker_unreachable": 1.0, "faults/engine_restarts": 3.0,
+        "faults/resumes": 2.0, "faults/sandbox_lost": 1.0}
 
 
 def test_rng_state_round_trips(tmp_path: Path) -> None:
