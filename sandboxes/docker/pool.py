@@ -27,8 +27,8 @@ with one sentence naming the engine's URL and the fix, nothing is retried, and s
 leaves the containers to the reaper of the next start (and to their own lifetime) instead of
 waiting on a dead engine.
 
-A container that disappears under a call (``docker kill``, the engine's OOM killer of the
-whole container: not the code's doing, since its PID 1 runs as another uid) is lost, not a
+A container that disappears under a call (``docker kill``: not the code's doing, since its
+PID 1 runs as another uid), or whose runner stream an engine outage cut, is lost, not a
 ``killed`` result: the call runs once more in a fresh container (the session's state is gone:
 ``session_reset``), counted as ``faults/sandbox_lost``. :meth:`DockerSandboxPool.metrics`
 has both counters.
@@ -137,11 +137,13 @@ class DockerSandboxConfig(SandboxConfig):
 
 
 class _Container:
-    def __init__(self, container: Any, channel: RunnerChannel, expires: float) -> None:
+    def __init__(self, container: Any, channel: RunnerChannel, expires: float,
+                 outages: int = 0) -> None:
         self.container = container
         self.id: str = container.id
         self.channel = channel
         self.expires = expires
+        self.outages = outages  # the engine's outages before its runner stream was attached
         self.uses = 0
         self.broken = False
 
@@ -178,8 +180,8 @@ class DockerSandbox(Sandbox):
             result = await self._exec_once(code, language, timeout_s, max_output, retry=True)
             if result is None:  # the container was lost under the call: once more, afresh
                 self._pool.stats["lost"] += 1
-                log.warning("sandbox pool: a container disappeared under a call; running it "
-                            "again in a fresh one")
+                log.warning("sandbox pool: a container was lost under a call (killed, or its "
+                            "stream cut by the engine); running the call again in a fresh one")
                 result = await self._exec_once(code, language, timeout_s, max_output, retry=False)
                 assert result is not None
                 result = replace(result, session_reset=True)
@@ -217,8 +219,8 @@ class DockerSandbox(Sandbox):
         self._container = None
         try:  # ... unless the engine itself went away: then it is not the code's doing
             await self._pool._require_engine(gone)
-            if gone is not None and await self._pool._gone(box):
-                return None  # killed from outside: not the code's doing either
+            if retry and gone is not None and await self._pool._lost_box(box):
+                return None  # killed from outside or cut: not the code's doing either
         finally:
             self._pool._release_soon(box)
         if scope.cancelled_caught:
@@ -424,7 +426,7 @@ class DockerSandboxPool(SandboxPool):
                 try:
                     frame = await box.channel.roundtrip(protocol.request(protocol.OP_RESET))
                 except RunnerGone:
-                    if await self._gone(box):  # killed from outside between two calls
+                    if await self._lost_box(box):  # killed from outside between two calls
                         self.stats["lost"] += 1
             if frame is not None and protocol.parse_response(frame)[0] == 0:
                 self.stats["reused"] += 1
@@ -446,6 +448,8 @@ class DockerSandboxPool(SandboxPool):
         while True:
             if self._lost is not None:
                 raise EngineUnavailable(self._lost)
+            if self._down:  # a known outage: wait for the engine before calling it (docker-py
+                await self._await_engine(None)  # leaks the socket of a failed connection)
             try:
                 return await self._thread(fn, *args, **kwargs)
             except ENGINE_ERRORS as e:
@@ -453,7 +457,7 @@ class DockerSandboxPool(SandboxPool):
                     raise
                 await self._await_engine(e)
 
-    async def _await_engine(self, error: BaseException) -> None:
+    async def _await_engine(self, error: BaseException | None) -> None:
         """The engine did not answer: return once it does, within ``engine_grace_s``; else the
         pool is lost (:class:`EngineUnavailable`)."""
         if self._lost is not None:
@@ -481,6 +485,12 @@ class DockerSandboxPool(SandboxPool):
         failed = await self._thread(engine.probe, self.client, self.url)  # bounded in time
         if failed is not None:
             await self._await_engine(failed)
+
+    async def _lost_box(self, box: _Container) -> bool:
+        """Whether ``box``'s runner stream ended for a reason outside the box: the container
+        was killed, or the engine had an outage since the stream was attached (a restarted
+        engine cuts the streams it carried)."""
+        return self.stats["engine_outages"] > box.outages or await self._gone(box)
 
     async def _gone(self, box: _Container) -> bool:
         """Whether ``box``'s container is no longer running (killed from outside: its PID 1
@@ -540,6 +550,7 @@ class DockerSandboxPool(SandboxPool):
             raise SandboxError(f"could not start a sandbox container: {e}") from e
         self.stats["created"] += 1
         channel: RunnerChannel | None = None
+        outages = self.stats["engine_outages"]
         try:
             await anyio.lowlevel.checkpoint()  # a pending cancel lands here, with cleanup
             channel = RunnerChannel(await self._call(self._attach_runner, container.id))
@@ -560,7 +571,7 @@ class DockerSandboxPool(SandboxPool):
                 raise SandboxError(f"the sandbox runner did not start in {self.config.image}: "
                                    f"{e}") from e
             raise
-        box = _Container(container, channel, time.time() + self.config.lifetime_s)
+        box = _Container(container, channel, time.time() + self.config.lifetime_s, outages)
         self._live.add(box)
         return box
 

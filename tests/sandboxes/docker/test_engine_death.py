@@ -9,6 +9,7 @@ daemon keeps serving the other tests.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -206,3 +207,64 @@ def test_engine_death_ends_the_run_in_one_line_and_the_next_start_reaps(
     finally:  # whatever failed above, leave no container to the next tests
         for container_id in owned_by(docker_client, process.pid):
             remove(docker_client, container_id)
+
+
+@pytest.mark.anyio
+# docker-py (urllib3) drops a pooled connection the dead engine cut without closing its socket
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_an_engine_gone_for_a_moment_is_waited_for_and_counted_once(
+        proxy: DockerProxy, docker_client) -> None:
+    """The engine stops answering (the proxy dies) and comes back 2 s later: a call meanwhile
+    waits for it and goes on in a fresh container; the outage counts once."""
+    url = f"unix://{proxy.path}"
+    pool = DockerSandboxPool(small_config(docker_host=url, engine_grace_s=30.0, reuse=False))
+    revived: list[DockerProxy] = []
+    try:
+        with anyio.fail_after(90):
+            async with pool:
+                assert (await pool.run("print(1)")).ok
+                proxy.kill()
+                await anyio.sleep(2.5)  # the watch pings every second: it sees the outage
+                assert pool.metrics()["faults/docker_unreachable"] == 1
+
+                async def revive() -> None:
+                    await anyio.sleep(2)
+                    revived.append(DockerProxy(proxy.path))
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(revive)
+                    result = await pool.run("print(2)")  # a fresh container: reuse=False
+                assert result.ok and result.stdout == "2\n"
+                # the warm container's runner stream went through the dead engine: lost, and
+                # the call ran again in a fresh one
+                assert result.session_reset
+                assert pool.metrics() == {"faults/sandbox_lost": 1.0,
+                                          "faults/docker_unreachable": 1.0}
+    finally:
+        for p in revived:
+            p.kill()
+        reap(docker_client, pool.run_id)
+        del pool
+        gc.collect()  # that socket's warning comes here, under this test's filter
+
+
+@pytest.mark.anyio
+async def test_a_container_killed_under_a_call_runs_the_call_again_in_a_fresh_one(
+        docker_client) -> None:
+    pool = DockerSandboxPool(small_config(timeout_s=10.0, max_timeout_s=10.0))
+    with anyio.fail_after(60):
+        async with pool, pool.session() as sb:
+            assert (await sb.exec("x = 1")).ok
+            container = sb._container
+            assert container is not None
+
+            async def kill_mid_call() -> None:
+                await anyio.sleep(0.5)
+                await anyio.to_thread.run_sync(docker_client.api.kill, container.id)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kill_mid_call)
+                result = await sb.exec("import time\ntime.sleep(1.5)\nprint('done')", timeout=10)
+            assert result.ok and result.stdout == "done\n" and result.session_reset
+            assert (await sb.exec("print('x' in dir())")).stdout == "False\n"  # a fresh session
+            assert pool.metrics()["faults/sandbox_lost"] == 1.0
