@@ -132,7 +132,8 @@ def warm_start(out: Path) -> tuple[Path, dict[str, Any]]:
             engine = parts.make_engine(update, recorder)
             update.release()
             async with engine:
-                return await parts.warm_start(engine, recorder)
+                runner = EpisodeRunner(engine, parts.tokenizer, parts.spec, parts.rollout, recorder)
+                return await parts.warm_start(runner)
 
     steps = anyio.run(go)
     model = parts.trainer.policy.model  # type: ignore[attr-defined]
