@@ -306,14 +306,17 @@ def audit(chaos: Chaos, batch: int, k: int) -> dict[str, Any]:
     steps = [int(m["step"]) for m in records]
     expected = list(range(len(steps)))
     trace = TraceDir.open(run_dir)
-    samples: Counter[tuple[int, int]] = Counter()
+    # a trained sample: its group and index, and who rolled it out when (a prompt comes back
+    # on every pass over the train split, so its id alone repeats in a long run)
+    samples: Counter[tuple[int, int, str, float]] = Counter()
     wrong_batch = stale = 0
     for step in trace.steps():
         workload = list(trace.workload(step))
         wrong_batch += abs(len(workload) - batch)
         for r in workload:
-            samples[(r.prompt_group_id, r.sample_id)] += 1
             info = r.polyrl
+            samples[(r.prompt_group_id, r.sample_id, info.worker if info else "",
+                     info.start_s if info else 0.0)] += 1
             if info is None or info.staleness is None or not 0 <= info.staleness <= k:
                 stale += 1
     last = records[-1] if records else {}

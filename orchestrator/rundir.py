@@ -54,8 +54,10 @@ class RunDir:
         self.earlier: list[dict[str, Any]] = []  # metrics of the steps before a resumed run's
         # the fault counters last recorded (before a resume cuts the records they are in)
         self.faults_recorded: dict[str, float] = faults_recorded(self.path)
+        # steps past the checkpoint are redone; a fresh start (resume=auto finding no
+        # checkpoint after a crash) cuts the records an earlier attempt left here
+        truncate_after(self.path, resume_step if resume_step is not None else 0)
         if resume_step is not None:
-            truncate_after(self.path, resume_step)  # steps past the checkpoint are redone
             self.earlier = steps_before(self.path, resume_step)
         (self.path / "config.yaml").write_text(_yaml(config))
         self._metrics = JsonlMetrics(self.path / "metrics.jsonl")
