@@ -24,7 +24,9 @@ from collections.abc import Mapping
 
 ENV = "POLYRL_KILL_AT"
 PREFIX = "faults/"
-RESUMES = "faults/resumes"  # the run went on from a checkpoint (a new driver, or in-process)
+# the run was started again (a new driver, or in-process): from a checkpoint, or from the
+# beginning when it was killed before its first one
+RESUMES = "faults/resumes"
 
 
 def add_faults(before: Mapping[str, float], now: Mapping[str, float]) -> dict[str, float]:

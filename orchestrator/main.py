@@ -107,9 +107,12 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path,
         logger.resume_id = resume.logger_run_id
     out = RunDir(run_dir, OmegaConf.to_container(cfg, resolve=True), [logger],  # type: ignore[arg-type]
                  parts.rollout.max_total_tokens, resume_step=resume.step if resume else None)
-    if resume is not None:  # the fault counters go on from the whole run's, this resume counted
+    faults = None  # the fault counters go on from the whole run's, this restart counted
+    if resume is not None:
         resume.pipeline["faults"] = resumed_faults(resume.pipeline.get("faults", {}),
                                                    out.faults_recorded)
+    elif out.restarted:  # killed before its first checkpoint: from the beginning, still counted
+        faults = resumed_faults({}, out.faults_recorded)
     checkpointer = None
     if parts.checkpoint is not None:
         checkpointer = Checkpointer(
@@ -121,7 +124,7 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path,
         try:
             anyio.run(partial(run_session, parts, result,
                               lambda report: out.write_step(report, parts.tokenizer), checkpointer,
-                              out.open_recorder, resume),
+                              out.open_recorder, resume, faults),
                       backend=parts.anyio_backend, backend_options=dict(parts.backend_options))
         except BaseException:
             if checkpointer is not None:

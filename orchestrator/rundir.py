@@ -54,6 +54,9 @@ class RunDir:
         self.earlier: list[dict[str, Any]] = []  # metrics of the steps before a resumed run's
         # the fault counters last recorded (before a resume cuts the records they are in)
         self.faults_recorded: dict[str, float] = faults_recorded(self.path)
+        # a fresh start where an earlier attempt recorded steps and never finished: a driver
+        # killed before the run's first checkpoint, started again from the beginning
+        self.restarted = resume_step is None and _attempt_left_steps(self.path)
         # steps past the checkpoint are redone; a fresh start (resume=auto finding no
         # checkpoint after a crash) cuts the records an earlier attempt left here
         truncate_after(self.path, resume_step if resume_step is not None else 0)
@@ -131,6 +134,16 @@ def truncate_after(run_dir: Path, step: int) -> None:
             lines = [line for line in path.read_text().splitlines() if keep(line, step)]
             path.write_text("".join(line + "\n" for line in lines))
     drop_steps_from(run_dir, step)
+
+
+def _attempt_left_steps(run_dir: Path) -> bool:
+    """Whether ``metrics.jsonl`` holds steps of an attempt that did not finish (no summary)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return False
+    records = [r for r in map(_parse, path.read_text().splitlines()) if r is not None]
+    finished = any(k.startswith("summary/") for r in records for k in r)
+    return not finished and any("step" in r for r in records)
 
 
 def faults_recorded(run_dir: Path) -> dict[str, float]:

@@ -274,10 +274,12 @@ async def run_session(parts: RunParts, result: RunResult,
                       on_step: Callable[[StepReport], None] | None = None,
                       checkpointer: Checkpointer | None = None,
                       make_recorder: Callable[[Clock], Recorder] = Recorder,
-                      resume: RunState | None = None) -> None:
+                      resume: RunState | None = None,
+                      faults: Mapping[str, float] | None = None) -> None:
     """Run ``parts``, filling ``result`` as it goes (so a failed run still reports); the
     recorder is ``make_recorder(parts.clock)`` (a run directory's streams to its spans file).
-    ``resume``: the state of the checkpoint a resumed run goes on from."""
+    ``resume``: the state of the checkpoint a resumed run goes on from; ``faults``: the fault
+    counters a run started again from the beginning goes on from."""
     recorder = make_recorder(parts.clock)
     result.recorder = recorder
     async with parts.spec.running(), _checkpoints(checkpointer, recorder):
@@ -295,6 +297,8 @@ async def run_session(parts: RunParts, result: RunResult,
                 pipeline.load_state_dict(resume.pipeline)
                 result.warm_start_steps, result.eval_before = resume.warm_start_steps, resume.eval_before
             else:
+                if faults:
+                    pipeline.faults_before, pipeline.faults = dict(faults), dict(faults)
                 if parts.warm_start is not None:
                     result.warm_start_steps = await parts.warm_start(runner)
                     await sync_weights(engine, await parts.trainer.weights())

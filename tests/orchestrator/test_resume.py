@@ -308,3 +308,22 @@ def test_a_snapshot_is_a_copy_that_reuses_the_last_ones_memory(tiny, make_policy
     assert all(torch.equal(other.model.state_dict()[k], live[k]) for k in live)
     moments = other.optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(moments, trainer.optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_and_counts_the_restart(
+        tmp_path: Path) -> None:
+    """resume=auto finds no checkpoint: the run starts from the beginning in its directory, the
+    killed attempt's steps are cut, and its fault counters go on with the restart counted."""
+    from helpers import quick_config
+
+    from orchestrator.main import run
+
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 0, "faults/sandbox_lost": 2.0}) + "\n"
+        + json.dumps({"step": 1, "faults/sandbox_lost": 3.0}) + "\n")
+    run(quick_config("smoke", "logger=none"), tmp_path)
+    records = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "step" in m]
+    steps = [m["step"] for m in records if "summary/steps" not in m]
+    assert steps == sorted(set(steps)) and steps[0] == 0  # the attempt's steps were cut
+    last = [m for m in records if "summary/steps" not in m][-1]
+    assert last["faults/resumes"] == 1 and last["faults/sandbox_lost"] == 3
