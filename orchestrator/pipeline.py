@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -256,8 +256,12 @@ class Pipeline:
         self.step = int(state["step"])
         self.staleness.dropped = int(state["dropped"])
         self.sampler.load_state_dict(state["sampler"])
-        self.faults_before = dict(state.get("faults", {}))
-        self.faults = dict(self.faults_before)
+        self.carry_faults(state.get("faults", {}))
+
+    def carry_faults(self, totals: Mapping[str, float]) -> None:
+        """Count faults on from ``totals``, the run's earlier processes' (before :meth:`run`)."""
+        self.faults_before = dict(totals)
+        self.faults = dict(totals)
 
     def request_stop(self) -> None:
         """End the run after the step in progress (at once if the trainer is only waiting for

@@ -297,8 +297,8 @@ async def run_session(parts: RunParts, result: RunResult,
                 pipeline.load_state_dict(resume.pipeline)
                 result.warm_start_steps, result.eval_before = resume.warm_start_steps, resume.eval_before
             else:
-                if faults:
-                    pipeline.faults_before, pipeline.faults = dict(faults), dict(faults)
+                if faults:  # started again from the beginning: the counts go on
+                    pipeline.carry_faults(faults)
                 if parts.warm_start is not None:
                     result.warm_start_steps = await parts.warm_start(runner)
                     await sync_weights(engine, await parts.trainer.weights())
