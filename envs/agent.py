@@ -15,8 +15,8 @@ leave scoring to the reward functions named in ``rewards`` (``{"pkg.mod:fn": wei
 it is.
 
 Tasks come from ``tasks`` (``"pkg.mod:fn"``, ``fn(split) -> iterable``; by default the
-program module's own ``tasks``): :class:`~envs.base.Task` objects, or mappings with a
-``prompt`` (or ``messages``), an ``answer`` and any other keys as metadata.
+``tasks`` of the module ``env.program`` names): :class:`~envs.base.Task` objects, or mappings
+with a ``prompt`` (or ``messages``), an ``answer`` and any other keys as metadata.
 
 Failures never stop the run: a program that raises, or runs past ``timeout_s``, ends its
 episode as failed with reward 0 (:class:`AgentOutcome` says why; the orchestrator counts
@@ -126,7 +126,10 @@ class AgentSpec(EnvSpec):
             raise TypeError(f"env.program={program} is not callable")
         self.is_async = inspect.iscoroutinefunction(self.program) or inspect.iscoroutinefunction(
             type(self.program).__call__)
-        source = tasks or f"{self.program.__module__}:tasks"
+        # by default the tasks of the module env.program names (the program itself may be
+        # defined elsewhere: a bound method, a shared adapter)
+        module = program.partition(":")[0] if ":" in program else program.rpartition(".")[0]
+        source = tasks or f"{module}:tasks"
         make_tasks = load_object(source, "env.tasks")
         self.splits = {split: self._load(make_tasks, split) for split in ("train", "eval")}
         self.rewards = [(name, load_object(name, "env.rewards"), float(weight))

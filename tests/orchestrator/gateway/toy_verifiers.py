@@ -1,0 +1,91 @@
+"""A verifiers (0.4) environment written as its authors would, for the gateway tests: a
+taskset of sums from an in-memory list (train and eval disjoint), each task scored by its own
+``@vf.reward`` (the toy objective: the share of digits in the final reply, 1.0 for the exact
+sum), and a harness that plays the seat with a tool loop. Verifiers' taskset id is this
+module (it exports the taskset and, bundled with it, the harness).
+
+The harness runs in-process, as verifiers allows ("a harness may run its loop in-process
+instead of launching a program, as long as every model call goes through ``endpoint`` +
+``secret``"): verifiers' own harnesses (``null``, ``bash``) launch a PEP 723 script through
+``uv``, which must install its dependencies from PyPI on first use, and start a Python
+process per episode. Everything else is verifiers' own: ``SingleAgentEnv``, its rollout, the
+interception server relaying each call upstream, the trace and its scoring.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import verifiers.v1 as vf
+from openai import AsyncOpenAI
+from toy_agents import ADD_TOOL, digit_share
+from verifiers.v1.runtimes import ProgramResult, Runtime
+
+from envs.agent_verifiers import VerifiersProgram
+
+__all__ = ["Calculator", "Sums"]
+
+
+class SumData(vf.TaskData):
+    answer: str
+
+
+class SumTask(vf.Task[SumData, vf.State]):
+    @vf.reward
+    async def digits(self, trace: vf.Trace) -> float:
+        reply = trace.last_reply
+        return 1.0 if reply == self.data.answer else digit_share(reply)
+
+
+class SumsConfig(vf.TasksetConfig):
+    split: str = "train"
+
+
+class Sums(vf.Taskset[SumTask, SumsConfig]):
+    def load(self) -> list[SumTask]:
+        pairs = [(a, b) for a in range(10) for b in range(10)]
+        chosen = pairs[:80] if self.config.split == "train" else pairs[80:]
+        return [SumTask(SumData(prompt=f"{a}+{b}=", answer=str(a + b)), self.config.task)
+                for a, b in chosen]
+
+
+class Calculator(vf.Harness[vf.HarnessConfig]):
+    """Offer ``add``, run the calls that come back, ask again until a plain reply (at most
+    three calls), all through the rollout's interception endpoint."""
+
+    EXECUTES_CODE = False
+    NEEDS_CONTAINER = False
+
+    async def launch(self, ctx: vf.ModelContext, trace: vf.Trace, runtime: Runtime,
+                     endpoint: str, secret: str, mcp_urls: dict[str, str],
+                     data: vf.TaskData) -> ProgramResult:
+        _, prompt = self.resolve_text_prompt(data)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+            for _ in range(3):
+                response = await client.chat.completions.create(
+                    model=ctx.model, messages=messages, tools=[ADD_TOOL])
+                message = response.choices[0].message
+                messages.append(message.model_dump(exclude_none=True))
+                if not message.tool_calls:
+                    break
+                for call in message.tool_calls:
+                    try:
+                        args = json.loads(call.function.arguments)
+                        result = str(int(args["a"]) + int(args["b"]))
+                    except (ValueError, KeyError, TypeError) as e:
+                        result = f"error: {e}"
+                    messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": result})
+        return ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+def env_config(split: str) -> vf.SingleAgentEnvConfig:
+    """The env as verifiers runs it, on its local (subprocess) runtime."""
+    return vf.SingleAgentEnvConfig(taskset={"id": "toy_verifiers", "split": split},
+                                   agent={"runtime": {"type": "subprocess"}})
+
+
+program = VerifiersProgram(env_config("train"), eval=env_config("eval"))
+run, tasks = program.run, program.tasks
