@@ -7,6 +7,7 @@ directory)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,11 @@ def assert_learns(program: str, tmp_path: Path, *overrides: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("program", ["toy_agents:calculator", "toy_agents:calculator_sync",
-                                     "toy_agents:agents_sdk"])
+                                     "toy_agents:agents_sdk", "toy_verifiers:run"])
 def test_an_agent_program_learns_unchanged(program: str, tmp_path: Path) -> None:
-    """The openai SDK's tool loop (async; sync in a worker thread) and an Agents SDK Runner."""
+    """The openai SDK's tool loop (async; sync in a worker thread), an Agents SDK Runner, and
+    a verifiers environment (its rollout, interception server and rubric)."""
     assert_learns(program, tmp_path)
+    if program.startswith("toy_verifiers"):  # verifiers' own reward, by name, in the records
+        records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+        assert all(0 <= r["reward/digits"] <= 1 for r in records if "reward/mean" in r)
