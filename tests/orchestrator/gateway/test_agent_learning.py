@@ -54,5 +54,6 @@ def test_an_agent_program_learns_unchanged(program: str, tmp_path: Path) -> None
     a verifiers environment (its rollout, interception server and rubric)."""
     assert_learns(program, tmp_path)
     if program.startswith("toy_verifiers"):  # verifiers' own reward, by name, in the records
-        records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
         assert all(0 <= r["reward/digits"] <= 1 for r in records if "reward/mean" in r)
