@@ -80,7 +80,11 @@ class VerifiersProgram:
 
     async def run(self, task: Task, client: Any) -> Reward:
         """One verifiers episode of ``task`` against ``client``'s base URL and key."""
-        vf_task, config = self._tasks[task.metadata[KEY]]
+        key = task.metadata[KEY]
+        if key not in self._tasks:  # a process that did not list them (env.processes > 0)
+            for split in self.configs:
+                self.tasks(split)
+        vf_task, config = self._tasks[key]
         key_var = f"POLYRL_EPISODE_API_KEY_{secrets.token_hex(8)}"
         os.environ[key_var] = client.api_key
         try:

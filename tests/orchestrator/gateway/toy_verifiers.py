@@ -62,7 +62,9 @@ class Calculator(vf.Harness[vf.HarnessConfig]):
                      data: vf.TaskData) -> ProgramResult:
         _, prompt = self.resolve_text_prompt(data)
         messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+        # (the SDK's 5 s connect timeout is short for 2 heavily shared cores)
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
+                               timeout=300.0) as client:
             for _ in range(3):
                 response = await client.chat.completions.create(
                     model=ctx.model, messages=messages, tools=[ADD_TOOL])
