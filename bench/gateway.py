@@ -1,7 +1,7 @@
 """What the agent gateway adds to each model call: the same episodes as agent programs over
 HTTP and as an in-process ``ToolEnv``.
 
-``python -m bench.gateway [--episodes 256] [--calls 4] [--seconds-per-call 1.0]``
+``python -m bench.gateway [--episodes 256] [--calls 4] [--seconds-per-call 1.0] [--processes 2]``
 
 Both runs drive the simulated engine with one fixed timing: every call takes
 ``--seconds-per-call`` (a length of ``TOKENS`` tokens at the matching per-token cost) and
@@ -14,10 +14,13 @@ its tokens are a Hermes call of a no-op tool, so each episode makes exactly ``--
   a call's latency is what the program sees around ``chat.completions.create``: rendering,
   HTTP, JSON, parsing, and the same engine call.
 
-Episodes start spread over one call's time (seeded), so the engines see a steady load, not
+A few episodes first warm each process up (the client's first call imports and builds its
+types; not measured). Episodes start spread over one call's time (seeded), so the engines see a steady load, not
 one burst. The added latency per call is the difference of the two distributions' p50 (and
 p99). No episode may be lost: every one must finish with all its calls recorded as one
-segment. The programs, the gateway and the engine share one event loop, as in a run.
+segment. The gateway and the engine share the run's event loop; the programs run in
+``--processes`` worker processes (``env.processes``, default 2 here), or in that loop too with
+``--processes 0``.
 Last line: ``gateway_overhead_p50_ms=<ms>`` (target <= 2).
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -36,7 +40,7 @@ import aiohttp
 import anyio
 
 from envs.agent import AgentSpec
-from envs.base import Env, EnvSpec, Task
+from envs.base import Env, EnvSpec, Reward, Task
 from envs.parsers import HermesParser
 from envs.tool_env import ToolEnv, WeightedReward
 from envs.tools import tool
@@ -126,69 +130,91 @@ async def run_tool_env(episodes: int, calls: int, seconds: float, seed: int) -> 
     return {"latencies": latencies, "finished": finished, "wall": wall}
 
 
-# The agent programs' state: set by run_gateway, read by the programs (a program gets only
-# its task and client, as a user's does).
-PROGRAM: dict[str, Any] = {"calls": 4, "latencies": [], "session": None}
+# What the programs read (a program gets only its task and client, as a user's does): the calls
+# per episode come in each task's metadata, so programs in worker processes read them too.
+PROGRAM: dict[str, Any] = {"session": None}  # a process's one aiohttp session, for agent_aiohttp
 
 
 def noop_tasks(split: str) -> list[Task]:
-    return list(NoopSpec(PROGRAM.get("episodes", 256)).tasks(split)) if split == "train" else []
+    episodes, calls = (int(v) for v in os.environ.get("BENCH_GATEWAY", "256,4").split(","))
+    return [replace(t, metadata={"calls": calls}) for t in NoopSpec(episodes).tasks(split)] \
+        if split == "train" else []
+
+
+def _latencies(latencies: list[float]) -> Reward:
+    """Reward 1 with each call's latency as a component: how the numbers come back from a
+    program in a worker process."""
+    return Reward(1.0, {f"call{i}_s": v for i, v in enumerate(latencies)})
 
 
 async def agent(task: Task, client: Any) -> float:
     """The agent program: offer the tool, run every call that comes back, ask again."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": task.messages[0]["content"]}]
-    for _ in range(PROGRAM["calls"]):
+    latencies: list[float] = []
+    for _ in range(task.metadata["calls"]):
         started = time.perf_counter()
         response = await client.chat.completions.create(model="policy", messages=messages,
                                                         tools=[TOOL])
-        PROGRAM["latencies"].append(time.perf_counter() - started)
+        latencies.append(time.perf_counter() - started)
         message = response.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         messages += [{"role": "tool", "tool_call_id": c.id, "content": "ok"}
                      for c in message.tool_calls or []]
-    return 1.0
+    return _latencies(latencies)
 
 
 async def agent_aiohttp(task: Task, client: Any) -> float:
     """The same program on a bare aiohttp client (the openai client gives the URL and key)."""
+    if PROGRAM["session"] is None:
+        PROGRAM["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     session: aiohttp.ClientSession = PROGRAM["session"]
     url, headers = f"{client.base_url}chat/completions", {"Authorization": f"Bearer {client.api_key}"}
     messages: list[dict[str, Any]] = [{"role": "user", "content": task.messages[0]["content"]}]
-    for _ in range(PROGRAM["calls"]):
+    latencies: list[float] = []
+    for _ in range(task.metadata["calls"]):
         started = time.perf_counter()
         async with session.post(url, headers=headers, json={
                 "model": "policy", "messages": messages, "tools": [TOOL]}) as response:
             message = (await response.json())["choices"][0]["message"]
-        PROGRAM["latencies"].append(time.perf_counter() - started)
+        latencies.append(time.perf_counter() - started)
         messages.append(message)
         messages += [{"role": "tool", "tool_call_id": c["id"], "content": "ok"}
                      for c in message.get("tool_calls") or []]
-    return 1.0
+    return _latencies(latencies)
 
 
 async def run_gateway(episodes: int, calls: int, seconds: float, seed: int,
-                      client: str) -> dict[str, Any]:
+                      client: str, processes: int = 0) -> dict[str, Any]:
     engine = _engine(seconds, seed)
     rollout = RolloutConfig(group_size=1, max_tokens=TOKENS)
     finished: list[tuple[int, int, str]] = []
-    PROGRAM.update(calls=calls, episodes=episodes, latencies=[])
+    latencies: list[float] = []
+    os.environ["BENCH_GATEWAY"] = f"{episodes},{calls}"  # noop_tasks', here and in the workers
     program = "bench.gateway:agent" if client == "openai" else "bench.gateway:agent_aiohttp"
-    spec = AgentSpec(program=program, tasks="bench.gateway:noop_tasks", timeout_s=600)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session, \
+    spec = AgentSpec(program=program, tasks="bench.gateway:noop_tasks", timeout_s=600,
+                     processes=processes)
+    async with spec.running(), \
             Gateway(engine, TOK, Recorder(), GatewayConfig(max_calls=calls)) as gateway:
-        PROGRAM["session"] = session
 
         async def body(i: int) -> None:
             trajectories, outcome = await run_agent_episode(
                 gateway, spec, spec.tasks("train")[i], rollout, "w", i)
             finished.append((len(trajectories), sum(len(e.turns) for _, e in trajectories),
                              outcome.error or outcome.status))
+            latencies.extend(outcome.reward.components.values())
 
+        # warm-up, not measured: each process's first calls import and build the client's types
+        async with anyio.create_task_group() as tg:
+            for i in range(2 * max(processes, 1)):
+                tg.start_soon(run_agent_episode, gateway, spec, spec.tasks("train")[i], rollout,
+                              "warm-up", i)
+        before = gateway.metrics()
         wall = await _staggered(episodes, seconds, seed, body)
-        counters = gateway.metrics()
-    return {"latencies": PROGRAM["latencies"], "finished": finished, "wall": wall,
-            "counters": counters}
+        counters = {k: v - before.get(k, 0.0) for k, v in gateway.metrics().items()}
+    if PROGRAM["session"] is not None:
+        await PROGRAM["session"].close()
+        PROGRAM["session"] = None
+    return {"latencies": latencies, "finished": finished, "wall": wall, "counters": counters}
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -201,18 +227,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=4, help="calls per episode")
     parser.add_argument("--seconds-per-call", type=float, default=1.0)
     parser.add_argument("--client", choices=["openai", "aiohttp"], default="openai")
+    parser.add_argument("--processes", type=int, default=2,
+                        help="env.processes: worker processes the programs run in (0: in the "
+                             "run's event loop, with the gateway and the engine)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     n, calls, seconds = args.episodes, args.calls, args.seconds_per_call
 
     base = anyio.run(run_tool_env, n, calls, seconds, args.seed)
-    gate = anyio.run(run_gateway, n, calls, seconds, args.seed, args.client)
+    gate = anyio.run(run_gateway, n, calls, seconds, args.seed, args.client, args.processes)
     ok = [f for f in gate["finished"] if f == (1, calls, "ok")]
     lost = n - len(ok)
     if len(base["finished"]) != n or any(t != calls for t in base["finished"]):
         raise SystemExit(f"the ToolEnv run lost episodes: {base['finished']}")
     print(json.dumps({"episodes": n, "calls_per_episode": calls, "seconds_per_call": seconds,
-                      "client": args.client, "counters": gate["counters"],
+                      "client": args.client, "processes": args.processes, "counters": gate["counters"],
                       "wall_s": {"tool_env": round(base["wall"], 3),
                                  "gateway": round(gate["wall"], 3)}}))
     rows = []

@@ -31,15 +31,17 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
 import httpx
 
+from envs.agent_workers import AgentWorkers, ProgramError
 from envs.base import Env, EnvSpec, Message, Reward, Task
-from envs.errors import EnvConfigError
+from envs.errors import EnvConfigError, EnvError
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,48 @@ def as_task(index: int, item: Task | Mapping[str, Any]) -> Task:
                 answer=str(data.pop("answer", "")), metadata=data)
 
 
+class AgentProgram:
+    """The user's program and how to call it: ``run(task, endpoint)`` is one episode with a
+    client on ``endpoint``, in this process (an async program on this event loop, a plain one
+    in a worker thread). Also what a worker process (``env.processes``) runs."""
+
+    def __init__(self, fn: Callable[..., Any], name: str) -> None:
+        if not callable(fn):
+            raise TypeError(f"env.program={name} is not callable")
+        self.fn, self.name = fn, name
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            type(fn).__call__)
+        self._tls: Any = None  # the clients' one TLS context, built on first use
+
+    @classmethod
+    def load(cls, path: str) -> AgentProgram:
+        return cls(load_object(path, "env.program"), path)
+
+    def _client_options(self, endpoint: AgentEndpoint, sync: bool, timeout_s: float) -> dict[str, Any]:
+        """An episode's client: its own connection pool (one pool shared by hundreds of
+        episodes costs each request a scan of all its connections), on one TLS context
+        built once (building one costs an episode tens of milliseconds)."""
+        openai = _openai()
+        if self._tls is None:
+            self._tls = httpx.create_ssl_context()
+        pool = openai.DefaultHttpxClient if sync else openai.DefaultAsyncHttpxClient
+        return {"base_url": endpoint.base_url, "api_key": endpoint.api_key, "max_retries": 0,
+                "timeout": timeout_s, "http_client": pool(verify=self._tls)}
+
+    async def run(self, task: Task, endpoint: AgentEndpoint, timeout_s: float = 300.0) -> Any:
+        """What the program returns for ``task`` (it raises what the program raises)."""
+        options = self._client_options(endpoint, sync=not self.is_async, timeout_s=timeout_s)
+        if self.is_async:
+            async with _openai().AsyncOpenAI(**options) as client:
+                return await self.fn(task, client)
+
+        def run() -> Any:
+            with _openai().OpenAI(**options) as client:
+                return self.fn(task, client)
+
+        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+
+
 class AgentSpec(EnvSpec):
     def __init__(
         self,
@@ -110,6 +154,7 @@ class AgentSpec(EnvSpec):
         max_n: int = 8,
         max_calls: int = 64,
         max_context: int | None = None,
+        processes: int = 0,
     ) -> None:
         if timeout_s <= 0:
             raise EnvConfigError(f"env.timeout_s must be > 0, got {timeout_s}")
@@ -120,12 +165,12 @@ class AgentSpec(EnvSpec):
             raise EnvConfigError(f"env.port must be a TCP port (0: any free one), got {port}")
         if max_context is not None and max_context < 2:
             raise EnvConfigError(f"env.max_context must be >= 2 or null, got {max_context}")
+        if processes < 0:
+            raise EnvConfigError(f"env.processes must be >= 0 (0: in the run's own process), "
+                                 f"got {processes}")
         _openai()  # the programs' client: a missing package is one line now, not every episode
-        self.program = load_object(program, "env.program")
-        if not callable(self.program):
-            raise TypeError(f"env.program={program} is not callable")
-        self.is_async = inspect.iscoroutinefunction(self.program) or inspect.iscoroutinefunction(
-            type(self.program).__call__)
+        self.program_path, self.processes = program, processes
+        self.program = AgentProgram.load(program)
         # by default the tasks of the module env.program names (the program itself may be
         # defined elsewhere: a bound method, a shared adapter)
         module = program.partition(":")[0] if ":" in program else program.rpartition(".")[0]
@@ -138,7 +183,7 @@ class AgentSpec(EnvSpec):
         self.model, self.host, self.port = model, host, port
         self.max_n, self.max_calls, self.max_context = max_n, max_calls, max_context
         self._logged: set[str] = set()
-        self._tls: Any = None  # the programs' clients' one TLS context, built on first use
+        self._workers: AgentWorkers | None = None  # while running(), with processes > 0
 
     @staticmethod
     def _load(make_tasks: Callable[[str], Iterable[Any]] | Mapping[str, Iterable[Any]],
@@ -155,43 +200,43 @@ class AgentSpec(EnvSpec):
         does (it is user code): a failure is an outcome with reward 0."""
         try:
             with anyio.fail_after(self.timeout_s):
-                result = await (self._run_async(task, endpoint) if self.is_async
-                                else self._run_sync(task, endpoint))
+                if self.processes and self._workers is None:
+                    raise EnvError("env.processes > 0 runs the programs in worker processes "
+                                   "held by spec.running(); run episodes inside it")
+                result = await (self._workers.run(task, endpoint) if self._workers is not None
+                                else self.program.run(task, endpoint, self.timeout_s))
                 return AgentOutcome(await self._score(task, result))
         except TimeoutError:
             return AgentOutcome(Reward(0.0), "timeout",
                                 f"the agent program ran past env.timeout_s={self.timeout_s:g}")
+        except EnvError:
+            raise
         except Exception as e:  # the program is user code: its failure is data
-            error = f"{type(e).__name__}: {e}"
-            if type(e).__name__ not in self._logged:  # once per kind, with its traceback
-                self._logged.add(type(e).__name__)
-                log.warning("agent program failed (episode recorded with reward 0): %s", error,
-                            exc_info=e)
+            kind, error = ((e.kind, str(e)) if isinstance(e, ProgramError)
+                           else (type(e).__name__, f"{type(e).__name__}: {e}"))
+            if kind not in self._logged:  # once per kind, with its traceback
+                self._logged.add(kind)
+                log.warning("agent program failed (episode recorded with reward 0): %s%s", error,
+                            f"\n{e.details}" if isinstance(e, ProgramError) else "",
+                            exc_info=None if isinstance(e, ProgramError) else e)
             return AgentOutcome(Reward(0.0), "error", error)
 
-    def _client_options(self, endpoint: AgentEndpoint, sync: bool) -> dict[str, Any]:
-        """An episode's client: its own connection pool (one pool shared by hundreds of
-        episodes costs each request a scan of all its connections), on one TLS context
-        built once (building one costs an episode tens of milliseconds)."""
-        openai = _openai()
-        if self._tls is None:
-            self._tls = httpx.create_ssl_context()
-        pool = openai.DefaultHttpxClient if sync else openai.DefaultAsyncHttpxClient
-        return {"base_url": endpoint.base_url, "api_key": endpoint.api_key, "max_retries": 0,
-                "timeout": self.timeout_s, "http_client": pool(verify=self._tls)}
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """With ``processes`` > 0, the worker processes the programs run in."""
+        if not self.processes:
+            yield
+            return
+        async with AgentWorkers(self.program_path, self.processes,
+                                self.timeout_s).open() as workers:
+            self._workers = workers
+            try:
+                yield
+            finally:
+                self._workers = None
 
-    async def _run_async(self, task: Task, endpoint: AgentEndpoint) -> Any:
-        async with _openai().AsyncOpenAI(**self._client_options(endpoint, sync=False)) as client:
-            return await self.program(task, client)
-
-    async def _run_sync(self, task: Task, endpoint: AgentEndpoint) -> Any:
-        options = self._client_options(endpoint, sync=True)
-
-        def run() -> Any:
-            with _openai().OpenAI(**options) as client:
-                return self.program(task, client)
-
-        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+    def metrics(self) -> dict[str, float]:
+        return {"agent/worker_restarts": float(self._workers.restarts)} if self._workers else {}
 
     async def _score(self, task: Task, result: Any) -> Reward:
         if isinstance(result, Reward):
