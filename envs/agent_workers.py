@@ -22,7 +22,6 @@ import pickle
 import struct
 import sys
 import tempfile
-import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -49,13 +48,13 @@ class ProgramError(Exception):
         self.kind, self.details = kind, details
 
 
-async def _send(stream: ByteStream, lock: anyio.Lock, message: tuple[Any, ...] | bytes) -> None:
+async def send(stream: ByteStream, lock: anyio.Lock, message: tuple[Any, ...] | bytes) -> None:
     data = message if isinstance(message, bytes) else pickle.dumps(message)
     async with lock:
         await stream.send(_LENGTH.pack(len(data)) + data)
 
 
-async def _receive(stream: BufferedByteReceiveStream) -> tuple[Any, ...]:
+async def receive(stream: BufferedByteReceiveStream) -> tuple[Any, ...]:
     """The next frame; ``anyio.IncompleteRead`` / ``EndOfStream`` when the other end is gone."""
     (length,) = _LENGTH.unpack(await stream.receive_exactly(_LENGTH.size))
     return pickle.loads(await stream.receive_exactly(length))
@@ -103,12 +102,23 @@ class AgentWorkers:
     async def _start(self, index: int) -> _Worker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         process = await anyio.open_process(
-            [sys.executable, "-m", "envs.agent_workers", str(self._path), self.program,
+            [sys.executable, "-m", "envs.agent_worker_process", str(self._path), self.program,
              str(self.timeout_s)],
             env=env, stdin=None, stdout=None, stderr=None)
+        accepted: list[ByteStream] = []
         try:
-            with anyio.fail_after(120):  # importing the program (torch, an SDK) can take a while
-                stream = await self._listener.accept()
+            # importing the program (torch, an SDK) can take a while; a worker that exits
+            # first (its error is on the run's stderr) ends the wait
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+
+                    async def accept() -> None:
+                        accepted.append(await self._listener.accept())
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(accept)
+                    await process.wait()
+                    tg.cancel_scope.cancel()
         except BaseException as e:
             with anyio.CancelScope(shield=True):
                 process.kill()
@@ -117,7 +127,11 @@ class AgentWorkers:
                 raise ProgramError(f"an agent worker process did not start within 120 s "
                                    f"(env.program={self.program})") from None
             raise
-        worker = _Worker(index, process, stream)
+        if not accepted:
+            raise ProgramError(f"an agent worker process exited with code {process.returncode} "
+                               f"before it started (env.program={self.program}; its error is "
+                               f"above)")
+        worker = _Worker(index, process, accepted[0])
         self._tg.start_soon(self._read, worker)
         return worker
 
@@ -127,7 +141,7 @@ class AgentWorkers:
         buffered = BufferedByteReceiveStream(worker.stream)
         try:
             while True:
-                kind, eid, *rest = await _receive(buffered)
+                kind, eid, *rest = await receive(buffered)
                 waiting = worker.pending.pop(eid, None)
                 if waiting is not None:
                     waiting[1] = (kind, *rest)
@@ -170,7 +184,7 @@ class AgentWorkers:
             worker = await self._pick()
             worker.pending[eid] = waiting
             try:
-                await _send(worker.stream, worker.lock, ("run", eid, task, endpoint))
+                await send(worker.stream, worker.lock, ("run", eid, task, endpoint))
                 break
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 worker.pending.pop(eid, None)  # it died before its reader saw: another one
@@ -181,7 +195,7 @@ class AgentWorkers:
             if worker.pending.pop(eid, None) is not None:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                     try:
-                        await _send(worker.stream, worker.lock, ("cancel", eid))
+                        await send(worker.stream, worker.lock, ("cancel", eid))
                     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                         pass  # the worker is gone; its reader starts another
             raise
@@ -199,51 +213,3 @@ async def _stop(worker: _Worker) -> None:
             return
         worker.process.kill()
         await worker.process.wait()
-
-
-# -- the worker process -----------------------------------------------------------------------
-
-async def _serve(path: str, program_path: str, timeout_s: float) -> None:
-    from envs.agent import AgentProgram  # the worker's own import; the parent has it already
-
-    program = AgentProgram.load(program_path)
-    try:
-        stream = await anyio.connect_unix(path)
-    except OSError:  # the run closed before this worker came up
-        return
-    buffered, lock = BufferedByteReceiveStream(stream), anyio.Lock()
-    scopes: dict[int, anyio.CancelScope] = {}
-
-    async def episode(eid: int, task: Task, endpoint: Any) -> None:
-        with anyio.CancelScope() as scope:
-            scopes[eid] = scope
-            try:
-                reply: tuple[Any, ...] = ("done", eid, await program.run(task, endpoint,
-                                                                         timeout_s))
-            except Exception as e:  # noqa: BLE001 (the program's failure goes back as data)
-                reply = ("error", eid, f"{type(e).__name__}: {e}", type(e).__name__,
-                         traceback.format_exc())
-            finally:
-                scopes.pop(eid, None)
-            try:
-                data = pickle.dumps(reply)
-            except Exception as e:  # noqa: BLE001 (whatever pickling raises is the program's)
-                message = f"TypeError: the program's result cannot be sent back from its worker: {e}"
-                data = pickle.dumps(("error", eid, message, "TypeError", ""))
-            await _send(stream, lock, data)
-
-    async with anyio.create_task_group() as tg:
-        try:
-            while True:
-                kind, eid, *rest = await _receive(buffered)
-                if kind == "run":
-                    tg.start_soon(episode, eid, *rest)
-                elif eid in scopes:
-                    scopes[eid].cancel()
-        except (anyio.EndOfStream, anyio.IncompleteRead):
-            tg.cancel_scope.cancel()  # the run is over
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="agent worker: %(levelname)s %(message)s")
-    anyio.run(_serve, sys.argv[1], sys.argv[2], float(sys.argv[3]))
