@@ -52,3 +52,17 @@ async def test_a_failed_verifiers_rollout_is_a_failed_episode() -> None:
     assert outcome.error is not None and "VerifiersEpisodeError" in outcome.error
     assert "400" in outcome.error and episodes == []
     assert gateway.counters["errors"] == 1 and gateway.counters["bad_requests"] == 1
+
+
+async def test_a_verifiers_program_runs_in_a_worker_process() -> None:
+    """env.processes: the worker imports the program afresh (it never listed the tasks) and
+    finds the verifiers task by its key."""
+    spec = AgentSpec(program="toy_verifiers:run", processes=1)
+    tasks = {t.messages[0]["content"]: t for t in spec.tasks("train") + spec.tasks("eval")}
+    async with spec.running(), Gateway(scripted_engine(scripted), TOK, Recorder(),
+                                       GatewayConfig(max_context=2048)) as gateway:
+        for prompt in ("3+4=", "9+9="):  # a train task and an eval task
+            episodes, outcome = await run_agent_episode(gateway, spec, tasks[prompt], ROLLOUT,
+                                                        "w", 0)
+            assert (outcome.status, outcome.error) == ("ok", None)
+            assert outcome.reward.components == {"digits": 1.0} and len(episodes) == 1
