@@ -11,10 +11,17 @@ updates over the batch. With a single update the proximal policy is the current 
 log-probs are the detached forward pass); with several it is recomputed once, up front.
 Each update accumulates gradients over micro-batches, normalised by the trained tokens of
 the whole minibatch so token-level aggregation does not depend on how it is split.
+
+The LM head and the log-softmax over the vocabulary run only at the positions whose target
+is trained (``PackedBatch.mask``; the loss, the entropy metric and the log-prob agreement use
+no others), through ``transformers``' ``logits_to_keep``: prompt positions, observations and
+padding go through the decoder layers only. A model whose forward takes no ``logits_to_keep``
+computes every position's logits and the trainer keeps the trained ones (same results).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -112,6 +119,20 @@ def pack(
     )
 
 
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward computes logits at chosen positions only (``transformers``'
+    ``logits_to_keep``); a ``peft`` model passes it on to the model it wraps."""
+    base = getattr(model, "get_base_model", None)
+    forward = (base() if callable(base) else model).forward
+    return "logits_to_keep" in inspect.signature(forward).parameters
+
+
+def _placed(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (one per True of ``keep``, in row order) at their places in a zero tensor
+    shaped like ``keep`` (differentiable)."""
+    return values.new_zeros(keep.shape).masked_scatter(keep, values)
+
+
 class LogprobAgreement:
     """How far the engine's behaviour log-probs are from the trainer's, on the same weights.
 
@@ -188,6 +209,7 @@ class TorchTrainer(Trainer):
         if self.lora is not None:  # only the adapters train (orchestrator.trainer.lora)
             self.model = self.lora.wrap(self.model)
         self.model = self._prepare(self.model)
+        self._keeps_logits = keeps_logits(self.model)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=lr,
             weight_decay=weight_decay, betas=tuple(betas)
@@ -203,15 +225,25 @@ class TorchTrainer(Trainer):
 
     # -- forward ---------------------------------------------------------------------
 
+    def _logits(self, keep: torch.Tensor, **inputs: Any) -> tuple[torch.Tensor, Any]:
+        """The model's logits at the positions ``keep`` (bool, ``[rows, width]``) marks, in row
+        order (``[kept, vocab]``), and the model's output (its cache)."""
+        if self._keeps_logits:
+            out = self.model(**inputs, logits_to_keep=keep)
+            return out.logits, out
+        out = self.model(**inputs)
+        return out.logits[keep], out
+
     def _logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs of the targets and the policy's entropy at each position
-        (``[rows, width]``, zero where nothing is predicted or the prefix is shared)."""
+        """Per-token log-probs of the targets and the policy's entropy at each trained position
+        (``[rows, width]``, zero where no target is trained)."""
         if self.share_prefix and int(batch.prefix.max()) > 1:
             return self._shared_prefix_logprobs(batch)
-        logits = self.model(
-            input_ids=batch.inputs.to(self.device), attention_mask=batch.attention.to(self.device)
-        ).logits
-        return self._score(logits, batch.targets.to(self.device))
+        keep = batch.mask.to(self.device) > 0
+        logits, _ = self._logits(keep, input_ids=batch.inputs.to(self.device),
+                                 attention_mask=batch.attention.to(self.device))
+        logp, entropy = self._score(logits, batch.targets.to(self.device)[keep])
+        return _placed(keep, logp), _placed(keep, entropy)
 
     def _score(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logp_all = torch.log_softmax(logits.float() / self.temperature, dim=-1)
@@ -226,8 +258,10 @@ class TorchTrainer(Trainer):
         The prefixes go through the model once (batch ``[groups, longest prefix]``, right
         padded); their keys and values, still in the autograd graph, are repeated for each
         row, and the rows' own tokens run on top of them at their true positions. The last
-        prefix position predicts every row's first own token. With a group of 4 sharing a
-        10-token prompt before ~5 tokens each, the trainer computes 30 positions instead of 60.
+        prefix position predicts every row's first own token: the prefix pass computes the
+        LM head there alone, the rows' pass at their trained positions. With a group of 4
+        sharing a 10-token prompt before ~5 tokens each, the trainer computes 30 positions
+        instead of 60.
         """
         dev = self.device
         inputs, prefix = batch.inputs.to(dev), batch.prefix.to(dev)
@@ -239,13 +273,23 @@ class TorchTrainer(Trainer):
         longest = int(group_prefix.max())
         columns = torch.arange(longest, device=dev)
         prefix_attention = (columns < group_prefix[:, None]).long()
-        head = self.model(input_ids=inputs[first_row, :longest], attention_mask=prefix_attention,
-                          use_cache=True)
+        last = columns == group_prefix[:, None] - 1  # predicts each row's token `prefix`
+        head_logits, head = self._logits(last, input_ids=inputs[first_row, :longest],
+                                         attention_mask=prefix_attention, use_cache=True)
         cache = head.past_key_values
         for layer in cache.layers:  # each row sees its group's prefix (gradients flow back)
             layer.keys = layer.keys.index_select(0, row_group)
             layer.values = layer.values.index_select(0, row_group)
-        first_logits = head.logits[row_group, prefix - 1]  # predicts each row's token `prefix`
+
+        # Trained target positions: the last prefix one (from the prefix pass), then the rows'.
+        full = inputs.shape[1]
+        trained = batch.mask.to(dev) > 0
+        position = torch.arange(full, device=dev)
+        first = trained & (position == prefix[:, None] - 1)
+        rest = trained & (position >= prefix[:, None])
+        targets = batch.targets.to(dev)
+        logp, entropy = self._score(head_logits[row_group[first.any(1)]], targets[first])
+        logp_full, entropy_full = _placed(first, logp), _placed(first, entropy)
 
         own = batch.attention.to(dev).sum(1) - prefix  # each row's inputs after its prefix
         width = int(own.max())
@@ -253,23 +297,17 @@ class TorchTrainer(Trainer):
             offsets = torch.arange(width, device=dev)
             positions = prefix[:, None] + offsets
             valid = offsets < own[:, None]
-            tail = self.model(
-                input_ids=inputs.gather(1, positions.clamp(max=inputs.shape[1] - 1)),
+            at = positions.clamp(max=full - 1)
+            logits, _ = self._logits(
+                valid & rest.gather(1, at),
+                input_ids=inputs.gather(1, at),
                 attention_mask=torch.cat([prefix_attention[row_group], valid.long()], dim=1),
                 position_ids=positions,
                 past_key_values=cache,
             )
-            logits = torch.cat([first_logits[:, None], tail.logits], dim=1)
-        else:
-            logits = first_logits[:, None]
-        # Target position t predicts token t + 1: these are t = prefix - 1, prefix, ...
-        targets_at = prefix[:, None] - 1 + torch.arange(logits.shape[1], device=dev)
-        kept = targets_at < batch.attention.to(dev).sum(1, keepdim=True)
-        full = inputs.shape[1]
-        at = torch.where(kept, targets_at, full)  # dropped ones go to a column cut off below
-        logp, entropy = self._score(logits, batch.targets.to(dev).gather(1, at.clamp(max=full - 1)))
-        logp_full = logp.new_zeros((len(batch), full + 1)).scatter(1, at, logp)[:, :full]
-        entropy_full = entropy.new_zeros((len(batch), full + 1)).scatter(1, at, entropy)[:, :full]
+            logp, entropy = self._score(logits, targets[rest])
+            logp_full = logp_full.masked_scatter(rest, logp)
+            entropy_full = entropy_full.masked_scatter(rest, entropy)
         return logp_full, entropy_full
 
     def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
@@ -468,13 +506,12 @@ class TorchTrainer(Trainer):
         total = 0.0
         with self._accumulating():
             for mb in self._micro_batches(batch) if batch is not None else ():
-                logits = self.model(
-                    input_ids=mb.inputs.to(self.device), attention_mask=mb.attention.to(self.device)
-                ).logits.float()
+                keep = mb.mask.to(self.device) > 0  # the head runs at the trained tokens only
+                logits, _ = self._logits(keep, input_ids=mb.inputs.to(self.device),
+                                         attention_mask=mb.attention.to(self.device))
                 nll = torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1), mb.targets.to(self.device).flatten(), reduction="none"
-                )
-                loss = (nll * mb.mask.to(self.device).flatten()).sum() / max(num_tokens, 1.0)
+                    logits.float(), mb.targets.to(self.device)[keep], reduction="sum")
+                loss = nll / max(num_tokens, 1.0)
                 loss.backward()
                 total += float(loss.detach())
         self._clip_gradients()
