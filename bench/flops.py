@@ -6,7 +6,8 @@ counts the weights of every matrix multiply (each layer's q, k, v, o, gate, up a
 the LM head; not the embedding lookup, which is a gather), plus attention: ``QK^T`` and
 ``AV`` cost ``2 x width`` each per (query token, key) pair, ``width`` the query heads times
 the head size (grouped-query attention shares keys and values, not these products). A
-backward pass costs twice its forward.
+backward pass costs twice its forward. The LM head may run at fewer positions than the
+layers (the trainer computes it only where a token is trained): ``head_tokens``.
 """
 
 from __future__ import annotations
@@ -79,10 +80,14 @@ class Shapes:
         """``N``: the weights of every matrix multiply, the LM head's included."""
         return self.layers * sum(i * o for i, o in self.layer) + self.head[0] * self.head[1]
 
-    def forward_flops(self, tokens: float, pairs: float) -> float:
+    def forward_flops(self, tokens: float, pairs: float, head_tokens: float | None = None) -> float:
         """A forward pass over ``tokens`` tokens whose queries attend to ``pairs`` keys in all
-        (a causal pass over one sequence of ``n``: ``n (n + 1) / 2``)."""
-        return 2 * self.weights * tokens + 4 * self.layers * self.width * pairs
+        (a causal pass over one sequence of ``n``: ``n (n + 1) / 2``), with the LM head at
+        ``head_tokens`` of them (default: all)."""
+        head = self.head[0] * self.head[1]
+        head_tokens = tokens if head_tokens is None else head_tokens
+        return (2 * (self.weights - head) * tokens + 2 * head * head_tokens
+                + 4 * self.layers * self.width * pairs)
 
     def linear_time(self, rows: int, backward: bool, **timing: Any) -> float:
         """Seconds of every matrix multiply of a pass over ``rows`` tokens (each shape timed

@@ -31,7 +31,11 @@
    Tokens/s counts the batch's tokens (every sample's prompt and reply). GFLOP/s counts what
    the trainer computes (:mod:`bench.flops`: every matmul, the LM head and causal attention,
    backward twice forward), over the tokens it feeds: a group's shared prompt once (the
-   trainer's ``share_prefix``), then each sample's own tokens. ``trainer_bound_fraction=`` is
+   trainer's ``share_prefix``), then each sample's own tokens; the LM head only where the
+   trainer computes it, at the trained tokens (with a shared prompt: at its last position
+   once per group, which predicts each sample's first own token, and at each sample's
+   trained tokens after it), so the figure counts useful FLOPs, not positions whose logits
+   nothing uses. ``trainer_bound_fraction=`` is
    that rate over the rate a matmul microbenchmark of the model's own shapes sustains at the
    same token count and threads (``torch.nn.functional.linear`` and its two backward
    products, float32).
@@ -245,10 +249,12 @@ def print_generation(rows: Sequence[Mapping[str, Any]]) -> float:
 # -- 2. training --------------------------------------------------------------------------------
 
 
-def computed(groups: Sequence[Group], share: bool) -> tuple[float, float]:
-    """(tokens, attention pairs) the trainer's forward pass computes for ``groups``: a
-    group's shared untrained prefix once (``share``), then each sample's own tokens."""
-    tokens = pairs = 0.0
+def computed(groups: Sequence[Group], share: bool) -> tuple[float, float, float]:
+    """(tokens, attention pairs, LM head tokens) the trainer's forward pass computes for
+    ``groups``: a group's shared untrained prefix once (``share``), then each sample's own
+    tokens; the LM head at the trained targets only (a shared prefix's last position once,
+    for every sample's first own token)."""
+    tokens = pairs = head = 0.0
     for g in groups:
         fed = [len(t.token_ids) - 1 for t in g.trajectories]  # the last token predicts nothing
         p = shared_prefix([t.token_ids for t in g.trajectories],
@@ -256,7 +262,9 @@ def computed(groups: Sequence[Group], share: bool) -> tuple[float, float]:
         p = p if p > 1 else 0  # the trainer shares a prefix of more than one token
         tokens += p + sum(n - p for n in fed)
         pairs += p * (p + 1) / 2 + sum((n - p) * p + (n - p) * (n - p + 1) / 2 for n in fed)
-    return tokens, pairs
+        trained = [t.loss_mask[1:] for t in g.trajectories]  # target t is token t + 1
+        head += sum(sum(m) for m in trained) - (sum(m[p - 1] for m in trained) - 1 if p else 0)
+    return tokens, pairs, head
 
 
 class StepClock:
@@ -322,14 +330,15 @@ def training(budget: Budget, threads: int) -> dict[str, float]:
         started = time.perf_counter()
         trainer.train_step(groups)
         wall = time.perf_counter() - started
-        tokens, pairs = computed(groups, trainer.share_prefix)
+        tokens, pairs, head = computed(groups, trainer.share_prefix)
         batch_tokens = sum(len(t.token_ids) for g in groups for t in g.trajectories)
         if i:  # the first step warms up
-            steps.append((wall, clock.forward_backward[-1], tokens, pairs, batch_tokens))
+            steps.append((wall, clock.forward_backward[-1], tokens, pairs, batch_tokens, head))
             print(f"  step: {wall:.2f} s, forward + backward {clock.forward_backward[-1]:.2f} s, "
-                  f"{batch_tokens} batch tokens, {tokens:.0f} computed", flush=True)
-    wall, fb, tokens, pairs, batch_tokens = (sum(s[i] for s in steps) for i in range(5))
-    flops = 3 * shapes.forward_flops(tokens, pairs)
+                  f"{batch_tokens} batch tokens, {tokens:.0f} computed, LM head at {head:.0f}",
+                  flush=True)
+    wall, fb, tokens, pairs, batch_tokens, head = (sum(s[i] for s in steps) for i in range(6))
+    flops = 3 * shapes.forward_flops(tokens, pairs, head)
     rows = round(tokens / len(steps))
     timing = {"min_time": 0.02, "repeats": 3, "calls": 1}
     matmul = 6 * shapes.weights * rows / shapes.linear_time(rows, backward=True, **timing)

@@ -34,6 +34,8 @@ def test_flops_count_every_linear_layer_of_the_tiny_model() -> None:
     shapes = Shapes.of(model.config)
     assert shapes.weights == _matmul_weights(model)  # the tied LM head counted once, as a matmul
     assert shapes.forward_flops(10, 0) == 2 * shapes.weights * 10
+    head = shapes.head[0] * shapes.head[1]  # the LM head at 3 of the 10 tokens
+    assert shapes.forward_flops(10, 0, 3) == 2 * (shapes.weights - head) * 10 + 2 * head * 3
 
 
 @needs_smollm2
@@ -62,9 +64,11 @@ def _trajectory(ids: list[int], prompt: int) -> Trajectory:
 def test_computed_tokens_run_a_groups_shared_prompt_once() -> None:
     prompt = [5, 6, 7, 8]
     group = Group(0, (_trajectory([*prompt, 1, 2], 4), _trajectory([*prompt, 3], 4)), 0)
-    # fed: every token but the last (5 and 4); the prompt's 4 once, then 1 and 0 of their own
-    assert computed([group], share=True) == (4 + 1 + 0, 10 + (1 * 4 + 1))
-    assert computed([group], share=False) == (5 + 4, 15 + 10)
+    # fed: every token but the last (5 and 4); the prompt's 4 once, then 1 and 0 of their own.
+    # The LM head: at the 3 trained targets; shared, the prompt's last position serves both
+    # samples' first targets, so 2 (that one, then the first sample's second target).
+    assert computed([group], share=True) == (4 + 1 + 0, 10 + (1 * 4 + 1), 2)
+    assert computed([group], share=False) == (5 + 4, 15 + 10, 3)
 
 
 @needs_smollm2
