@@ -17,8 +17,12 @@ from orchestrator.recorder import Recorder
 pytestmark = pytest.mark.anyio
 
 
-async def test_a_verifiers_rollout_is_one_segment_of_exactly_the_engines_tokens() -> None:
-    spec = AgentSpec(program="toy_verifiers:run")  # its tasks: toy_verifiers:tasks
+@pytest.mark.parametrize("program", ["toy_verifiers:run", "toy_verifiers:run_streaming"])
+async def test_a_verifiers_rollout_is_one_segment_of_exactly_the_engines_tokens(
+        program: str) -> None:
+    """Plain calls, and streamed ones as verifiers' own chat program makes them (relayed
+    by the interception server as the gateway's server-sent events)."""
+    spec = AgentSpec(program=program)  # its tasks: toy_verifiers:tasks
     [task] = [t for t in spec.tasks("train") if t.messages[0]["content"] == "3+4="]
     assert task.answer == "7" and len(spec.tasks("train")) == 80 and len(spec.tasks("eval")) == 20
     async with Gateway(scripted_engine(scripted), TOK, Recorder(),

@@ -20,6 +20,7 @@ from typing import Any
 import verifiers.v1 as vf
 from openai import AsyncOpenAI
 from toy_agents import ADD_TOOL, digit_share
+from verifiers.v1.harnesses.utils import core
 from verifiers.v1.runtimes import ProgramResult, Runtime
 
 from envs.agent_verifiers import VerifiersProgram
@@ -50,7 +51,14 @@ class Sums(vf.Taskset[SumTask, SumsConfig]):
                 for a, b in chosen]
 
 
-class Calculator(vf.Harness[vf.HarnessConfig]):
+class CalculatorConfig(vf.HarnessConfig):
+    stream: bool = False
+    """Each call as verifiers' own chat program makes it (``core.chat``: streamed, usage
+    included, the stream read back into a completion). Not for training runs: that function
+    ends its process (SystemExit) when the connection fails."""
+
+
+class Calculator(vf.Harness[CalculatorConfig]):
     """Offer ``add``, run the calls that come back, ask again until a plain reply (at most
     three calls), all through the rollout's interception endpoint."""
 
@@ -66,8 +74,10 @@ class Calculator(vf.Harness[vf.HarnessConfig]):
         async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
                                timeout=300.0) as client:
             for _ in range(3):
-                response = await client.chat.completions.create(
-                    model=ctx.model, messages=messages, tools=[ADD_TOOL])
+                response = await (
+                    core.chat(client, ctx.model, messages, [ADD_TOOL]) if self.config.stream
+                    else client.chat.completions.create(model=ctx.model, messages=messages,
+                                                        tools=[ADD_TOOL]))
                 message = response.choices[0].message
                 messages.append(message.model_dump(exclude_none=True))
                 if not message.tool_calls:
@@ -83,11 +93,14 @@ class Calculator(vf.Harness[vf.HarnessConfig]):
         return ProgramResult(exit_code=0, stdout="", stderr="")
 
 
-def env_config(split: str) -> vf.SingleAgentEnvConfig:
+def env_config(split: str, stream: bool = False) -> vf.SingleAgentEnvConfig:
     """The env as verifiers runs it, on its local (subprocess) runtime."""
-    return vf.SingleAgentEnvConfig(taskset={"id": "toy_verifiers", "split": split},
-                                   agent={"runtime": {"type": "subprocess"}})
+    return vf.SingleAgentEnvConfig(
+        taskset={"id": "toy_verifiers", "split": split},
+        agent={"runtime": {"type": "subprocess"},
+               "harness": {"id": "toy_verifiers", "stream": stream}})
 
 
 program = VerifiersProgram(env_config("train"), eval=env_config("eval"))
 run, tasks = program.run, program.tasks
+run_streaming = VerifiersProgram(env_config("train", stream=True)).run
