@@ -20,7 +20,8 @@ launcher=ray launcher.num_engines=2 resume=auto hydra.run.dir=…``):
   own, ``python -m sandboxes.search --control``), with ``search_error`` (every request
   answered HTTP 500 for 3–6 s; ``faults/search_errors`` per failed attempt), ``search_hang``
   (requests held unanswered; ``faults/search_timeouts`` per attempt the client gave up on),
-  ``search_slow`` (answers 1 s late, within the client's timeout: ridden out, no counter),
+  ``search_slow`` (answers 1 s late, within the client's timeout: ridden out, and each
+  answer that late counted in ``faults/search_slow``, so it may count naturally slow ones too),
   ``engine`` and ``driver``.
 
 After the first trained step the injector acts one fault at a time, cycling through a shuffled
@@ -66,7 +67,7 @@ COUNTER: dict[str, str | None] = {
     "engine": "faults/engine_restarts", "container": "faults/sandbox_lost",
     "docker": "faults/docker_unreachable", "driver": "faults/resumes",
     "search_error": "faults/search_errors", "search_hang": "faults/search_timeouts",
-    "search_slow": None}
+    "search_slow": "faults/search_slow"}
 BATCH, K = 8, 1
 COMMON = ["logger=none", "progress=false", "model.device=cpu", f"pipeline.batch_size={BATCH}",
           "pipeline.num_workers=4", f"pipeline.max_staleness={K}", "pipeline.num_steps=100000",

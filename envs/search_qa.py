@@ -110,6 +110,7 @@ class SearchQASpec(EnvSpec):
         failure_rate: float = 0.0,
         search_url: str | None = None,
         request_timeout: float = 5.0,
+        slow_request_s: float | None = 1.0,
         retries: int = 3,
         backoff: float = 0.05,
         tool_timeout: float = 30.0,
@@ -132,6 +133,7 @@ class SearchQASpec(EnvSpec):
         self.topk, self.reward_kind, self.latency = topk, reward, latency
         self.time_scale, self.failure_rate, self.search_url = time_scale, failure_rate, search_url
         self.request_timeout, self.retries, self.backoff = request_timeout, retries, backoff
+        self.slow_request_s = slow_request_s
         self.tool_timeout, self.max_calls_per_turn = tool_timeout, max_calls_per_turn
         self.describe_tools, self.system_prompt = describe_tools, system_prompt
         self.seed = seed
@@ -243,11 +245,14 @@ class SearchQASpec(EnvSpec):
                 self.faults["faults/search_errors"] += 1
             elif attempt.status in ("timeout", "connection_error"):
                 self.faults[f"faults/search_{attempt.status}s"] += 1
+            elif self.slow_request_s is not None and attempt.latency >= self.slow_request_s:
+                self.faults["faults/search_slow"] += 1
 
     def metrics(self) -> dict[str, float]:
         """Failed search attempts (each retried, up to ``retries``): answered 5xx
         (``faults/search_errors``), unanswered in ``request_timeout``
-        (``faults/search_timeouts``), not connected (``faults/search_connection_errors``)."""
+        (``faults/search_timeouts``), not connected (``faults/search_connection_errors``); and
+        answers that came but took ``slow_request_s`` or longer (``faults/search_slow``)."""
         return {key: float(n) for key, n in self.faults.items()}
 
     def demonstration(self, task: Task) -> tuple[Message, ...]:

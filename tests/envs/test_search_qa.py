@@ -259,11 +259,12 @@ def test_experiment_search_qa_trains_and_records_every_tool_call(tmp_path: Path)
 async def test_faults_turned_on_at_the_server_are_ridden_out_and_counted() -> None:
     """The server's /faults control (the chaos soak's): 500s, then held requests, then slow
     answers; the episode's searches retry through them and the spec counts each failed
-    attempt in its faults/* metrics."""
+    attempt, and each answer past slow_request_s, in its faults/* metrics."""
     spec = SearchQASpec(train_size=4, eval_size=0, latency="none")
     async with SearchServer(spec.index, control=True) as server:
         external = SearchQASpec(train_size=4, eval_size=0, latency="none", search_url=server.url,
-                                request_timeout=0.3, retries=1, backoff=0.001)
+                                request_timeout=0.3, retries=1, backoff=0.001,
+                                slow_request_s=0.05)
         task = external.tasks("train")[0]
         query = tool_call_text("search", {"query": str(task.metadata["name"])})
         async with aiohttp.ClientSession() as http, external.running():
@@ -288,4 +289,6 @@ async def test_faults_turned_on_at_the_server_are_ridden_out_and_counted() -> No
                 assert bad.status == 400 and "mode" in (await bad.json())["error"]
     assert statuses == [["http_500"] * 2, ["timeout"] * 2, ["success"]]
     assert served == {"error": 2, "hang": 2, "slow": 1}
-    assert external.metrics() == {"faults/search_errors": 2.0, "faults/search_timeouts": 2.0}
+    # the slow answer came within the timeout (no retry) and is counted as slow
+    assert external.metrics() == {"faults/search_errors": 2.0, "faults/search_timeouts": 2.0,
+                                  "faults/search_slow": 1.0}
