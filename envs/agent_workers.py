@@ -15,6 +15,7 @@ this process).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -121,8 +122,7 @@ class AgentWorkers:
                     tg.cancel_scope.cancel()
         except BaseException as e:
             with anyio.CancelScope(shield=True):
-                process.kill()
-                await process.wait()
+                await _kill(process)
             if isinstance(e, TimeoutError):
                 raise ProgramError(f"an agent worker process did not start within 120 s "
                                    f"(env.program={self.program})") from None
@@ -211,5 +211,11 @@ async def _stop(worker: _Worker) -> None:
         with anyio.move_on_after(5):
             await worker.process.wait()
             return
-        worker.process.kill()
-        await worker.process.wait()
+        await _kill(worker.process)
+
+
+async def _kill(process: Process) -> None:
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+            process.kill()
+    await process.wait()
