@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import TINY_MODEL
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from orchestrator.algo.base import LossInputs
 from orchestrator.algo.grpo import GRPO
-from orchestrator.models.policy import Policy
+from orchestrator.models.policy import Policy, tiny_policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.trainer import TorchTrainer, pack
 from orchestrator.trainer.torch_trainer import PackedBatch, keeps_logits, shared_prefix
@@ -36,9 +37,7 @@ class FullLogits(torch.nn.Module):
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
-    from conftest import make_tiny_policy
-
-    return make_tiny_policy(seed).model
+    return tiny_policy(**{k: v for k, v in TINY_MODEL.items() if k != "_target_"}, seed=seed).model
 
 
 def large_vocab_model(seed: int) -> torch.nn.Module:
