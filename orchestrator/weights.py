@@ -28,7 +28,7 @@ them with an :class:`AdapterMerger`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -201,27 +201,48 @@ class WeightUpdate:
 class AdapterMerger:
     """How an engine loads updates, LoRA ones included: a full update is loaded as it is; an
     adapter update sets each adapted weight to ``W0 + scale * B @ A`` from the base weights
-    ``W0`` kept from the update that carried them (the engine's first)."""
+    ``W0`` kept from the update that carried them (the engine's first).
 
-    def __init__(self) -> None:
+    ``fused`` is for an engine whose layers each hold several of the model's modules and load
+    only whole (vLLM's ``packed_modules_mapping``: ``qkv_proj`` holds ``q_proj``, ``k_proj``
+    and ``v_proj``): then an adapter update also carries, from the kept base, every other
+    tensor of each layer it touches (the siblings an adapter leaves alone, biases), so no
+    layer is loaded in part. Without it, only the adapted weights are given."""
+
+    def __init__(self, fused: Mapping[str, Sequence[str]] | None = None) -> None:
         self._base: dict[str, torch.Tensor] = {}
+        self._fused = None if fused is None else {
+            part: tuple(parts) for parts in fused.values() for part in parts}
+
+    def _layer_tensors(self, modules: Sequence[str], names: Iterable[str]) -> set[str]:
+        """The tensors among ``names`` that are loaded with the adapted weights ``modules``."""
+        if self._fused is None:
+            return set(modules)
+        layers = set()
+        for weight in modules:
+            parent, _, leaf = weight.rsplit(".", 1)[0].rpartition(".")
+            layers.update(f"{parent}.{part}" for part in self._fused.get(leaf, (leaf,)))
+        return {n for n in names if n.rsplit(".", 1)[0] in layers} | set(modules)
 
     def merged(self, update: WeightUpdate) -> dict[str, torch.Tensor]:
         """The weights to load for ``update``: all of a full one; for an adapter update, the
-        adapted weights (and the base weights it carries, if any)."""
+        adapted weights (with ``fused``, their layers' other tensors too), and the base
+        weights it carries, if any."""
         tensors = update.tensors()
         adapters = update.adapters
         if adapters is None:
+            self._base.clear()  # a later adapter update needs its base weights sent again
             return dict(tensors)
         plain = {k: v for k, v in tensors.items() if "::" not in k}
-        for name in adapters.modules:
+        for name in self._layer_tensors(adapters.modules, plain):
             if name in plain:
                 self._base[name] = plain[name].detach().clone()
         missing = [m for m in adapters.modules if m not in self._base]
         if missing:
             raise RuntimeError(f"an adapter update for {missing[0]} reached an engine that never "
                                f"received its base weights")
-        out = dict(plain)
+        out = {**{n: self._base[n] for n in self._layer_tensors(adapters.modules, self._base)},
+               **plain}
         with torch.no_grad():
             for name in adapters.modules:
                 base = self._base[name]

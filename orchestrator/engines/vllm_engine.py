@@ -114,7 +114,9 @@ class VLLMEngine(InferenceEngine):
         self._model = dict(model)
         self._served = checkpoint_dir(self._model)  # None: built from config, written at start
         self._weights = weights
-        self._adapters = AdapterMerger()  # LoRA updates: merged into the weights they adapt
+        # LoRA updates: merged into the weights they adapt (made again, knowing the model's
+        # fused layers, once vLLM has built it)
+        self._adapters = AdapterMerger()
         self._options: dict[str, Any] = {
             "gpu_memory_utilization": gpu_memory_utilization,
             "max_num_seqs": max_num_seqs,
@@ -148,10 +150,15 @@ class VLLMEngine(InferenceEngine):
             self._llm = await anyio.to_thread.run_sync(self._start)
             self.max_model_len = int(self._llm.model_config.max_model_len)
             await self._llm.update_weight_version(str(self.version))
+            fused = (await self._llm.collective_rpc("polyrl_fused_modules"))[0]
+            self._adapters = AdapterMerger(fused)
             if self._weights is not None and self._served is not None:
                 # A checkpoint directory was served as it is on disk; the run may start
                 # elsewhere (a warm start, a resume): load the weights it was given.
                 await self._load(self._weights)
+            elif self._weights is not None and self._weights.adapters is not None:
+                # Started from them: keep the base weights the next adapter update needs.
+                await anyio.to_thread.run_sync(self._adapters.merged, self._weights)
         except BaseException:
             await self.aclose()
             raise
@@ -177,7 +184,7 @@ class VLLMEngine(InferenceEngine):
             return str(self._served)
         policy = build_policy({**self._model, "device": "cpu"})
         self._workdir = Path(tempfile.mkdtemp(prefix="polyrl-vllm-"))
-        state = self._adapters.merged(self._weights) if self._weights is not None else None
+        state = AdapterMerger().merged(self._weights) if self._weights is not None else None
         policy.model.save_pretrained(self._workdir, state_dict=state)
         if self._weights is not None:
             self._weights.release()

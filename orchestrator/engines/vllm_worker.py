@@ -32,6 +32,12 @@ class WeightLoader:
 
         return self._polyrl_reload(load_file(path))
 
+    def polyrl_fused_modules(self) -> dict[str, list[str]]:
+        """The model's layers that each load several checkpoint modules, only whole
+        (``packed_modules_mapping``: ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}``)."""
+        mapping = getattr(self.model_runner.get_model(), "packed_modules_mapping", None) or {}
+        return {layer: list(parts) for layer, parts in mapping.items()}
+
     def _polyrl_reload(self, tensors: Mapping[str, torch.Tensor]) -> int:
         self.model_runner.reload_weights(weights_iterator=iter(list(tensors.items())))
         return len(tensors)
