@@ -17,8 +17,11 @@ its tokens are a Hermes call of a no-op tool, so each episode makes exactly ``--
 A few episodes first warm each process up (the client's first call imports and builds its
 types; not measured). Episodes start spread over one call's time (seeded), so the engines see a steady load, not
 one burst. The added latency per call is the difference of the two distributions' p50 (and
-p99). No episode may be lost: every one must finish with all its calls recorded as one
-segment. The gateway and the engine share the run's event loop; the programs run in
+p99). A third run, **null endpoint**, splits it: the same programs against an aiohttp server
+that waits the same engine time and answers the same call with a fixed body, so what it adds
+is the client's and HTTP's own cost (the floor under any OpenAI-compatible endpoint; the
+openai SDK alone spends milliseconds of CPU per call), and the rest is the gateway's. No
+episode may be lost: every one must finish with all its calls recorded as one segment. The gateway and the engine share the run's event loop; the programs run in
 ``--processes`` worker processes (``env.processes``, default 2 here), or in that loop too with
 ``--processes 0``.
 Last line: ``gateway_overhead_p50_ms=<ms>`` (target <= 2).
@@ -38,8 +41,9 @@ from typing import Any
 
 import aiohttp
 import anyio
+from aiohttp import web
 
-from envs.agent import AgentSpec
+from envs.agent import AgentEndpoint, AgentSpec
 from envs.base import Env, EnvSpec, Reward, Task
 from envs.parsers import HermesParser
 from envs.tool_env import ToolEnv, WeightedReward
@@ -217,6 +221,57 @@ async def run_gateway(episodes: int, calls: int, seconds: float, seed: int,
     return {"latencies": latencies, "finished": finished, "wall": wall, "counters": counters}
 
 
+async def run_null(episodes: int, calls: int, seconds: float, seed: int, client: str,
+                   processes: int) -> dict[str, Any]:
+    """The same programs, processes and timing against a null endpoint: an aiohttp server that
+    waits the call's engine time and answers the same tool call with a fixed body. What this
+    adds over the engine time is the client's and HTTP's own cost, the floor under any
+    OpenAI-compatible endpoint."""
+    body = json.dumps({
+        "id": "chatcmpl-null", "object": "chat.completion", "created": 0, "model": "policy",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_0", "type": "function",
+                "function": {"name": "noop", "arguments": "{}"}}]}}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": TOKENS, "total_tokens": TOKENS + 1}})
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        await anyio.sleep(seconds)
+        return web.Response(text=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    endpoint = AgentEndpoint(f"http://127.0.0.1:{port}/v1/", "sk-null", "policy")
+    os.environ["BENCH_GATEWAY"] = f"{episodes},{calls}"
+    program = "bench.gateway:agent" if client == "openai" else "bench.gateway:agent_aiohttp"
+    spec = AgentSpec(program=program, tasks="bench.gateway:noop_tasks", timeout_s=600,
+                     processes=processes)
+    latencies: list[float] = []
+    try:
+        async with spec.running():
+            async with anyio.create_task_group() as tg:  # warm-up, as for the gateway
+                for i in range(2 * max(processes, 1)):
+                    tg.start_soon(spec.run_episode, spec.tasks("train")[i], endpoint)
+
+            async def one(i: int) -> None:
+                outcome = await spec.run_episode(spec.tasks("train")[i], endpoint)
+                latencies.extend(outcome.reward.components.values())
+
+            await _staggered(episodes, seconds, seed, one)
+    finally:
+        await runner.cleanup()
+        if PROGRAM["session"] is not None:
+            await PROGRAM["session"].close()
+            PROGRAM["session"] = None
+    return {"latencies": latencies}
+
+
 def _quantile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
@@ -236,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     base = anyio.run(run_tool_env, n, calls, seconds, args.seed)
     gate = anyio.run(run_gateway, n, calls, seconds, args.seed, args.client, args.processes)
+    null = anyio.run(run_null, n, calls, seconds, args.seed, args.client, args.processes)
     ok = [f for f in gate["finished"] if f == (1, calls, "ok")]
     lost = n - len(ok)
     if len(base["finished"]) != n or any(t != calls for t in base["finished"]):
@@ -247,9 +303,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     for q in (0.5, 0.99):
         a, b = _quantile(base["latencies"], q), _quantile(gate["latencies"], q)
+        c = _quantile(null["latencies"], q)
         rows.append((q, a, b, b - a))
         print(f"p{round(q * 100)}: ToolEnv {a * 1e3:8.2f} ms   gateway {b * 1e3:8.2f} ms   "
-              f"added {(b - a) * 1e3:6.2f} ms per call")
+              f"added {(b - a) * 1e3:6.2f} ms per call; null endpoint {c * 1e3:8.2f} ms: "
+              f"the client and HTTP {(c - a) * 1e3:6.2f} ms, the gateway {(b - c) * 1e3:6.2f} ms")
     print(f"episodes lost: {lost} of {n} (every call recorded: "
           f"{gate['counters'].get('agent/calls', 0):.0f} of {n * calls})")
     if lost:
