@@ -231,7 +231,7 @@ class AdapterMerger:
         tensors = update.tensors()
         adapters = update.adapters
         if adapters is None:
-            self._base.clear()  # a later adapter update needs its base weights sent again
+            self.forget()
             return dict(tensors)
         plain = {k: v for k, v in tensors.items() if "::" not in k}
         for name in self._layer_tensors(adapters.modules, plain):
@@ -250,6 +250,11 @@ class AdapterMerger:
                 delta = (b.to(torch.float32) @ a.to(torch.float32)) * adapters.scale
                 out[name] = (base.to(torch.float32) + delta).to(base.dtype)
         return out
+
+    def forget(self) -> None:
+        """A full update replaced the weights: the kept base is stale, so an adapter update
+        after it must carry its base weights again (it fails, in one line, if not)."""
+        self._base.clear()
 
     def load(self, model: torch.nn.Module, update: WeightUpdate) -> None:
         """Load ``update`` into ``model`` (all of its weights for a full update)."""

@@ -20,6 +20,14 @@ processes. What it does for the pipeline:
   (:mod:`orchestrator.engines.vllm_worker`) called with ``collective_rpc`` reloads the
   weights in place through the model's own weight loaders. A file update is read by the
   workers from its path; any other transport travels as safetensors bytes.
+* **LoRA updates** (``trainer.lora``) are merged here, ``W0 + scale * B @ A`` from the base
+  weights the first update carried (:class:`~orchestrator.weights.AdapterMerger`), and only
+  the layers they touch are reloaded, each whole: vLLM fuses ``q_proj``, ``k_proj`` and
+  ``v_proj`` into one ``qkv_proj`` (``gate_proj`` and ``up_proj`` into ``gate_up_proj``) and
+  reloads a fused layer only from all its parts, so the parts an adapter leaves alone (and
+  biases) are sent from the kept base too. Merged rather than vLLM's own LoRA
+  (``enable_lora``): on vLLM's CPU build it decodes at less than half the speed
+  (``bench/vllm_lora.py``; docs/scaling.md).
 
 KV cache size: on CPU, ``engine.kv_cache_bytes`` (default 1 GiB; ``4GiB`` and plain byte
 counts are accepted). vLLM's CPU build would otherwise size it as ``gpu_memory_utilization``
@@ -258,14 +266,17 @@ class VLLMEngine(InferenceEngine):
         await self._load(update)
 
     async def _load(self, update: WeightUpdate) -> None:
-        if update.adapters is not None:  # LoRA: the adapted weights, merged here, are loaded
+        partial = update.adapters is not None
+        if partial:  # LoRA: the adapted weights (their whole layers), merged here, are loaded
             merged = await anyio.to_thread.run_sync(self._adapters.merged, update)
             update = WeightUpdate.by_reference(update.version, merged, leased=False)
+        else:
+            self._adapters.forget()
         if update.path is not None:
-            await self._llm.collective_rpc("polyrl_load_file", args=(str(update.path),))
+            await self._llm.collective_rpc("polyrl_load_file", args=(str(update.path), partial))
         else:
             data = await anyio.to_thread.run_sync(update.to_bytes)
-            await self._llm.collective_rpc("polyrl_load_bytes", args=(data,))
+            await self._llm.collective_rpc("polyrl_load_bytes", args=(data, partial))
         await self._llm.update_weight_version(str(update.version))
         self.version = update.version
 

@@ -9,7 +9,9 @@ from a checkpoint). Imported only inside vLLM's worker processes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -20,17 +22,18 @@ class WeightLoader:
 
     model_runner: Any
 
-    def polyrl_load_bytes(self, data: bytes) -> int:
-        """Load safetensors ``data``; returns the number of tensors loaded."""
+    def polyrl_load_bytes(self, data: bytes, partial: bool = False) -> int:
+        """Load safetensors ``data``; returns the number of tensors loaded. ``partial``: some
+        layers only (a LoRA update's), the others keep their weights without a warning."""
         from safetensors.torch import load
 
-        return self._polyrl_reload(load(data))
+        return self._polyrl_reload(load(data), partial)
 
-    def polyrl_load_file(self, path: str) -> int:
+    def polyrl_load_file(self, path: str, partial: bool = False) -> int:
         """Load the safetensors file at ``path`` (on this host); returns the tensor count."""
         from safetensors.torch import load_file
 
-        return self._polyrl_reload(load_file(path))
+        return self._polyrl_reload(load_file(path), partial)
 
     def polyrl_fused_modules(self) -> dict[str, list[str]]:
         """The model's layers that each load several checkpoint modules, only whole
@@ -38,6 +41,28 @@ class WeightLoader:
         mapping = getattr(self.model_runner.get_model(), "packed_modules_mapping", None) or {}
         return {layer: list(parts) for layer, parts in mapping.items()}
 
-    def _polyrl_reload(self, tensors: Mapping[str, torch.Tensor]) -> int:
-        self.model_runner.reload_weights(weights_iterator=iter(list(tensors.items())))
+    def _polyrl_reload(self, tensors: Mapping[str, torch.Tensor], partial: bool) -> int:
+        with _quiet_about_layers_not_loaded() if partial else contextlib.nullcontext():
+            self.model_runner.reload_weights(weights_iterator=iter(list(tensors.items())))
         return len(tensors)
+
+
+@contextlib.contextmanager
+def _quiet_about_layers_not_loaded() -> Iterator[None]:
+    """vLLM warns once per layer a reload leaves as it was, and lists their weights: a LoRA
+    update leaves most layers so on purpose."""
+    def loaded(record: logging.LogRecord) -> bool:
+        return not any(text in str(record.msg) for text in _NOT_LOADED)
+
+    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}")
+               for name in ("layerwise", "inplace")]
+    for logger in loggers:
+        logger.addFilter(loaded)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(loaded)
+
+
+_NOT_LOADED = ("Failed to load weights", "were not loaded from checkpoint")
