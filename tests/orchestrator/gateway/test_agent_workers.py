@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -107,3 +108,18 @@ async def test_worker_processes_need_the_specs_running_block(gateway: Gateway) -
         await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
     with pytest.raises(ValueError, match="env.processes must be >= 0"):
         AgentSpec(program="toy_agents:calculator", processes=-1)
+
+
+def test_a_run_with_its_programs_in_worker_processes(tmp_path: Path) -> None:
+    """The whole run (Hydra config, pipeline, trainer) with env.processes=2: the run holds the
+    workers for its episodes (the evaluations' too) and every trained sample was recorded."""
+    from test_agent_learning import agent_config
+
+    from orchestrator.main import run
+
+    result = run(agent_config("toy_agents:calculator", "env.processes=2", "pipeline.num_steps=3",
+                              "pipeline.batch_size=16", "eval.num_tasks=4"), tmp_path)
+    assert result.summary["steps"] == 3
+    metrics = result.reports[-1].metrics
+    assert metrics["agent/episodes"] >= 3 * 16 and metrics["agent/calls"] >= 1
+    assert metrics.get("agent/errors", 0) == 0 and metrics["agent/worker_restarts"] == 0
