@@ -16,10 +16,12 @@ as the engine runs, so the driver learns that the actor died the moment that cal
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -253,6 +255,22 @@ class TrainerActor(_Reporting):
         """Load a checkpoint the driver read from the run directory; returns its version."""
         trainer = self._built()
         await anyio.to_thread.run_sync(trainer.restore, snapshot)  # type: ignore[attr-defined]
+        return trainer.version
+
+    async def load_files(self, files: Mapping[str, bytes]) -> int:
+        """Load a checkpoint shipped as its files (a group of ranks' shards: read at any
+        world size); returns its version."""
+        trainer = self._built()
+
+        def load() -> None:
+            with tempfile.TemporaryDirectory(prefix="polyrl-checkpoint-") as folder:
+                for name, data in files.items():
+                    path = Path(folder) / name
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(data)
+                trainer.load(Path(folder))
+
+        await anyio.to_thread.run_sync(load)
         return trainer.version
 
     async def version(self) -> int:

@@ -96,9 +96,17 @@ class RayTrainer(Trainer):
 
     def load(self, directory: Path) -> None:
         """Load a checkpoint of the driver's run directory: read here, shipped to the actor
-        (whose node need not see the driver's files)."""
-        from orchestrator.trainer.snapshot import TrainerSnapshot
+        (whose node need not see the driver's files). A group of trainer ranks' sharded
+        checkpoint travels as its files, which the actor loads into its one trainer."""
+        from orchestrator.trainer.snapshot import SHARDS, TRAINER_STATE, TrainerSnapshot
 
+        directory = Path(directory)
+        if (directory / SHARDS).is_dir():
+            files = {str(p.relative_to(directory)): p.read_bytes()
+                     for p in [*(directory / SHARDS).rglob("*"), directory / TRAINER_STATE]
+                     if p.is_file()}
+            self.version = self._call_now("a checkpoint load", self.actor.load_files.remote(files))
+            return
         snapshot = TrainerSnapshot.read(directory)
         self.version = self._call_now("a checkpoint load", self.actor.restore.remote(snapshot))
 

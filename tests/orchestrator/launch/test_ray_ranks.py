@@ -43,7 +43,8 @@ def ranks_config(cluster: Cluster, namespace: str, *overrides: str):  # type: ig
 
 
 def test_two_rank_actors_train_as_one_trainer(cluster: Cluster, tmp_path: Path) -> None:
-    result = run(ranks_config(cluster, f"test-{uuid.uuid4().hex[:6]}"), tmp_path)
+    result = run(ranks_config(cluster, f"test-{uuid.uuid4().hex[:6]}", "checkpoint.every=1"),
+                 tmp_path)
     assert len(result.reports) == 2 and result.reports[-1].metrics["trained_tokens"] > 0
     spans = run_spans(tmp_path)
     computed = {s["worker"]: s["attributes"]["node"] for s in spans if s["stage"] == "train_compute"}
@@ -57,6 +58,20 @@ def test_two_rank_actors_train_as_one_trainer(cluster: Cluster, tmp_path: Path) 
     assert len(syncs) == 2 and all(s["attributes"]["gather_seconds"] > 0 for s in syncs)
     final = tmp_path / "checkpoints" / "final"
     assert (final / "shards" / ".metadata").is_file() and (final / "trainer.pt").is_file()
+
+    # the sharded checkpoint resumes in one trainer actor (trainer.world_size unset), whose
+    # node reads it from the files the driver ships
+    last = tmp_path / "checkpoints" / "step-2"
+    assert (last / "shards" / ".metadata").is_file()
+    version = RunState.read(last).version
+    resumed = run(quick_config(
+        "smoke", "launcher=ray", f"launcher.address='{cluster.address}'",
+        f"launcher.namespace=test-{uuid.uuid4().hex[:6]}", "launcher.placement=spread",
+        "launcher.engine.resources={engine_node: 1}",
+        "launcher.trainer.resources={trainer_node: 1}", "pipeline.num_steps=3"),
+        tmp_path / "resumed", resume_from=last)
+    assert [r.step for r in resumed.reports] == [2]
+    assert resumed.reports[0].version == version  # restored from the ranks' trainer.pt
 
 
 class RankKiller(threading.Thread):
