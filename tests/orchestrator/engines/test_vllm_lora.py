@@ -16,6 +16,7 @@ import torch
 
 from orchestrator.algo.grpo import GRPO
 from orchestrator.types import FinishReason, Generation, Group, SamplingParams, Trajectory
+from orchestrator.weights import WeightUpdate
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
 
@@ -148,3 +149,19 @@ async def test_lora_updates_give_the_engine_the_trainers_log_probs(
         assert engine.version == step + 1
     print(f"vllm LoRA {targets}: engine/logprob_diff_max per step {diffs}; adapter update "
           f"{update.nbytes} B of {full_bytes} B full")
+
+
+async def test_an_adapter_update_after_full_weights_needs_its_base_again(engine: VLLMEngine) -> None:
+    """A full update replaces the weights the kept base came from: an adapter update without
+    its base weights then fails in one line instead of merging onto stale weights."""
+    trainer = lora_trainer(("q_proj", "v_proj"))
+    first = await trainer.weights()
+    await sync_weights(engine, first)
+    await sync_weights(engine, WeightUpdate.by_reference(
+        1, {k: v for k, v in first.tensors().items() if "::" not in k}, leased=False))
+    with pytest.raises(RuntimeError, match="never received its base weights"):
+        await sync_weights(engine, await trainer.weights())
+    assert engine.version == 1
+    with anyio.fail_after(60):  # still serving
+        gen = await engine.generate(prompts(1, seed=0)[0], SamplingParams(max_tokens=3))
+    assert gen.versions == (1, 1, 1)
