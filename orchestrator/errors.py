@@ -36,3 +36,9 @@ def chain(error: BaseException) -> list[BaseException]:
             todo.extend(e.exceptions)
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
     return found
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: the first line of its message`` (200 characters at most)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__

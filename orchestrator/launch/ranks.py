@@ -28,13 +28,16 @@ from typing import Any
 
 import anyio
 
-from orchestrator.errors import ConfigError, PolyRLError, RunAborted
+from orchestrator.errors import ConfigError, PolyRLError, RunAborted, first_line
 from orchestrator.launch.base import TrainerRecipe
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
 RANK_TRAINER = "orchestrator.trainer.distributed.RankTrainer"
+# After one rank's call failed, how long the others may take to finish theirs; past this they
+# are waiting on it in a collective (gloo's own timeout is minutes) and are stopped.
+STUCK_AFTER_S = 10.0
 
 
 class RankLost(RunAborted):
@@ -120,6 +123,9 @@ class RankHandle(ABC):
     def close(self) -> None:  # a handle may hold nothing
         pass
 
+    def kill(self) -> None:
+        """Stop the rank now (it is stuck in a collective whose peer failed)."""
+
 
 class RankGroup(Trainer):
     """N ranks as one :class:`Trainer`; rank 0 answers for the group."""
@@ -142,26 +148,46 @@ class RankGroup(Trainer):
         if self._lost is not None:
             raise RankLost(str(self._lost))
         results: list[Any] = [None] * self.world_size
-        errors: list[BaseException] = []
+        errors: list[tuple[int, BaseException]] = []
+        finished = threading.Condition()
+        done = [0]
 
         def one(handle: RankHandle) -> None:
             try:
                 results[handle.rank] = handle.call(method, *args)
             except BaseException as error:  # noqa: BLE001 - collected and raised below
-                errors.append(error)
+                errors.append((handle.rank, error))
+            with finished:
+                done[0] += 1
+                finished.notify_all()
 
-        threads = [threading.Thread(target=one, args=(h,), daemon=True) for h in self.handles[1:]]
+        threads = [threading.Thread(target=one, args=(h,), daemon=True) for h in self.handles]
         for t in threads:
             t.start()
-        one(self.handles[0])
+        with finished:
+            finished.wait_for(lambda: done[0] == self.world_size or bool(errors))
+            if errors:  # the others either fail too or wait on it in a collective
+                finished.wait_for(lambda: done[0] == self.world_size, timeout=STUCK_AFTER_S)
+        stuck = [h for h, t in zip(self.handles, threads, strict=True) if t.is_alive()]
+        for handle in stuck:
+            handle.kill()
         for t in threads:
             t.join()
-        lost = [e for e in errors if isinstance(e, RankLost)]
+        lost = [e for _, e in errors if isinstance(e, RankLost)]
+        failed = [(rank, e) for rank, e in errors if not isinstance(e, RankLost)]
+        if stuck and failed:
+            rank, error = failed[0]
+            self._lost = RankLost(
+                f"trainer rank {rank} failed during {method} "
+                f"({str(error)[:200] if isinstance(error, RankError) else first_line(error)}); the ranks "
+                f"waiting on it were stopped and the run ends here: resume it from its last "
+                f"checkpoint with resume=<run_dir>")
+            raise self._lost from error
         if lost:  # the ranks that waited on the dead one fail too: report the death
             self._lost = lost[0]
             raise RankLost(str(lost[0])) from lost[0]
         if errors:
-            raise errors[0]
+            raise errors[0][1]
         return results
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
@@ -253,11 +279,16 @@ def _serve(conn: Any, recipe: TrainerRecipe, threads: int | None, gpu: int | Non
             break
 
 
+class RankError(PolyRLError, RuntimeError):
+    """An error a rank raised that is not the project's own, carried to the driver as
+    ``Type: message`` (the exception itself may not pickle)."""
+
+
 def _portable(error: BaseException) -> BaseException:
     """The error itself when it pickles as the project's own, else one line of it."""
     if isinstance(error, PolyRLError):
         return error
-    return RuntimeError(f"{type(error).__name__}: {str(error).strip()[:2000]}")
+    return RankError(f"{type(error).__name__}: {str(error).strip()[:2000]}")
 
 
 class ProcessRank(RankHandle):
@@ -299,6 +330,9 @@ class ProcessRank(RankHandle):
                 raise RankLost(f"trainer rank {self.rank} (pid {self.process.pid}) is gone "
                                f"(exit code {self.process.exitcode})") from error
             return self._receive(method)
+
+    def kill(self) -> None:
+        self.process.kill()
 
     def close(self) -> None:
         if self.process.is_alive():

@@ -40,10 +40,10 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.router import EngineRouter, EnginesLost, Keeper, PrefixAffinity, Replica
-from orchestrator.errors import EngineClosed, RunAborted
+from orchestrator.errors import EngineClosed, RunAborted, first_line
 from orchestrator.gate import Gate
 from orchestrator.launch.ray.actors import ActorInfo
-from orchestrator.launch.ray.remote import RayActorError, first_line, result
+from orchestrator.launch.ray.remote import RayActorError, result
 from orchestrator.launch.ray.spans import SpanCollector
 from orchestrator.types import Generation, SamplingParams
 from orchestrator.weights import WeightUpdate

@@ -25,12 +25,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
+import ray
 import torch
 
+from orchestrator.errors import first_line
 from orchestrator.launch.base import TrainerRecipe
 from orchestrator.launch.ranks import RankGroup, RankHandle, RankLost, RankServer, rank_recipe
 from orchestrator.launch.ray.actors import _Reporting
-from orchestrator.launch.ray.remote import RayActorError, first_line, result_now
+from orchestrator.launch.ray.remote import RayActorError, result_now
 from orchestrator.launch.ray.spans import SpanBuffer
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
@@ -90,6 +92,9 @@ class RayRank(RankHandle):
     def __init__(self, rank: int, actor: Any) -> None:
         self.rank = rank
         self.actor = actor
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
 
     def call(self, method: str, *args: Any) -> Any:
         try:

@@ -16,7 +16,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from orchestrator.errors import PolyRLError
 
-__all__ = ["RayActorError", "first_line", "result", "result_now", "unwrapped"]
+__all__ = ["RayActorError", "result", "result_now", "unwrapped"]
 
 
 def unwrapped(error: RayTaskError) -> BaseException:
@@ -44,8 +44,3 @@ def result_now(ref: Any, timeout: float | None = None) -> Any:
         if cause is error:
             raise
         raise cause from error
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__

@@ -26,9 +26,9 @@ from typing import Any
 
 from ray.exceptions import ObjectLostError
 
-from orchestrator.errors import RunAborted
+from orchestrator.errors import RunAborted, first_line
 from orchestrator.launch.ray.actors import ActorInfo, StepResult
-from orchestrator.launch.ray.remote import RayActorError, first_line, result, result_now
+from orchestrator.launch.ray.remote import RayActorError, result, result_now
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate

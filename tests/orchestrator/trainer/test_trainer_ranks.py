@@ -5,6 +5,7 @@ in one line."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,26 @@ def test_a_dead_rank_ends_the_run_in_one_line() -> None:
         message = str(lost.value)
         assert "\n" not in message and "trainer rank" in message and "resume=" in message
         with pytest.raises(RankLost):  # and at once afterwards: no rank waits on the dead one
+            group.snapshot()
+
+
+@pytest.mark.timeout(120)  # without the stop, the good rank waits in gloo's 300 s collective
+def test_a_rank_that_raises_stops_the_rank_waiting_on_it_and_ends_the_run_in_one_line() -> None:
+    groups = make_groups(count=2)
+    bad = groups[1].trajectories[0]  # a token past the vocabulary: that rank's forward raises
+    groups[1] = replace(groups[1], trajectories=(
+        replace(bad, token_ids=(*bad.token_ids[:-1], 10**6)), *groups[1].trajectories[1:]))
+    with LocalLauncher() as launcher:
+        group = launcher.trainer(recipe(world_size=2))
+        assert isinstance(group, RankGroup)
+        with pytest.raises(RankLost) as lost:
+            anyio.run(group.step, groups)
+        message = str(lost.value)
+        assert "\n" not in message and "failed during step" in message, message
+        assert "out of bounds" in message and "resume=" in message
+        assert not any(h.process.is_alive() for h in group.handles  # type: ignore[attr-defined]
+                       if h.rank != int(message.split("trainer rank ")[1].split()[0]))
+        with pytest.raises(RankLost):  # and at once afterwards
             group.snapshot()
 
 
