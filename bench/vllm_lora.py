@@ -156,7 +156,6 @@ async def lora_engine(model: dict[str, Any], trainer: TorchTrainer, first: Weigh
 async def main(model_name: str, repeats: int) -> None:
     model = MODELS[model_name]
     trainer = lora_trainer(model)
-    trainer._keeps_logits = False  # never trains here
     first = await trainer.weights()  # the base weights and the adapters
     merged = await merged_engine(model, trainer, first, repeats)
     native = await lora_engine(model, trainer, first, repeats)

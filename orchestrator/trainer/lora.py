@@ -60,6 +60,10 @@ class LoraConfig:
         if not made.target_modules:
             raise ConfigError("trainer.lora.target_modules is empty: name the linear layers to "
                               "adapt, e.g. [q_proj, v_proj]")
+        if "lm_head" in made.target_modules:  # tied to the embedding in the models here
+            raise ConfigError("trainer.lora.target_modules cannot adapt lm_head (the engines tie "
+                              "it to the token embedding, which an adapter update would change "
+                              "too); adapt the decoder layers' projections")
         return made
 
     @property

@@ -160,13 +160,15 @@ class LogprobAgreement:
         gap = (trainer_logprobs.detach() - batch.behaviour_logprobs.to(fresh.device)).abs() * fresh
         self.total += float(gap.sum())
         self.count += float(fresh.sum())
-        self.max = max(self.max, float(gap.max())) if gap.numel() else self.max
+        worst = float(gap.max()) if gap.numel() else 0.0
+        if not math.isnan(self.max) and (math.isnan(worst) or worst > self.max):
+            self.max = worst  # a NaN (an engine gone wrong) stays: max() would skip it
 
     def metrics(self, warn_above: float) -> dict[str, float]:
         if not self.count:
             return {}
         mean = self.total / self.count
-        if mean > warn_above:
+        if mean > warn_above or math.isnan(mean):
             log.warning("engine and trainer log-probs differ by %.3g on average on the same "
                         "weights (trainer.logprob_diff_warn=%g): check dtypes and weight sync",
                         mean, warn_above)

@@ -49,9 +49,6 @@ def lora_trainer(targets: Sequence[str], seed: int = 0) -> TorchTrainer:
     policy = tiny_policy(**{k: v for k, v in {**MODEL, "seed": seed}.items() if k != "_target_"})
     trainer = TorchTrainer(policy, GRPO(), lr=1e-2, temperature=TEMPERATURE,
                            lora={"r": 8, "alpha": 16, "target_modules": list(targets)})
-    # .venv-vllm's transformers (5.19) takes no 2-D bool logits_to_keep (IndexError in its
-    # Llama forward): the trainer's all-logits path, equal to it (test_trained_logits), here.
-    trainer._keeps_logits = False
     return trainer
 
 

@@ -80,3 +80,5 @@ def test_lora_options_are_checked_in_one_sentence() -> None:
         LoraConfig.of({"rank": 4})
     with pytest.raises(ConfigError, match="trainer.lora.target_modules names"):
         trainer(lora={"r": 4, "target_modules": ["query"]})
+    with pytest.raises(ConfigError, match="cannot adapt lm_head"):
+        LoraConfig.of({"r": 4, "target_modules": ["q_proj", "lm_head"]})

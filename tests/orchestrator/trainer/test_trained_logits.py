@@ -5,6 +5,7 @@ Llama whose 8k vocabulary makes the head matter; and the head sees the trained r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -190,3 +191,19 @@ def test_the_supervised_update_scores_the_trained_tokens_alone() -> None:
     assert losses[0] == pytest.approx(float((nll * batch.mask.flatten()).sum() / 4), rel=1e-6)
     for a, b in zip(*steps, strict=True):
         torch.testing.assert_close(a, b, **TIGHT)
+
+
+def test_the_engine_gap_keeps_a_nan_in_its_max() -> None:
+    """An engine gone wrong (NaN log-probs) shows in engine/logprob_diff_max, not only the mean."""
+    from types import SimpleNamespace
+
+    from orchestrator.trainer.torch_trainer import LogprobAgreement
+
+    agreement = LogprobAgreement()
+    ones = torch.ones(1, 3)
+    agreement.add(torch.zeros(1, 3), SimpleNamespace(fresh=ones, behaviour_logprobs=ones * 0.5))
+    agreement.add(torch.zeros(1, 3), SimpleNamespace(
+        fresh=ones, behaviour_logprobs=torch.tensor([[0.1, float("nan"), 0.2]])))
+    agreement.add(torch.zeros(1, 3), SimpleNamespace(fresh=ones, behaviour_logprobs=ones * 2.0))
+    metrics = agreement.metrics(warn_above=10.0)
+    assert math.isnan(metrics["engine/logprob_diff_max"])
