@@ -53,7 +53,7 @@ from orchestrator.weights import WeightUpdate
 MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 640,
          "num_layers": 10, "num_heads": 10, "intermediate_size": 2048,
          "max_position_embeddings": 256, "seed": 0, "device": "cpu"}
-GROUPS = 8  # --groups: more amortise the per-minibatch gather and reduce-scatter (2 x 224 MB)
+GROUPS = 16  # 64 samples, the default experiment's batch; --groups: more amortise the collectives
 GROUP_SIZE = 4
 PROMPT_TOKENS = 24
 COMPLETION_TOKENS = (8, 40)  # uniform range of a completion's length
