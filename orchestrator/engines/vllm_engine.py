@@ -204,6 +204,7 @@ class VLLMEngine(InferenceEngine):
         self._closed = True
         if self._llm is not None:
             self._llm.shutdown()
+            _close_zmq(self._llm)
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
 
@@ -315,3 +316,11 @@ def _versions(spans: Sequence[Any] | None, count: int) -> tuple[int, ...]:
         raise RuntimeError("vLLM returned tokens without a weight version label")
     return tuple(versions)
 
+
+def _close_zmq(llm: Any) -> None:
+    """Terminate the ZMQ context of vLLM's engine-core client: its async shutdown closes the
+    sockets but leaves the context, which warns (ResourceWarning) when collected."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    ctx = getattr(resources, "ctx", None)
+    if ctx is not None and not getattr(ctx, "closed", True):
+        ctx.destroy(linger=0)
