@@ -187,16 +187,27 @@ async def agent_aiohttp(task: Task, client: Any) -> float:
     return _latencies(latencies)
 
 
+def _agent_spec(episodes: int, calls: int, client: str, processes: int) -> AgentSpec:
+    os.environ["BENCH_GATEWAY"] = f"{episodes},{calls}"  # noop_tasks', here and in the workers
+    program = "bench.gateway:agent" if client == "openai" else "bench.gateway:agent_aiohttp"
+    return AgentSpec(program=program, tasks="bench.gateway:noop_tasks", timeout_s=600,
+                     processes=processes)
+
+
+async def _close_session() -> None:
+    """The aiohttp client's session, when agent_aiohttp ran in this process."""
+    if PROGRAM["session"] is not None:
+        await PROGRAM["session"].close()
+        PROGRAM["session"] = None
+
+
 async def run_gateway(episodes: int, calls: int, seconds: float, seed: int,
                       client: str, processes: int = 0) -> dict[str, Any]:
     engine = _engine(seconds, seed)
     rollout = RolloutConfig(group_size=1, max_tokens=TOKENS)
     finished: list[tuple[int, int, str]] = []
     latencies: list[float] = []
-    os.environ["BENCH_GATEWAY"] = f"{episodes},{calls}"  # noop_tasks', here and in the workers
-    program = "bench.gateway:agent" if client == "openai" else "bench.gateway:agent_aiohttp"
-    spec = AgentSpec(program=program, tasks="bench.gateway:noop_tasks", timeout_s=600,
-                     processes=processes)
+    spec = _agent_spec(episodes, calls, client, processes)
     async with spec.running(), \
             Gateway(engine, TOK, Recorder(), GatewayConfig(max_calls=calls)) as gateway:
 
@@ -215,9 +226,7 @@ async def run_gateway(episodes: int, calls: int, seconds: float, seed: int,
         before = gateway.metrics()
         wall = await _staggered(episodes, seconds, seed, body)
         counters = {k: v - before.get(k, 0.0) for k, v in gateway.metrics().items()}
-    if PROGRAM["session"] is not None:
-        await PROGRAM["session"].close()
-        PROGRAM["session"] = None
+    await _close_session()
     return {"latencies": latencies, "finished": finished, "wall": wall, "counters": counters}
 
 
@@ -248,10 +257,7 @@ async def run_null(episodes: int, calls: int, seconds: float, seed: int, client:
     await site.start()
     port = runner.addresses[0][1]
     endpoint = AgentEndpoint(f"http://127.0.0.1:{port}/v1/", "sk-null", "policy")
-    os.environ["BENCH_GATEWAY"] = f"{episodes},{calls}"
-    program = "bench.gateway:agent" if client == "openai" else "bench.gateway:agent_aiohttp"
-    spec = AgentSpec(program=program, tasks="bench.gateway:noop_tasks", timeout_s=600,
-                     processes=processes)
+    spec = _agent_spec(episodes, calls, client, processes)
     latencies: list[float] = []
     try:
         async with spec.running():
@@ -266,9 +272,7 @@ async def run_null(episodes: int, calls: int, seconds: float, seed: int, client:
             await _staggered(episodes, seconds, seed, one)
     finally:
         await runner.cleanup()
-        if PROGRAM["session"] is not None:
-            await PROGRAM["session"].close()
-            PROGRAM["session"] = None
+        await _close_session()
     return {"latencies": latencies}
 
 

@@ -18,6 +18,7 @@ from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import Policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Span, read_spans, spans_path
+from orchestrator.trainer.torch_trainer import shared_prefix
 from orchestrator.weights import WeightUpdate
 
 TOK = CharTokenizer()
@@ -121,6 +122,14 @@ def build_hf_checkpoint(path: Path, hidden_size: int = 32, num_heads: int = 2,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
+
+
+def group_prefixes(sequences: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]],
+                   group: Sequence[int]) -> list[int]:
+    """Each row's shared, untrained prefix within its group (as the trainer packs groups)."""
+    return [shared_prefix([s for s, h in zip(sequences, group, strict=True) if h == g],
+                          [m for m, h in zip(masks, group, strict=True) if h == g])
+            for g in group]
 
 
 def run_spans(run_dir: Path) -> list[dict[str, Any]]:

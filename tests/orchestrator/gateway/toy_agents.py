@@ -32,6 +32,19 @@ def digit_share(text: str) -> float:
     return sum(c.isdigit() for c in text) / max(len(text), 1)
 
 
+def tool_results(calls: Any) -> list[dict[str, Any]]:
+    """Run each `add` call; a malformed one answers with its error."""
+    results = []
+    for call in calls:
+        try:
+            args = json.loads(call.function.arguments)
+            result = str(int(args["a"]) + int(args["b"]))
+        except (ValueError, KeyError, TypeError) as e:
+            result = f"error: {e}"
+        results.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return results
+
+
 async def calculator(task: Task, client: AsyncOpenAI) -> float:
     """A tool loop: offer `add`, run whatever calls come back, ask again, until a plain reply
     (at most three calls); reward: the final reply's digit share, 1.0 for the exact sum."""
@@ -45,13 +58,7 @@ async def calculator(task: Task, client: AsyncOpenAI) -> float:
         if not message.tool_calls:
             reply = message.content or ""
             break
-        for call in message.tool_calls:
-            try:
-                args = json.loads(call.function.arguments)
-                result = str(int(args["a"]) + int(args["b"]))
-            except (ValueError, KeyError, TypeError) as e:
-                result = f"error: {e}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        messages += tool_results(message.tool_calls)
     return 1.0 if reply.strip() == task.answer else digit_share(reply)
 
 

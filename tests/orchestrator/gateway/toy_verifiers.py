@@ -14,12 +14,11 @@ interception server relaying each call upstream, the trace and its scoring.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import verifiers.v1 as vf
 from openai import AsyncOpenAI
-from toy_agents import ADD_TOOL, digit_share
+from toy_agents import ADD_TOOL, digit_share, tool_results
 from verifiers.v1.harnesses.utils import core
 from verifiers.v1.runtimes import ProgramResult, Runtime
 
@@ -82,14 +81,7 @@ class Calculator(vf.Harness[CalculatorConfig]):
                 messages.append(message.model_dump(exclude_none=True))
                 if not message.tool_calls:
                     break
-                for call in message.tool_calls:
-                    try:
-                        args = json.loads(call.function.arguments)
-                        result = str(int(args["a"]) + int(args["b"]))
-                    except (ValueError, KeyError, TypeError) as e:
-                        result = f"error: {e}"
-                    messages.append({"role": "tool", "tool_call_id": call.id,
-                                     "content": result})
+                messages += tool_results(message.tool_calls)
         return ProgramResult(exit_code=0, stdout="", stderr="")
 
 

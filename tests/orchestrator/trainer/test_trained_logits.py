@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TINY_MODEL
+from helpers import TINY_MODEL, group_prefixes
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from orchestrator.algo.base import LossInputs
@@ -19,7 +19,7 @@ from orchestrator.algo.grpo import GRPO
 from orchestrator.models.policy import Policy, tiny_policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.trainer import TorchTrainer, pack
-from orchestrator.trainer.torch_trainer import PackedBatch, keeps_logits, shared_prefix
+from orchestrator.trainer.torch_trainer import PackedBatch, keeps_logits
 
 TEMPERATURE = 0.7
 TIGHT = {"atol": 1e-6, "rtol": 1e-6}
@@ -72,8 +72,7 @@ def batch_for(vocab: int, seed: int = 0) -> PackedBatch:
             sequences.append(seq)
             masks.append(mask)
             group.append(index)
-    prefix = [shared_prefix([s for s, h in zip(sequences, group) if h == k],
-                            [m for m, h in zip(masks, group) if h == k]) for k in group]
+    prefix = group_prefixes(sequences, masks, group)
     assert min(prefix) > 1
     behaviour = [[-float(torch.rand((), generator=g)) * 5 for _ in s] for s in sequences]
     advantages = [float(torch.randn((), generator=g)) for _ in sequences]

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from helpers import engine_for, threads_held
+from helpers import engine_for, group_prefixes, threads_held
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
@@ -213,8 +213,7 @@ def test_sharing_prefixes_changes_neither_logprobs_nor_gradients(make_policy: An
             sequences.append(seq)
             masks.append(mask)
             group.append(g)
-    prefix = [shared_prefix([s for s, h in zip(sequences, group) if h == g],
-                            [m for m, h in zip(masks, group) if h == g]) for g in group]
+    prefix = group_prefixes(sequences, masks, group)
     assert min(prefix) > 5
     batch = pack(sequences, masks, tok.pad_id, advantages=[1.0, -1.0] * 4, group=group,
                  prefix=prefix)
