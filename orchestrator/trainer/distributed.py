@@ -24,9 +24,11 @@ accumulated gradients on every rank at once and reshards the parameters. During 
 rank therefore holds the full parameters and gradients (ZeRO-2 memory); at rest, and for the
 optimiser step, they are sharded.
 
-Weights for the engines: :meth:`RankTrainer.gather` collects the full state on rank 0 once per
-step (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``; ``gather_seconds`` in
-the update's stats); with LoRA, only the adapters. Checkpoints: :meth:`RankTrainer.save` writes
+Weights for the engines: :meth:`RankTrainer.gather` all-gathers the parameters once per step
+(``unshard``, as a minibatch does) and rank 0 copies the full state from them (``gather_seconds``
+in the update's stats); with LoRA, only the adapters. The parameters stay gathered, so the next
+step's first minibatch starts without an all-gather of its own: one all-gather per step serves
+both the engines and the trainer (the state-dict route gathered them a second time). Checkpoints: :meth:`RankTrainer.save` writes
 ``torch.distributed.checkpoint`` shards (model and optimiser, by parameter name, so they load
 at any world size) plus ``trainer.pt`` (version, schedule) from rank 0.
 """
@@ -124,6 +126,22 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def unsharded_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``model.state_dict()`` names, read from the modules as they stand (after
+    ``unshard``: the full parameters). ``state_dict()`` itself would reshard them first (FSDP2's
+    pre-save hook)."""
+    state: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                state[dot + name] = param.detach()
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                state[dot + name] = buffer.detach()
+    return state
+
+
 class RankTrainer(TorchTrainer):
     """A :class:`TorchTrainer` that is rank ``rank.rank`` of ``rank.world_size``."""
 
@@ -217,21 +235,23 @@ class RankTrainer(TorchTrainer):
     def gather(self) -> WeightUpdate | None:
         """The full weights (or, with LoRA, the adapters) on rank 0, gathered once from every
         rank's shards; None on the other ranks. Every rank must call it."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         started = time.perf_counter()
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        seconds = time.perf_counter() - started
+        self._full_weights()  # kept gathered: the next step's first minibatch uses them
         if self.rank != 0:
             return None
+        # The gathered tensors' memory is freed when the parameters are sharded again (the next
+        # step's end), so what the engines get is copied now.
+        state = unsharded_state(self.model)
         if self.lora is not None:
-            update = adapter_update(self.version, state, self.lora.scale,
-                                    with_base=not self._base_sent)
+            with_base = not self._base_sent
+            if with_base:
+                state = {k: v.clone() for k, v in state.items()}
+            update = adapter_update(self.version, state, self.lora.scale, with_base=with_base)
             self._base_sent = True
         else:
-            update = WeightUpdate.by_reference(self.version, state, leased=False)
-        return update.with_stats(gather_seconds=seconds)
+            update = WeightUpdate.by_reference(
+                self.version, {k: v.clone() for k, v in state.items()}, leased=False)
+        return update.with_stats(gather_seconds=time.perf_counter() - started)
 
     async def weights(self) -> WeightUpdate:
         raise TypeError("a rank's weights are gathered with RankTrainer.gather by every rank")

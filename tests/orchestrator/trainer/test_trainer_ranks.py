@@ -72,9 +72,12 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                  for n, p in trainer.model.named_parameters()}
         update = trainer.gather()
+        # the next step trains on the parameters that gather left gathered
+        trainer.train_step(make_groups(seed=1))
+        second = trainer.gather()
         if rank == 0:
-            assert update is not None
-            results[share] = (metrics, grads, dict(update.tensors()))
+            assert update is not None and second is not None
+            results[share] = (metrics, grads, dict(update.tensors()), dict(second.tensors()))
     if rank == 0:
         torch.save(results, out)
     assert trainer is not None
@@ -88,13 +91,17 @@ def test_two_ranks_give_the_gradients_and_weights_of_one_process(tmp_path: Path,
                        start_method="spawn")
     results = torch.load(out, weights_only=False)
     for share in (True, False):
-        metrics, grads, weights = results[share]
+        metrics, grads, weights, after_second = results[share]
         single = one_process(share)
         expected = single.train_step(make_groups())
         for name, param in single.model.named_parameters():
             torch.testing.assert_close(grads[name], param.grad, atol=1e-5, rtol=0)
+        assert weights.keys() == single.model.state_dict().keys()
         for name, tensor in single.model.state_dict().items():
             torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0)
+        single.train_step(make_groups(seed=1))
+        for name, tensor in single.model.state_dict().items():
+            torch.testing.assert_close(after_second[name], tensor, atol=1e-5, rtol=0)
         assert metrics["trained_tokens"] == expected["trained_tokens"]
         for key in ("loss", "grad_norm", "entropy", "engine/logprob_diff"):
             assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
