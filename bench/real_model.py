@@ -17,10 +17,12 @@
    cache, no prefix cache (the torch engine has none, and the prefill rows would measure
    cache hits), laid out on the 2 cores as ``engine=vllm`` lays itself out by default
    (``VLLM_CPU_OMP_THREADS_BIND=auto``: one OpenMP thread bound to core 0, core 1 reserved
-   for its front end and this process). vLLM imports only in ``.venv-vllm``: where
+   for its front end and this process), and again on ``--threads`` cores (``vllm-2t`` at 2:
+   ``VLLM_CPU_OMP_THREADS_BIND=0-1``, two OpenMP threads, as many as the torch engine's).
+   vLLM imports only in ``.venv-vllm``: where
    the running interpreter cannot import it, this part runs in a subprocess under
    ``.venv-vllm/bin/python`` (both engines in it, so the rows compare). Start-up is not
-   timed. ``engine_vs_vllm=`` is torch ÷ vLLM, decode at 32.
+   timed. ``engine_vs_vllm=`` is torch ÷ the faster vLLM layout, decode at 32.
 2. **Training** (``training``): the trainer (``TorchTrainer``, built by the run loop's own
    :func:`orchestrator.main.training_parts` from ``experiment=rg_smol``: its learning rate,
    micro-batch, shared-prefix setting) on realistic batches: 4 prompts x 8 samples of its
@@ -75,6 +77,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -197,11 +200,14 @@ def generation(budget: Budget, threads: int, prompts: list[list[int]]) -> list[d
     top = max(budget.concurrency)
     engines: list[tuple[str, Callable[[], InferenceEngine]]] = [
         ("torch", lambda: torch_engine(node, None, 0, max_batch_size=top))]
-    if budget.vllm:
-        engines.append(("vllm", lambda: vllm_engine(
+    layouts = {"vllm": "auto", f"vllm-{threads}t": f"0-{threads - 1}"} if budget.vllm else {}
+    for name in layouts:
+        engines.append((name, lambda: vllm_engine(
             node, None, 0, max_num_seqs=top, max_model_len=1024, enable_prefix_caching=False)))
     rows = []
     for name, factory in engines:
+        if name in layouts:  # read by vLLM's engine-core process as it starts
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = layouts[name]
         rows += anyio.run(_engine_rows, name, factory(), prompts, budget, backend="asyncio")
     return rows
 
@@ -228,22 +234,23 @@ def generation_anywhere(budget: Budget, threads: int, out: Path) -> list[dict[st
         raise SystemExit(f"the generation part failed (exit {done.returncode}); see {log}:\n"
                          f"{log.read_text()[-3000:]}")
     for line in log.read_text().splitlines():
-        if line.startswith(("  torch x", "  vllm x")):  # its progress lines
+        if line.startswith(("  torch x", "  vllm")):  # its progress lines
             print(line)
     rows: list[dict[str, Any]] = json.loads(path.read_text())
     return rows
 
 
 def print_generation(rows: Sequence[Mapping[str, Any]]) -> float:
-    """The table; returns torch ÷ vLLM decode tokens/s at the highest concurrency (nan
-    without vLLM)."""
+    """The table; returns torch ÷ the faster vLLM layout's decode tokens/s at the highest
+    concurrency (nan without vLLM)."""
     print(f"{'engine':<8} {'seqs':>5} {'prompt':>7} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for r in rows:
         print(f"{r['engine']:<8} {r['concurrency']:>5} {r['prompt_tokens']:>7.1f} "
               f"{r['prefill_tokens_per_s']:>14.1f} {r['decode_tokens_per_s']:>13.1f}")
     top = max(r["concurrency"] for r in rows)
     decode = {r["engine"]: r["decode_tokens_per_s"] for r in rows if r["concurrency"] == top}
-    return decode["torch"] / decode["vllm"] if "vllm" in decode else math.nan
+    vllm = [v for name, v in decode.items() if name.startswith("vllm")]
+    return decode["torch"] / max(vllm) if vllm else math.nan
 
 
 # -- 2. training --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import engine_for, threads_held
 
-from orchestrator.engines.torch_engine import BATCHING, SlotCache, TorchEngine
+from orchestrator.engines.torch_engine import BATCHING, SlotCache, TorchEngine, _draw
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
@@ -180,6 +180,21 @@ async def test_sampling_is_reproducible_for_a_seed(tiny: Any) -> None:
     async with engine_for(tiny, seed=9) as a, engine_for(tiny, seed=9) as b:
         with anyio.fail_after(60):
             assert (await a.generate(prompt, sampling)).token_ids == (await b.generate(prompt, sampling)).token_ids
+
+
+def test_draws_follow_the_distribution_and_never_take_an_impossible_token() -> None:
+    """Each row's draws match its probabilities (20,000 each: every frequency within 0.015),
+    and a token of probability 0 (or one that underflows) is never drawn, at either end."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, -float("inf")],
+                           [-float("inf"), 0.5, 0.5, -200.0],
+                           [3.0, -float("inf"), -float("inf"), 3.0]])
+    logp = torch.log_softmax(logits, -1)
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([_draw(logp, generator) for _ in range(20_000)])  # [draws, rows]
+    for row in range(len(logp)):
+        counts = torch.bincount(draws[:, row], minlength=4).double() / len(draws)
+        torch.testing.assert_close(counts, logp[row].exp().double(), atol=0.015, rtol=0)
+        assert not bool((counts[logp[row].exp() == 0] > 0).any())
 
 
 async def test_stop_token_ends_generation(tiny: Any) -> None:
