@@ -27,8 +27,9 @@
    :func:`orchestrator.main.training_parts` from ``experiment=rg_smol``: its learning rate,
    micro-batch, shared-prefix setting) on realistic batches: 4 prompts x 8 samples of its
    train split sampled by the torch engine at the experiment's temperature and length (made
-   before timing, a batch per step). Timed per step by hooks, with ``--threads`` (2) torch
-   threads: forward + backward (from the first forward to the optimiser's step: the loss,
+   before timing, a batch per step), after two untimed steps, with glibc's allocator set as
+   ``python -m orchestrator`` sets it (:mod:`orchestrator.allocator`). Timed per step by
+   hooks, with ``--threads`` (2) torch threads: forward + backward (from the first forward to the optimiser's step: the loss,
    log-softmax over the vocabulary and gradient clipping included) and the whole step.
    Tokens/s counts the batch's tokens (every sample's prompt and reply). GFLOP/s counts what
    the trainer computes (:mod:`bench.flops`: every matmul, the LM head and causal attention,
@@ -95,6 +96,7 @@ from bench.flops import Shapes
 from bench.peers import Run, evaluate_runs, report, run_project, run_trl
 from bench.peers_trl import REPO, base_args, experiment
 from envs.base import Task
+from orchestrator.allocator import keep_freed_memory
 from orchestrator.config import build_env, section
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.models.policy import checkpoint_dir
@@ -124,6 +126,9 @@ class Budget:
     shrink: tuple[str, ...] = ()  # overrides of the experiment for the training part
 
 
+# Steps not timed: the first allocates what the others reuse, and the heap settles over two
+# (orchestrator.allocator).
+WARMUP_STEPS = 2
 FULL = Budget((1, 8, 32), 64, 3, 2, 3, None, 6, 3, True, True)
 QUICK = Budget((1, 8, 32), 32, 2, 1, 2, None, 2, 2, False, True)
 SMOKE = Budget((1, 2), 4, 1, 1, 1, 1, 0, 1, False, False,
@@ -296,6 +301,7 @@ class StepClock:
 def training(budget: Budget, threads: int) -> dict[str, float]:
     from orchestrator.main import training_parts
 
+    keep_freed_memory()  # as python -m orchestrator does (the steps run in this thread)
     cfg = experiment("torch_threads=null", *budget.shrink, base=base_args(EXPERIMENT))
     parts = training_parts(cfg)
     trainer = cast(TorchTrainer, parts.trainer)  # launcher=local builds the one the config names
@@ -322,9 +328,9 @@ def training(budget: Budget, threads: int) -> dict[str, float]:
                     tg.start_soon(one, i, task)
             return [groups[i] for i in range(len(chosen))]
 
-        async with parts.spec.running(), engine:  # one batch more: the first step warms up
+        async with parts.spec.running(), engine:  # and the warm-up steps' batches
             return [await batch(tasks[step * size:(step + 1) * size])
-                    for step in range(budget.train_steps + 1)]
+                    for step in range(budget.train_steps + WARMUP_STEPS)]
 
     started = time.perf_counter()
     batches = anyio.run(sample)
@@ -339,7 +345,7 @@ def training(budget: Budget, threads: int) -> dict[str, float]:
         wall = time.perf_counter() - started
         tokens, pairs, head = computed(groups, trainer.share_prefix)
         batch_tokens = sum(len(t.token_ids) for g in groups for t in g.trajectories)
-        if i:  # the first step warms up
+        if i >= WARMUP_STEPS:
             steps.append((wall, clock.forward_backward[-1], tokens, pairs, batch_tokens, head))
             print(f"  step: {wall:.2f} s, forward + backward {clock.forward_backward[-1]:.2f} s, "
                   f"{batch_tokens} batch tokens, {tokens:.0f} computed, LM head at {head:.0f}",

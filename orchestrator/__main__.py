@@ -2,16 +2,20 @@
 (``resume=``: :mod:`orchestrator.resume`). A configuration mistake ends it with one line naming
 what to change (:func:`orchestrator.config.explain`); a bug keeps its traceback."""
 
-import os
-import sys
-from pathlib import Path
-from typing import NoReturn
+from orchestrator.allocator import keep_freed_memory
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+keep_freed_memory()  # before any other thread allocates (see orchestrator.allocator)
 
-from orchestrator.config import explain, register_plugin_envs
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import NoReturn  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from orchestrator.config import explain, register_plugin_envs  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -252,6 +252,9 @@ class RankSnapshot:
 
 def _serve(conn: Any, recipe: TrainerRecipe, threads: int | None, gpu: int | None) -> None:
     """A rank process: build the server, then answer calls until the pipe closes."""
+    from orchestrator.allocator import keep_freed_memory
+
+    keep_freed_memory()
     if gpu is not None:  # one GPU per rank, seen as cuda:0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import torch

