@@ -489,7 +489,11 @@ class TorchTrainer(Trainer):
         with LoRA too, the warm start trains the base weights (it stands for the pre-training a
         LoRA run starts from); RL trains the adapters only."""
         if self._warm_optimizer is None or self._warm_optimizer.param_groups[0]["lr"] != lr:
-            self._warm_optimizer = adamw(self.model.parameters(), lr=lr, weight_decay=0.0)
+            # Unfused, as before: the warm start stops at the first greedy check that reaches
+            # its target, so rounding-level differences move where it stops (the default
+            # experiment's held-out accuracy after it: 0.315 unfused, 0.195 fused).
+            self._warm_optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr,
+                                                     weight_decay=0.0)
         return self._warm_optimizer
 
     def supervised_update(
