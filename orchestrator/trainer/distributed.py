@@ -25,12 +25,15 @@ rank therefore holds the full parameters and gradients (ZeRO-2 memory); at rest,
 optimiser step, they are sharded.
 
 Weights for the engines: :meth:`RankTrainer.gather` all-gathers the parameters once per step
-(``unshard``, as a minibatch does) and rank 0 copies the full state from them (``gather_seconds``
-in the update's stats); with LoRA, only the adapters. The parameters stay gathered, so the next
-step's first minibatch starts without an all-gather of its own: one all-gather per step serves
-both the engines and the trainer (the state-dict route gathered them a second time). Checkpoints: :meth:`RankTrainer.save` writes
-``torch.distributed.checkpoint`` shards (model and optimiser, by parameter name, so they load
-at any world size) plus ``trainer.pt`` (version, schedule) from rank 0.
+(``unshard``, as a minibatch does) and rank 0 copies the full state from them
+(``gather_seconds`` in the update's stats); with LoRA, only the adapters. The parameters stay
+gathered, so the next step's first minibatch starts without an all-gather of its own: one
+all-gather per step serves both the engines and the trainer (the state-dict route gathered
+them a second time).
+
+Checkpoints: :meth:`RankTrainer.save` writes ``torch.distributed.checkpoint`` shards (model
+and optimiser, by parameter name, so they load at any world size) plus ``trainer.pt``
+(version, schedule) from rank 0.
 """
 
 from __future__ import annotations
