@@ -40,6 +40,7 @@ from orchestrator.faults import kill_point
 from orchestrator.models.policy import Policy
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.trainer.lora import LoraConfig, adapter_update
+from orchestrator.trainer.packing import pack_by_group, packing_pays
 from orchestrator.trainer.snapshot import SHARDS, TrainerSnapshot, load_shards
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
@@ -232,6 +233,7 @@ class TorchTrainer(Trainer):
             self.model = self.lora.wrap(self.model)
         self.model = self._prepare(self.model)
         self._keeps_logits = keeps_logits(self.model)
+        self._flops_cache: tuple[float, float] | None = None
         self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], lr=lr,
                                weight_decay=weight_decay, betas=tuple(betas))
         # Linear warm-up: Adam's first updates are sign-like and RL gradients are noisy.
@@ -265,15 +267,67 @@ class TorchTrainer(Trainer):
         logp, entropy = self._score(logits, batch.targets.to(self.device)[keep])
         return _placed(keep, logp), _placed(keep, entropy)
 
-    def _score(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _score(self, logits: torch.Tensor, targets: torch.Tensor,
+               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each target's log-prob and the entropy of its distribution; ``rows``: the row of
+        ``logits`` each target reads (default: one row per target, in order)."""
         logp_all = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return logp, entropy
+        if rows is None:
+            return logp_all.gather(-1, targets[..., None]).squeeze(-1), entropy
+        return logp_all[rows, targets], entropy[rows]
+
+    @property
+    def _flops(self) -> tuple[float, float]:
+        """What a token and an attention pair cost the decoder layers (:func:`packing_pays`):
+        ``2 x`` the weights outside the embeddings, ``4 x heads x head size x layers``."""
+        if self._flops_cache is None:
+            output = getattr(self.model, "get_output_embeddings", lambda: None)()
+            tables = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Embedding)]
+            tables += [output.weight] if isinstance(output, torch.nn.Module) else []
+            embeddings = {id(t): t.numel() for t in tables}  # a tied LM head counts once
+            weights = sum(p.numel() for p in self.model.parameters()) - sum(embeddings.values())
+            config = self.model.config
+            heads = getattr(config, "num_attention_heads", 0)
+            head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // max(heads, 1)
+            self._flops_cache = (2.0 * weights,
+                                 4.0 * heads * head_dim * getattr(config, "num_hidden_layers", 0))
+        return self._flops_cache
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
 
     def _shared_prefix_logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_logprobs` with each group's shared prefix run once, not once per sample.
+        """:meth:`_logprobs` with each group's shared prefix run once, not once per sample:
+        packed one group to a row where that computes less (:mod:`~orchestrator.trainer.packing`),
+        else in two passes."""
+        lengths = batch.attention.sum(1).tolist()
+        group, prefix = batch.group.tolist(), batch.prefix.tolist()
+        token_flops, pair_flops = self._flops
+        if packing_pays(lengths, group, prefix, token_flops, pair_flops):
+            return self._packed_logprobs(batch, lengths, group, prefix)
+        return self._two_pass_logprobs(batch)
+
+    def _packed_logprobs(self, batch: PackedBatch, lengths: list[int], group: list[int],
+                         prefix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group in one row: its prefix, then its samples' own tokens, kept apart by the
+        attention mask (:func:`~orchestrator.trainer.packing.pack_by_group`)."""
+        dev = self.device
+        trained = batch.mask > 0
+        packing = pack_by_group(batch.inputs, lengths, trained, group, prefix)
+        logits, _ = self._logits(
+            packing.keep.to(dev), input_ids=packing.input_ids.to(dev),
+            position_ids=packing.position_ids.to(dev), use_cache=False,
+            attention_mask=packing.additive_mask(self._dtype).to(dev),
+        )
+        logp, entropy = self._score(logits, batch.targets[trained].to(dev), packing.rows.to(dev))
+        trained = trained.to(dev)
+        return _placed(trained, logp), _placed(trained, entropy)
+
+    def _two_pass_logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefixes in one pass, then every row's own tokens on top of their keys and values.
 
         The prefixes go through the model once (batch ``[groups, longest prefix]``, right
         padded); their keys and values, still in the autograd graph, are repeated for each

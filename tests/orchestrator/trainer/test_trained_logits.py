@@ -18,7 +18,7 @@ from orchestrator.algo.base import LossInputs
 from orchestrator.algo.grpo import GRPO
 from orchestrator.models.policy import Policy, tiny_policy
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.trainer import TorchTrainer, pack
+from orchestrator.trainer import TorchTrainer, pack, torch_trainer
 from orchestrator.trainer.torch_trainer import PackedBatch, keeps_logits
 
 TEMPERATURE = 0.7
@@ -35,6 +35,15 @@ class FullLogits(torch.nn.Module):
 
     def forward(self, **inputs: Any) -> Any:
         return self.inner(**inputs)
+
+
+@pytest.fixture(params=["unshared", "two_passes", "packed"])
+def share(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether groups share their prefix, and how: in two passes (the prefixes, then each
+    row's own tokens) or packed one group to a row; each layout whatever its cost."""
+    if request.param != "unshared":
+        monkeypatch.setattr(torch_trainer, "packing_pays", lambda *_: request.param == "packed")
+    return request.param != "unshared"
 
 
 def tiny_model(seed: int) -> torch.nn.Module:
@@ -109,7 +118,6 @@ def reference_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tens
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("share", [False, True])
 def test_trained_positions_only_give_the_full_logits_results(name: str, share: bool) -> None:
     make = MODELS[name]
     batch = batch_for(make(0).config.vocab_size)
@@ -128,7 +136,6 @@ def test_trained_positions_only_give_the_full_logits_results(name: str, share: b
     torch.testing.assert_close(full_logp, reference_logprobs(make(0), batch), **tolerance)
 
 
-@pytest.mark.parametrize("share", [False, True])
 def test_the_head_computes_the_trained_positions_alone(share: bool) -> None:
     model = large_vocab_model(0)
     batch = batch_for(model.config.vocab_size)
@@ -137,8 +144,8 @@ def test_the_head_computes_the_trained_positions_alone(share: bool) -> None:
         lambda _module, args, _out: rows.append(args[0].shape[:-1].numel()))
     run(model, batch, share)
     trained = int(batch.mask.sum())
-    if share:  # the prefix pass runs the head once per group, at its last prefix position,
-        # which predicts the first own token of each of the group's samples (trained here)
+    if share:  # the head runs once per group at its last prefix position, which predicts
+        # the first own token of each of the group's samples (trained here)
         groups, samples = len(set(batch.group.tolist())), len(batch)
         assert batch.mask[torch.arange(samples), batch.prefix - 1].all()
         assert sum(rows) == trained - samples + groups

@@ -1,0 +1,69 @@
+"""Groups packed one to a row (``orchestrator.trainer.packing``): where each token goes, what it
+may attend to, which logits the trained targets read, and when packing is chosen. That the
+packed log-probs and gradients equal the unshared ones is ``test_trained_logits``'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.trainer.packing import pack_by_group, packing_pays
+
+# SmolLM2-135M: 2 x its 106 M decoder weights a token; 4 x 9 heads x 64 x 30 layers a pair.
+TOKEN, PAIR = 2 * 106e6, 4 * 9 * 64 * 30.0
+
+
+def test_a_group_becomes_its_prefix_then_each_samples_own_tokens() -> None:
+    # Group 7: prefix [1, 2] then samples of 2 and 1 own tokens; group 3: prefix [5] then 2.
+    inputs = torch.tensor([[1, 2, 10, 11], [1, 2, 20, 0], [5, 30, 31, 0]])
+    lengths, group, prefix = [4, 3, 3], [7, 7, 3], [2, 2, 1]
+    trained = torch.tensor([[False, True, True, True], [False, True, True, False],
+                            [True, True, False, False]])
+    packing = pack_by_group(inputs, lengths, trained, group, prefix)
+    assert packing.input_ids[0].tolist() == [1, 2, 10, 11, 20]
+    assert packing.input_ids[1, :3].tolist() == [5, 30, 31]  # then two of padding
+    assert packing.position_ids[0].tolist() == [0, 1, 2, 3, 2]  # each token at its own position
+    assert packing.position_ids[1, :3].tolist() == [0, 1, 2]
+    sees = packing.attention[0, 0]
+    assert sees[4].tolist() == [True, True, False, False, True]  # sample 2: prefix and itself
+    assert sees[3].tolist() == [True, True, True, True, False]  # causal within sample 1
+    assert sees[1].tolist() == [True, True, False, False, False]
+    padding = packing.attention[1, 0, 3]
+    assert padding.tolist() == [True, False, False, True, False]  # the prefix and itself only
+    # Logits: group 7 at 1 (the prefix's last, for both samples' first own token), 2, 3 and
+    # 4; group 3 at 0 (its prefix, for token 30) and 1.
+    assert packing.keep.tolist() == [[False, True, True, True, True],
+                                     [True, True, False, False, False]]
+
+
+def test_trained_targets_read_the_logits_of_their_own_tokens() -> None:
+    inputs = torch.tensor([[1, 2, 10, 11], [1, 2, 20, 0], [5, 30, 31, 0]])
+    lengths, group, prefix = [4, 3, 3], [7, 7, 3], [2, 2, 1]
+    trained = torch.tensor([[False, True, True, True], [False, True, True, False],
+                            [True, True, False, False]])
+    packing = pack_by_group(inputs, lengths, trained, group, prefix)
+    kept = packing.keep.flatten().nonzero().squeeze(1)  # packed positions of the kept logits
+    flat_ids = packing.input_ids.flatten()
+    # The token whose logits each trained target reads is the target's input token.
+    read = flat_ids[kept[packing.rows]]
+    assert read.tolist() == inputs[trained].tolist()
+    assert packing.rows.tolist() == [0, 1, 2, 0, 3, 4, 5]
+
+
+def test_a_trained_target_inside_the_shared_prefix_is_refused() -> None:
+    inputs = torch.tensor([[1, 2, 3], [1, 2, 4]])
+    trained = torch.tensor([[True, True, True], [False, True, True]])
+    with pytest.raises(ValueError, match="inside its group's shared prefix"):
+        pack_by_group(inputs, [3, 3], trained, [0, 0], [2, 2])
+
+
+def test_packing_is_chosen_where_it_computes_less() -> None:
+    group = [g for g in range(4) for _ in range(8)]
+    # rg_smol: 43-token prompts, replies of 3 to 16 tokens: two passes pad every reply to 16.
+    short = [43 + (3 if i % 3 else 16) for i in range(32)]
+    assert packing_pays(short, group, [43] * 32, TOKEN, PAIR)
+    # Replies of ~1,000 tokens: a packed row of 8,000 computes 64 M attention pairs a layer.
+    long = [500 + 900 + (i % 8) * 20 for i in range(32)]
+    assert not packing_pays(long, group, [500] * 32, TOKEN, PAIR)
+    # Without attention's cost, fewer tokens always wins.
+    assert packing_pays(long, group, [500] * 32, TOKEN, 0.0)
