@@ -17,6 +17,10 @@ is trained (``PackedBatch.mask``; the loss, the entropy metric and the log-prob 
 no others), through ``transformers``' ``logits_to_keep``: prompt positions, observations and
 padding go through the decoder layers only. A model whose forward takes no ``logits_to_keep``
 computes every position's logits and the trainer keeps the trained ones (same results).
+
+The samples of a group share their prompt, which ``share_prefix`` computes once: each group
+packed into one row (:mod:`~orchestrator.trainer.packing`) where that computes fewer FLOPs,
+else in two passes (the prompts, then every sample's own tokens on top of their cache).
 """
 
 from __future__ import annotations
