@@ -68,7 +68,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.slot_cache import SlotCache
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.gate import Gate
-from orchestrator.models.policy import build_policy
+from orchestrator.models.policy import build_policy, keeps_logits
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
@@ -183,6 +183,7 @@ class TorchEngine(InferenceEngine):
         self.max_batch_size = max_batch_size
         self.batching = batching
         self.max_positions: int = getattr(self.model.config, "max_position_embeddings", 1 << 30)
+        self._keeps_logits = keeps_logits(self.model)
         self.version = 0
         self._weights = AdapterMerger()
         if weights is not None:
@@ -332,7 +333,8 @@ class TorchEngine(InferenceEngine):
 
     def _advance(self, batch: _Batch) -> tuple[list[int], list[float]]:
         """Drop finished rows, decode the resident rows, prefill the joining ones and add
-        them; returns one sampled token and its log-prob per row of ``batch.rows``."""
+        them; returns one sampled token and its log-prob per row of ``batch.rows`` (-1 and 0
+        for a row still feeding a resumed prefix's new tokens: nothing is drawn for it)."""
         with torch.inference_mode():
             self._drop_finished(batch)
             if batch.rows and batch.version != self.version:
@@ -351,9 +353,16 @@ class TorchEngine(InferenceEngine):
                 batch.cache.add(cache)
                 logits.append(joined)
             batch.rows, batch.joining = batch.rows + joining, []
-            temperature = torch.tensor([r.sampling.temperature for r in batch.rows], device=self.device)
+            drawn = [r for r in batch.rows if r.fed == r.length]  # the others still feed
+            if not drawn:
+                return [-1] * len(batch.rows), [0.0] * len(batch.rows)
+            temperature = torch.tensor([r.sampling.temperature for r in drawn], device=self.device)
             tokens, logprobs = self._sample(torch.cat(logits), temperature)
-        return tokens.tolist(), logprobs.tolist()
+        out_tokens, out_logprobs = [-1] * len(batch.rows), [0.0] * len(batch.rows)
+        rows = (i for i, r in enumerate(batch.rows) if r.fed == r.length)
+        for i, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+            out_tokens[i], out_logprobs[i] = token, logprob
+        return out_tokens, out_logprobs
 
     def _park_drained(self, batch: _Batch) -> None:
         """The last rows of a drained batch finished too: their prefixes are parked as well."""
@@ -431,7 +440,10 @@ class TorchEngine(InferenceEngine):
 
     def _decode(self, batch: _Batch) -> torch.Tensor:
         """Feed every row its next token (its last sampled one, or the next new token of a
-        sequence resumed from the prefix cache); the cache's window grows by one column."""
+        sequence resumed from the prefix cache); the cache's window grows by one column.
+        Returns the logits of the rows that draw a token, the rows still feeding a resumed
+        prefix's new tokens left out (the LM head runs without them where the model takes
+        a per-row ``logits_to_keep``)."""
         cache = batch.cache
         cache.reserve(cache.rows, 0, 1)
         lengths = torch.tensor([r.fed + 1 for r in batch.rows])
@@ -440,13 +452,17 @@ class TorchEngine(InferenceEngine):
             r.fed += 1
         width = cache.width + 1
         attention = (torch.arange(width) >= width - lengths[:, None]).long()
+        drawn = torch.tensor([r.fed == r.length for r in batch.rows])  # the others still feed
+        select = self._keeps_logits and not bool(drawn.all())
         out = self.model(
             input_ids=last.to(self.device), attention_mask=attention.to(self.device),
             position_ids=(lengths - 1)[:, None].to(self.device), past_key_values=cache,
-            use_cache=True,
+            use_cache=True, logits_to_keep=drawn[:, None].to(self.device) if select else 1,
         )
         cache.commit(1)
-        return out.logits[:, -1].float()
+        if select:  # the LM head ran at the drawing rows alone
+            return out.logits.float()
+        return out.logits[:, -1].float()[drawn.to(self.device)]
 
     def _sample(self, logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         greedy = temperature <= 0

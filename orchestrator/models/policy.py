@@ -13,6 +13,8 @@ Two ways in, one config group (``conf/model/``):
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,20 @@ class Policy:
     model: torch.nn.Module
     tokenizer: Tokenizer
     device: torch.device
+
+
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward computes logits at chosen positions only (``transformers``'
+    ``logits_to_keep``); a ``peft`` model passes it on to the model it wraps."""
+    base = getattr(model, "get_base_model", None)
+    target = base() if callable(base) else model
+    if "logits_to_keep" not in inspect.signature(target.forward).parameters:
+        return False
+    # The trained positions go in as a 2-D boolean mask, which transformers takes from 5.20 on
+    # (its modeling code slices through slice_logits_to_keep); before that a tensor indexes
+    # the sequence axis only, the same positions for every row.
+    return any(hasattr(sys.modules.get(cls.__module__), "slice_logits_to_keep")
+               for cls in type(target).__mro__)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -25,10 +25,8 @@ else in two passes (the prompts, then every sample's own tokens on top of their 
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
-import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +39,7 @@ import torch
 from orchestrator.algo.base import Algorithm, LossInputs
 from orchestrator.errors import ConfigError
 from orchestrator.faults import kill_point
-from orchestrator.models.policy import Policy
+from orchestrator.models.policy import Policy, keeps_logits
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.trainer.lora import LoraConfig, adapter_update
 from orchestrator.trainer.packing import pack_by_group, packing_pays
@@ -125,20 +123,6 @@ def pack(
         group=torch.tensor(group if group is not None else range(n), dtype=torch.long),
         prefix=torch.tensor(prefix if prefix is not None else [0] * n, dtype=torch.long),
     )
-
-
-def keeps_logits(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s forward computes logits at chosen positions only (``transformers``'
-    ``logits_to_keep``); a ``peft`` model passes it on to the model it wraps."""
-    base = getattr(model, "get_base_model", None)
-    target = base() if callable(base) else model
-    if "logits_to_keep" not in inspect.signature(target.forward).parameters:
-        return False
-    # The trained positions go in as a 2-D boolean mask, which transformers takes from 5.20 on
-    # (its modeling code slices through slice_logits_to_keep); before that a tensor indexes
-    # the sequence axis only, the same positions for every row.
-    return any(hasattr(sys.modules.get(cls.__module__), "slice_logits_to_keep")
-               for cls in type(target).__mro__)
 
 
 def _placed(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

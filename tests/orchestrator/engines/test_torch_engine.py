@@ -657,7 +657,10 @@ async def test_an_episodes_next_turn_reuses_its_cached_prefix(tiny: Any, batchin
     ps = prompts(4, vocab, seed=5)
     observations = prompts(4, vocab, seed=6)  # 3 to 18 new tokens after each turn: fed by
     # decode steps, or (more than FEED_STEPS) by a pass of their own
+    head_rows, drawn = [], []
     async with engine_for(tiny, max_batch_size=8, seed=1, batching=batching) as engine:
+        engine.model.get_output_embeddings().register_forward_hook(
+            lambda _module, args, _out: head_rows.append(args[0].shape[:-1].numel()))
 
         async def episode(i: int) -> None:
             conversation = list(ps[i])
@@ -665,6 +668,7 @@ async def test_an_episodes_next_turn_reuses_its_cached_prefix(tiny: Any, batchin
                 sampling = SamplingParams(max_tokens=4 + turn + i, temperature=1.0)
                 gen = await engine.generate(conversation, sampling)
                 assert_teacher_forced(tiny.model, conversation, gen)
+                drawn.append(len(gen.token_ids))
                 conversation += [*gen.token_ids, *observations[(i + turn) % 4]]
 
         with anyio.fail_after(60):
@@ -673,6 +677,9 @@ async def test_an_episodes_next_turn_reuses_its_cached_prefix(tiny: Any, batchin
                     tg.start_soon(episode, i)
     assert engine.prefixes.hits == 8  # turns two and three of every episode
     assert engine.prefixes.reused > 8 * 3
+    # The LM head runs for drawn tokens only, not for the rows feeding an observation (a
+    # resumed turn's own pass over more than FEED_STEPS new tokens computes one row).
+    assert sum(drawn) <= sum(head_rows) <= sum(drawn) + engine.prefixes.hits
 
 
 async def test_a_weight_update_drops_the_cached_prefixes(make_policy: Any) -> None:
