@@ -462,7 +462,8 @@ class TorchEngine(InferenceEngine):
         cache.commit(1)
         if select:  # the LM head ran at the drawing rows alone
             return out.logits.float()
-        return out.logits[:, -1].float()[drawn.to(self.device)]
+        logits = out.logits[:, -1].float()
+        return logits if drawn.all() else logits[drawn.to(self.device)]
 
     def _sample(self, logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         greedy = temperature <= 0
