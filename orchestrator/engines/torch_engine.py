@@ -353,15 +353,14 @@ class TorchEngine(InferenceEngine):
                 batch.cache.add(cache)
                 logits.append(joined)
             batch.rows, batch.joining = batch.rows + joining, []
-            drawn = [r for r in batch.rows if r.fed == r.length]  # the others still feed
-            if not drawn:
-                return [-1] * len(batch.rows), [0.0] * len(batch.rows)
-            temperature = torch.tensor([r.sampling.temperature for r in drawn], device=self.device)
-            tokens, logprobs = self._sample(torch.cat(logits), temperature)
-        out_tokens, out_logprobs = [-1] * len(batch.rows), [0.0] * len(batch.rows)
-        rows = (i for i, r in enumerate(batch.rows) if r.fed == r.length)
-        for i, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
-            out_tokens[i], out_logprobs[i] = token, logprob
+            out_tokens, out_logprobs = [-1] * len(batch.rows), [0.0] * len(batch.rows)
+            drawn = [i for i, r in enumerate(batch.rows) if r.fed == r.length]  # the others feed
+            if drawn:
+                temperature = torch.tensor([batch.rows[i].sampling.temperature for i in drawn],
+                                           device=self.device)
+                tokens, logprobs = self._sample(torch.cat(logits), temperature)
+                for i, token, logprob in zip(drawn, tokens.tolist(), logprobs.tolist(), strict=True):
+                    out_tokens[i], out_logprobs[i] = token, logprob
         return out_tokens, out_logprobs
 
     def _park_drained(self, batch: _Batch) -> None:

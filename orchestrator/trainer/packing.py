@@ -42,12 +42,17 @@ class GroupPacking:
         return torch.zeros(self.attention.shape, dtype=dtype).masked_fill_(~self.attention, lowest)
 
 
-def groups_of(group: Sequence[int]) -> list[list[int]]:
-    """The rows of each group, groups in order of their first row."""
+def groups_of(group: Sequence[int], prefix: Sequence[int], lengths: Sequence[int]
+              ) -> tuple[list[list[int]], list[int], list[int]]:
+    """The rows of each group (groups in order of their first row), each group's shared
+    prefix (its first row's) and its packed length."""
     rows: dict[int, list[int]] = {}
     for r, g in enumerate(group):
         rows.setdefault(g, []).append(r)
-    return list(rows.values())
+    packed = list(rows.values())
+    shared = [prefix[members[0]] for members in packed]
+    sizes = [p + sum(lengths[r] - p for r in members) for p, members in zip(shared, packed, strict=True)]
+    return packed, shared, sizes
 
 
 def pack_by_group(inputs: torch.Tensor, lengths: Sequence[int], trained: torch.Tensor,
@@ -55,9 +60,7 @@ def pack_by_group(inputs: torch.Tensor, lengths: Sequence[int], trained: torch.T
     """``inputs`` ``[rows, width]`` right-padded (row ``r``'s first ``lengths[r]`` are its
     tokens), ``trained`` ``[rows, width]`` bool (target ``t`` is token ``t + 1``), each row's
     group and its group's shared untrained prefix (0: none; the first row's is the group's)."""
-    packed = groups_of(group)
-    shared = [prefix[rows[0]] for rows in packed]
-    sizes = [p + sum(lengths[r] - p for r in rows) for p, rows in zip(shared, packed, strict=True)]
+    packed, shared, sizes = groups_of(group, prefix, lengths)
     length = max(sizes)
     source_row = torch.zeros((len(packed), length), dtype=torch.long)
     source_col = torch.zeros((len(packed), length), dtype=torch.long)
@@ -100,9 +103,7 @@ def packing_pays(lengths: Sequence[int], group: Sequence[int], prefix: Sequence[
     row's own tokens padded to the longest), each layout counted with its padding (a masked
     attention product is dense: every query meets every key of its pass): a token costs
     ``token_flops``, an attention pair ``pair_flops``."""
-    packed = groups_of(group)
-    shared = [prefix[rows[0]] for rows in packed]
-    sizes = [p + sum(lengths[r] - p for r in rows) for p, rows in zip(shared, packed, strict=True)]
+    packed, shared, sizes = groups_of(group, prefix, lengths)
     longest = max(sizes)
     packed_cost = len(packed) * longest * (token_flops + pair_flops * longest)
     p = max(shared)

@@ -11,15 +11,15 @@ from orchestrator.trainer.packing import pack_by_group, packing_pays
 
 # SmolLM2-135M: 2 x its 106 M decoder weights a token; 4 x 9 heads x 64 x 30 layers a pair.
 TOKEN, PAIR = 2 * 106e6, 4 * 9 * 64 * 30.0
+# Group 7: prefix [1, 2] then samples of 2 and 1 own tokens; group 3: prefix [5] then 2.
+# (inputs, lengths, trained, group, prefix)
+EXAMPLE = (torch.tensor([[1, 2, 10, 11], [1, 2, 20, 0], [5, 30, 31, 0]]), [4, 3, 3],
+           torch.tensor([[False, True, True, True], [False, True, True, False],
+                         [True, True, False, False]]), [7, 7, 3], [2, 2, 1])
 
 
 def test_a_group_becomes_its_prefix_then_each_samples_own_tokens() -> None:
-    # Group 7: prefix [1, 2] then samples of 2 and 1 own tokens; group 3: prefix [5] then 2.
-    inputs = torch.tensor([[1, 2, 10, 11], [1, 2, 20, 0], [5, 30, 31, 0]])
-    lengths, group, prefix = [4, 3, 3], [7, 7, 3], [2, 2, 1]
-    trained = torch.tensor([[False, True, True, True], [False, True, True, False],
-                            [True, True, False, False]])
-    packing = pack_by_group(inputs, lengths, trained, group, prefix)
+    packing = pack_by_group(*EXAMPLE)
     assert packing.input_ids[0].tolist() == [1, 2, 10, 11, 20]
     assert packing.input_ids[1, :3].tolist() == [5, 30, 31]  # then two of padding
     assert packing.position_ids[0].tolist() == [0, 1, 2, 3, 2]  # each token at its own position
@@ -37,11 +37,8 @@ def test_a_group_becomes_its_prefix_then_each_samples_own_tokens() -> None:
 
 
 def test_trained_targets_read_the_logits_of_their_own_tokens() -> None:
-    inputs = torch.tensor([[1, 2, 10, 11], [1, 2, 20, 0], [5, 30, 31, 0]])
-    lengths, group, prefix = [4, 3, 3], [7, 7, 3], [2, 2, 1]
-    trained = torch.tensor([[False, True, True, True], [False, True, True, False],
-                            [True, True, False, False]])
-    packing = pack_by_group(inputs, lengths, trained, group, prefix)
+    packing = pack_by_group(*EXAMPLE)
+    inputs, _, trained, _, _ = EXAMPLE
     kept = packing.keep.flatten().nonzero().squeeze(1)  # packed positions of the kept logits
     flat_ids = packing.input_ids.flatten()
     # The token whose logits each trained target reads is the target's input token.
