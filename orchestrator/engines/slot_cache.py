@@ -1,69 +1,178 @@
-"""The resident batch's KV cache for :mod:`orchestrator.engines.torch_engine`.
+"""The resident batch's KV cache for :mod:`orchestrator.engines.torch_engine`, and the
+attention of its one-pass steps.
 
-:class:`SlotCache` is a ``transformers`` ``DynamicCache`` whose layers' ``keys`` and
-``values`` are views of preallocated buffers ``[slots, heads, capacity, head_dim]``, written
-in place: a decode step writes one column instead of copying the whole cache, as
-``DynamicCache`` does. Rows (sequences) join from a prefill and leave when they stop; every
-row's cached tokens are right-aligned (left padding), so one window of columns serves all.
+:class:`SlotCache` keeps, per layer, key and value buffers ``[slots, heads, capacity,
+head_dim]``: row ``i`` is a resident sequence, and columns ``[start, end)`` the window that
+holds every row's cached tokens, right-aligned (left padding). A step is one forward pass
+over a flat run of tokens, each row's new ones after the other's (:class:`StepLayout`): a
+decoding row brings its last sampled token, a joining row its prompt (or, resumed from the
+prefix cache, its new tokens on top of its parked prefix), and every row's new tokens end
+at column ``end``. The model's linear layers see one ``[1, tokens, hidden]`` batch, with no
+padding, whatever mix of decoding and joining rows the step holds; only the attention is
+per row (:func:`step_attention`, registered with ``transformers`` as ``"slot_step"``), in
+two batched calls: the rows with one new token, and the others padded to the most new
+tokens.
 
-Limits: plain full-attention key/value layers only (what ``DynamicCache()`` without a model
-config builds); sliding-window layers are cached in full.
+Limits: plain full-attention key/value layers (a sliding window is applied in the mask,
+the columns are kept in full); no soft-capped attention logits nor attention sinks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache, DynamicLayer
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+ATTENTION = "slot_step"
+
+
+class StepLayout:
+    """Where one step's tokens go. Row ``i`` (of ``rows``) brings ``new[i]`` tokens, the
+    last of its ``lengths[i]``: they are its columns up to the step's column ``end``
+    (inclusive), and flat tokens ``[sum(new[:i]), sum(new[:i+1]))``. The leading rows with
+    one new token each (``split`` of them: the decoding ones) attend in one batched call;
+    the rest, their queries padded to the most new tokens, in another."""
+
+    def __init__(self, end: int, new: Sequence[int], lengths: Sequence[int]) -> None:
+        self.end, self.rows = end, len(new)
+        split = 0
+        while split < len(new) and new[split] == 1:
+            split += 1
+        self.split = split
+        self.tokens = sum(new)
+        self.last = torch.tensor(new).cumsum(0) - 1  # each row's last token, flat
+        self._lengths = torch.tensor(lengths)
+        self._masks: dict[int | None, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.decode_width = max(lengths[:split], default=0)
+        self.join_width = max(lengths[split:], default=0)
+        if split < len(new):
+            joining = torch.tensor(new[split:])
+            self.queries = int(joining.max())
+            # right-aligned: row s's valid queries are the last joining[s] of ``queries``
+            self.valid = torch.arange(self.queries) >= self.queries - joining[:, None]
+            self.join_rows = torch.arange(split, len(new)).repeat_interleave(joining)
+            columns = end + 1 - self.queries + torch.arange(self.queries)
+            self.join_columns = columns.expand(len(joining), -1)[self.valid]
+
+    def masks(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Boolean masks (True: attend) of the decoding rows ``[split, 1, 1, decode_width]``
+        and the others ``[rows - split, 1, queries, join_width]``, under a sliding
+        ``window`` if the layer has one."""
+        if window not in self._masks:
+            decode = self._mask(0, self.split, 1, self.decode_width, window)
+            join = None
+            if self.split < self.rows:  # padded queries see any row: finite, then dropped
+                join = self._mask(self.split, self.rows, self.queries, self.join_width, window)
+                join |= ~self.valid[:, None, :, None]
+            self._masks[window] = decode, join
+        return self._masks[window]
+
+    def _mask(self, first: int, last: int, queries: int, width: int,
+              window: int | None) -> torch.Tensor | None:
+        if first == last:
+            return None
+        key = (self.end + 1 - width + torch.arange(width))[None, None, :]
+        query = (self.end + 1 - queries + torch.arange(queries))[None, :, None]
+        start = (self.end + 1 - self._lengths[first:last])[:, None, None]
+        mask = (key >= start) & (key <= query)
+        if window is not None:
+            mask &= key > query - window
+        return mask[:, None]
 
 
 class SlotCache(DynamicCache):
-    """A batch KV cache updated in place, for rows that come and go.
+    """A batch KV cache written in place, for rows that come and go.
 
-    Per layer, keys and values live in buffers ``[slots, heads, capacity, head_dim]``:
-    rows ``[0, rows)`` are the resident sequences and columns ``[start, end)`` the window
-    every layer's ``keys``/``values`` show (views). A row's cached tokens end at column
-    ``end - 1`` (left padding). A decode step writes its column at ``end`` in place
-    (``DynamicCache`` concatenates, copying the whole cache every token); a row that
-    leaves is overwritten by one of the last rows; trimming moves ``start``; a joining
-    prefill is copied into new rows. Buffers are reallocated, with room to spare, only
-    when rows run out (or columns, and sliding the window back
-    does not make room); a drained batch's buffers serve the next one.
+    Rows ``[0, rows)`` are the resident sequences and columns ``[start, end)`` the window
+    that holds them. A step (:meth:`begin`, the forward pass, :meth:`commit`) writes each
+    row's new tokens through :meth:`update` into its columns ending at ``end``, in place
+    (``DynamicCache`` concatenates, copying the whole cache every token); a row that leaves
+    is overwritten by one of the last rows; trimming moves ``start``. Buffers are
+    reallocated, with room to spare, only when rows run out (or columns, and sliding the
+    window back does not make room); a drained batch's buffers serve the next one.
     """
 
     def __init__(self, max_rows: int) -> None:
         super().__init__()
         self.max_rows = max_rows
         self.rows = self.start = self.end = 0
+        self.slots = self.capacity = 0  # the buffers' size (their next size before the first)
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.layout: StepLayout | None = None
 
     @property
     def width(self) -> int:
         return self.end - self.start
 
+    # -- a step ---------------------------------------------------------------------------
+
+    def begin(self, new: Sequence[int], lengths: Sequence[int]) -> StepLayout:
+        """Lay out a step: rows ``[0, len(new))`` (the resident ones first, then those that
+        join now), each bringing ``new[i]`` of its ``lengths[i]`` tokens."""
+        self.reserve(len(new), max(lengths) - 1, 1)
+        self.rows = len(new)
+        self.start = min(self.start, self.end + 1 - max(lengths))
+        self.layout = StepLayout(self.end, new, lengths)
+        return self.layout
+
+    def place(self, row: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Row ``row`` starts from a parked prefix (per layer ``[heads, n, head_dim]``): its
+        first ``n`` of ``length`` tokens, placed so its last token lands at ``end``."""
+        for layer, (k, v) in enumerate(kv):
+            keys, values = self._buffers(layer, k)
+            first = self.end + 1 - length
+            keys[row, :, first : first + k.shape[1]] = k
+            values[row, :, first : first + v.shape[1]] = v
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's write: the new columns at ``end`` (callers reserve and commit)."""
-        keys, values = self.buffers[layer_idx]
-        n = key_states.shape[-2]
-        keys[: self.rows, :, self.end : self.end + n] = key_states
-        values[: self.rows, :, self.end : self.end + n] = value_states
-        window = (slice(0, self.rows), slice(None), slice(self.start, self.end + n))
-        return keys[window], values[window]
+        """The model's write of one layer's new keys and values (``[1, heads, tokens,
+        head_dim]``, flat), each row's into its columns; :func:`step_attention` reads them
+        back from the buffers."""
+        layout = self.layout
+        assert layout is not None, "SlotCache.update outside a step (begin ... commit)"
+        keys, values = self._buffers(layer_idx, key_states[0, :, 0])
+        k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)  # [tokens, heads, d]
+        split = layout.split
+        if split:
+            keys[:split, :, self.end] = k[:split]
+            values[:split, :, self.end] = v[:split]
+        if split < layout.rows:
+            keys[layout.join_rows, :, layout.join_columns] = k[split:]
+            values[layout.join_rows, :, layout.join_columns] = v[split:]
+        return key_states, value_states
 
-    def commit(self, n: int) -> None:
-        """The last forward pass's ``n`` columns are part of the window now."""
-        self.end += n
-        self._show()
+    def commit(self) -> None:
+        """The step's column is part of the window now."""
+        self.end += 1
+        self.layout = None
+
+    def copy_rows(self, sources: Sequence[int], width: int) -> None:
+        """Append copies of rows ``sources``' last ``width`` columns (a group's samples
+        share their prompt's cache)."""
+        if not sources:
+            return
+        self.reserve(self.rows + len(sources), width, 0)
+        index = torch.tensor(sources, device=self.buffers[0][0].device)
+        rows = slice(self.rows, self.rows + len(sources))
+        for keys, values in self.buffers:
+            keys[rows, :, self.end - width : self.end] = keys[index, :, self.end - width : self.end]
+            values[rows, :, self.end - width : self.end] = values[index, :, self.end - width : self.end]
+        self.rows += len(sources)
+
+    # -- room -----------------------------------------------------------------------------
 
     def reserve(self, rows: int, left: int, right: int) -> None:
         """Room for ``rows`` rows, ``left`` columns before ``end`` and ``right`` after."""
-        slots, _, capacity, _ = self.buffers[0][0].shape
-        if rows <= slots and left <= self.end and self.end + right <= capacity:
+        if rows <= self.slots and left <= self.end and self.end + right <= self.capacity:
             return
         end = max(self.width, left)
-        if rows <= slots and end + right <= capacity:
+        if rows <= self.slots and end + right <= self.capacity:
             # Only the columns ran out: slide the window back in place. Reallocating would
             # zero every buffer (all slots, whole capacity) for a copy of a few columns.
             for keys, values in self.buffers:
@@ -72,10 +181,11 @@ class SlotCache(DynamicCache):
                     t[: self.rows, :, end - self.width : end] = window
             self.start, self.end = end - self.width, end
             return
-        slots = max(rows, min(self.max_rows, 2 * slots))
+        slots = max(rows, min(self.max_rows, 2 * self.slots))
         capacity = end + right + max(64, end)  # spare: reallocate every 64+ tokens at most
         self.buffers = [(self._moved(k, slots, end, capacity), self._moved(v, slots, end, capacity))
                         for k, v in self.buffers]
+        self.slots, self.capacity = slots, capacity
         self.start, self.end = end - self.width, end
 
     def _moved(self, old: torch.Tensor, slots: int, end: int, capacity: int) -> torch.Tensor:
@@ -83,25 +193,15 @@ class SlotCache(DynamicCache):
         new[: self.rows, :, end - self.width : end] = old[: self.rows, :, self.start : self.end]
         return new
 
-    def add(self, prefilled: DynamicCache) -> None:
-        """Append the rows of a fresh prefill (its columns end at ``end`` too)."""
-        first = prefilled.layers[0].keys
-        n, width = first.shape[0], first.shape[2]
-        if not self.buffers:  # shapes, dtype and device from the first prefill
-            self.buffers = [(layer.keys.new_zeros((0, *layer.keys.shape[1:])),
-                             layer.values.new_zeros((0, *layer.values.shape[1:])))
-                            for layer in prefilled.layers]
-            self.layers = [DynamicLayer() for _ in prefilled.layers]
-            for mine, theirs in zip(self.layers, prefilled.layers, strict=True):
-                mine.lazy_initialization(theirs.keys, theirs.values)
-        self.reserve(self.rows + n, width, 1)
-        rows = slice(self.rows, self.rows + n)
-        for (keys, values), layer in zip(self.buffers, prefilled.layers, strict=True):
-            keys[rows, :, self.end - width : self.end] = layer.keys
-            values[rows, :, self.end - width : self.end] = layer.values
-        self.rows += n
-        self.start = min(self.start, self.end - width)
-        self._show()
+    def _buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s buffers, allocated on first use from ``like`` (``[heads,
+        ..., head_dim]``: their heads, head size, dtype and device)."""
+        while len(self.buffers) <= layer:
+            shape = (self.slots, like.shape[0], self.capacity, like.shape[-1])
+            self.buffers.append((like.new_zeros(shape), like.new_zeros(shape)))
+        return self.buffers[layer]
+
+    # -- rows leaving ---------------------------------------------------------------------
 
     def rows_kv(self, rows: list[int], widths: list[int]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Copies of the last ``widths[i]`` cached columns of each row in ``rows``, per layer
@@ -132,27 +232,63 @@ class SlotCache(DynamicCache):
         for hole, mover in zip(holes, movers, strict=True):
             new[hole] = mover
         self.rows = len(keep)
-        self._show()
         return new
 
     def cleared(self) -> SlotCache:
         """No rows and an empty window; the buffers stay for the next sequences."""
         self.rows = self.start = self.end = 0
-        if self.buffers:
-            self._show()
         return self
 
     def trim(self, width: int) -> None:
         """Narrow the window to its last ``width`` columns (those before hold padding)."""
         self.start = max(self.start, self.end - width)
-        self._show()
 
     def clear(self) -> None:
         self.rows, self.start = 0, self.end
-        self._show()
 
-    def _show(self) -> None:
-        for layer, (keys, values) in zip(self.layers, self.buffers, strict=True):
-            layer.keys = keys[: self.rows, :, self.start : self.end]
-            layer.values = values[: self.rows, :, self.start : self.end]
 
+def step_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attention_mask: torch.Tensor | None,
+                   scaling: float | None = None, dropout: float = 0.0,
+                   slot_cache: SlotCache | None = None, sliding_window: int | None = None,
+                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``transformers`` attention for a :class:`SlotCache` step: ``query`` is ``[1, heads,
+    tokens, head_dim]``, every row's new tokens in turn; each attends to its own row's
+    columns (causally within the new ones). Returns ``[1, tokens, heads, head_dim]``.
+    Outside a step (the engine's model called as any model) it is ``transformers``' SDPA
+    attention."""
+    if slot_cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, sliding_window=sliding_window, **kwargs)
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"the torch engine's attention has no {name}; use engine=vllm")
+    layout = slot_cache.layout
+    assert layout is not None, "a SlotCache step's attention outside begin ... commit"
+    keys, values = slot_cache.buffers[module.layer_idx]
+    decode_mask, join_mask = layout.masks(sliding_window)
+    q = query[0].transpose(0, 1)  # [tokens, heads, d]
+    out = torch.empty_like(q)
+    end, split = layout.end, layout.split
+    if split:
+        window = slice(end + 1 - layout.decode_width, end + 1)
+        out[:split] = F.scaled_dot_product_attention(
+            q[:split, :, None], keys[:split, :, window], values[:split, :, window],
+            attn_mask=decode_mask, scale=scaling, enable_gqa=True)[:, :, 0]
+    if split < layout.rows:
+        window = slice(end + 1 - layout.join_width, end + 1)
+        padded = q.new_zeros((layout.rows - split, layout.queries, *q.shape[1:]))
+        padded[layout.valid] = q[split:]
+        rows = slice(split, layout.rows)
+        joined = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), keys[rows, :, window], values[rows, :, window],
+            attn_mask=join_mask, scale=scaling, enable_gqa=True)
+        out[split:] = joined.transpose(1, 2)[layout.valid]
+    return out[None], None
+
+
+AttentionInterface.register(ATTENTION, step_attention)
+# Outside a step the model builds the masks SDPA takes; a step passes STEP_MASK, a 4-D
+# placeholder that transformers hands through unchanged (its attention reads the layout).
+AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+STEP_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)

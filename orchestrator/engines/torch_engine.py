@@ -1,16 +1,15 @@
 """In-process torch inference engine: continuous batching over a KV cache, on CPU or CUDA.
 
-Requests queue on a stream; one scheduler loop owns the resident batch. At every token
-boundary it admits waiting requests (while fewer than ``max_batch_size`` are resident),
-runs one decode step for the sequences already resident, and prefills the newcomers and
-adds them to the batch's cache: a request that arrives mid-generation (an episode back from
-a tool call) joins at the next token instead of waiting for the batch to drain. A sequence
-that stops is handed out at once and leaves: a resident row takes its place in the cache
-and the leading columns left holding only padding are trimmed, so the cache is never wider
-than its longest resident sequence. Newcomers of different lengths are prefilled in
-length buckets (as many forward passes as keep padding plus ``PREFILL_CALL_TOKENS`` per
-pass lowest). Forward passes and sampling run in a worker thread so the event loop stays
-free.
+Requests queue on a stream; one scheduler loop owns the resident batch. Every step is one
+forward pass: it admits waiting requests (while fewer than ``max_batch_size`` are
+resident), and feeds every resident sequence its last sampled token and every newcomer its
+prompt, together, then samples one token for each: a request that arrives mid-generation
+(an episode back from a tool call) joins at the next token instead of waiting for the
+batch to drain, and its prefill costs no pass of its own. A sequence that stops is handed
+out at once and leaves: a resident row takes its place in the cache and the leading
+columns left holding only padding are trimmed, so the cache is never wider than its
+longest resident sequence. Forward passes and sampling run in a worker thread so the event
+loop stays free.
 
 ``batching="waves"`` keeps static batching for comparison (``bench/engine.py``), through
 the same steps: the scheduler admits only while nothing decodes, so the requests waiting
@@ -18,13 +17,13 @@ at that moment form a wave and later ones wait until the whole wave has stopped,
 wave's results are handed out together when it ends. (A finished sequence leaves the cache
 at once in both modes: no compute is spent on it.)
 
-KV cache (:class:`~orchestrator.engines.slot_cache.SlotCache`): a ``transformers`` ``DynamicCache`` whose layers' ``keys``
-and ``values`` are views of preallocated buffers ``[slots, heads, capacity, head_dim]``,
-written in place: a decode step writes one column instead of copying the whole cache, as
-``DynamicCache`` does. Every sequence's cached tokens are right-aligned (left padding); its
-position ids count its own tokens and the attention mask hides the padding, so its logits
-are those of an unpadded forward pass. A sequence's last sampled token is not in the cache
-yet: the next decode step feeds it.
+KV cache and attention (:mod:`~orchestrator.engines.slot_cache`): per layer, buffers
+``[slots, heads, capacity, head_dim]`` written in place; every sequence's cached tokens are
+right-aligned (left padding). A step's tokens go through the model as one flat, unpadded
+row (its matrix products see every token of every sequence at once); the model's
+attention is replaced by one that reads each token's own sequence from the buffers, so
+its logits are those of an unpadded forward pass. The model must use ``transformers``'
+attention interface (Llama, Qwen, Mistral, Gemma, GPT-2 and most others do).
 
 Built from config: the model's ``conf/model`` node (the engine makes its own copy of the
 architecture) and a :class:`~orchestrator.weights.WeightUpdate` with the starting weights.
@@ -38,22 +37,22 @@ the version that produced it. This is the "continue under new weights" behaviour
 
 Prefix cache (:class:`PrefixCache`): a finished sequence's keys and values are parked; an
 episode's next turn, which extends them with an observation, takes them back and only its
-new tokens go through the model (a few are fed one per decode step in the running batch,
-nothing being sampled for it until they are all in; more take one pass of their own),
-instead of prefilling the whole conversation again.
+new tokens go through the model, in the next step with everyone else's, instead of
+prefilling the whole conversation again. Identical newcomers (a group's samples of one
+prompt) are computed once and their cache rows copied.
 
 Limits: a prefix is reused only by a request that extends a whole finished sequence (an
-episode's next turn; not a shared system prompt); a resumed request with more than
-``FEED_STEPS`` new tokens takes a forward pass of its own for them; prefills are not chunked nor fused with the
-decode step (a step with newcomers runs two
-or more forward passes); attention is over the padded window (its padding is at most the
-longest resident sequence minus each one's length); sliding-window layers are cached in
-full, and models whose cache is not plain key/value layers (recurrent or linear attention)
-are not supported. Good enough for small models; vLLM is the engine for throughput.
+episode's next turn; not a shared system prompt); prefills are not chunked (a step with a
+long newcomer is as long as its prefill); attention is over the padded window (its
+padding is at most the longest resident sequence minus each one's length); sliding-window
+layers are masked but cached in full, and models whose cache is not plain key/value
+layers (recurrent or linear attention) are not supported. Good enough for small models;
+vLLM is the engine for throughput.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,24 +61,16 @@ from typing import Any, Self
 import anyio
 import torch
 from anyio.abc import TaskGroup
-from transformers import DynamicCache
 
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.engines.slot_cache import SlotCache
+from orchestrator.engines.slot_cache import ATTENTION, STEP_MASK, SlotCache
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.gate import Gate
-from orchestrator.models.policy import build_policy, keeps_logits
+from orchestrator.models.policy import build_policy
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
 BATCHING = ("continuous", "waves")
-# Newcomers are prefilled in length buckets, split to minimise the padded tokens plus this
-# many per forward pass: a pass's fixed cost in tokens of compute (~64 for the tiny model on
-# one CPU thread, where a pass costs ~3 ms and a token ~45 us).
-PREFILL_CALL_TOKENS = 64
-# A request resumed from the prefix cache with up to this many new tokens has them fed by the
-# decode steps (no pass of its own); more go through one forward pass on top of its cache.
-FEED_STEPS = 8
 
 
 @dataclass
@@ -178,12 +169,17 @@ class TorchEngine(InferenceEngine):
             raise ConfigError(f"engine.prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         policy = build_policy(model)  # the engine's own copy: the trainer updates its own
         self.model = policy.model.eval()
+        if not getattr(self.model, "_supports_attention_backend", False):
+            raise ConfigError(f"engine=torch needs a model that uses transformers' attention "
+                              f"interface, which {type(self.model).__name__} does not; use "
+                              f"engine=vllm")
+        self.model.config._attn_implementation = ATTENTION  # steps attend through the SlotCache
         self.device = policy.device
-        self.pad_id = policy.tokenizer.pad_id
         self.max_batch_size = max_batch_size
         self.batching = batching
         self.max_positions: int = getattr(self.model.config, "max_position_embeddings", 1 << 30)
-        self._keeps_logits = keeps_logits(self.model)
+        # the LM head at each row's last token only (an index tensor: any transformers version)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self.version = 0
         self._weights = AdapterMerger()
         if weights is not None:
@@ -280,8 +276,6 @@ class TorchEngine(InferenceEngine):
             version = self.version
             tokens, logprobs = await anyio.to_thread.run_sync(self._advance, batch)
         for request, token, logprob in zip(batch.rows, tokens, logprobs, strict=True):
-            if request.fed < request.length:  # still feeding a cached prefix's new tokens
-                continue
             request.add(token, logprob, version)
             if request.finished:
                 batch.stopped.append(request)
@@ -332,36 +326,23 @@ class TorchEngine(InferenceEngine):
     # -- one step (worker thread) ------------------------------------------------------
 
     def _advance(self, batch: _Batch) -> tuple[list[int], list[float]]:
-        """Drop finished rows, decode the resident rows, prefill the joining ones and add
-        them; returns one sampled token and its log-prob per row of ``batch.rows`` (-1 and 0
-        for a row still feeding a resumed prefix's new tokens: nothing is drawn for it)."""
+        """Drop finished rows, then one forward pass for the resident rows and the joining
+        ones; returns one sampled token and its log-prob per row of ``batch.rows``."""
         with torch.inference_mode():
             self._drop_finished(batch)
             if batch.rows and batch.version != self.version:
                 # The weights changed: what is cached is stale; prefill everyone afresh.
+                for request in batch.rows:
+                    request.fed = 0
                 batch.joining = batch.rows + batch.joining
                 batch.rows = []
                 batch.cache.clear()
             batch.version = self.version
-            self._resume_cached(batch)
-            logits = []
-            if batch.rows:
-                logits.append(self._decode(batch))
-            joining = sorted(batch.joining, key=lambda r: r.length)
-            for bucket in _buckets([r.length for r in joining], PREFILL_CALL_TOKENS):
-                cache, joined = self._prefill(joining[bucket])
-                batch.cache.add(cache)
-                logits.append(joined)
-            batch.rows, batch.joining = batch.rows + joining, []
-            out_tokens, out_logprobs = [-1] * len(batch.rows), [0.0] * len(batch.rows)
-            drawn = [i for i, r in enumerate(batch.rows) if r.fed == r.length]  # the others feed
-            if drawn:
-                temperature = torch.tensor([batch.rows[i].sampling.temperature for i in drawn],
-                                           device=self.device)
-                tokens, logprobs = self._sample(torch.cat(logits), temperature)
-                for i, token, logprob in zip(drawn, tokens.tolist(), logprobs.tolist(), strict=True):
-                    out_tokens[i], out_logprobs[i] = token, logprob
-        return out_tokens, out_logprobs
+            logits = self._forward(batch)
+            temperature = torch.tensor([r.sampling.temperature for r in batch.rows],
+                                       device=self.device)
+            tokens, logprobs = self._sample(logits, temperature)
+        return tokens.tolist(), logprobs.tolist()
 
     def _park_drained(self, batch: _Batch) -> None:
         """The last rows of a drained batch finished too: their prefixes are parked as well."""
@@ -378,91 +359,57 @@ class TorchEngine(InferenceEngine):
             batch.rows = [batch.rows[i] for i in batch.cache.retain(keep)]
             batch.cache.trim(max((r.fed for r in batch.rows), default=1))
 
-    def _resume_cached(self, batch: _Batch) -> None:
-        """Joining requests that extend a parked sequence (an episode's next turn) take its
-        cached keys and values and join the resident rows; the decode steps feed them their
-        new tokens one at a time (``fed < length``: nothing is sampled until all are in)."""
-        if batch.joining and self.prefixes:
-            fresh = []
-            for request in batch.joining:
-                kv = self.prefixes.take(request, self.version)
-                if kv is None:
-                    fresh.append(request)
-                    continue
-                request.fed = kv.get_seq_length()
-                if request.length - request.fed > FEED_STEPS:
-                    self._extend(request, kv)
-                batch.cache.add(kv)
-                batch.rows.append(request)
-            batch.joining = fresh
-
-    def _extend(self, request: _Request, kv: DynamicCache) -> None:
-        """One forward pass over a resumed request's new tokens but the last (which the next
-        decode step feeds), on top of its cached prefix."""
-        start, end = request.fed, request.length - 1
-        ids = torch.tensor([[request.token(i) for i in range(start, end)]], device=self.device)
-        self.model(input_ids=ids, position_ids=torch.arange(start, end, device=self.device)[None],
-                   attention_mask=torch.ones((1, end), dtype=torch.long, device=self.device),
-                   past_key_values=kv, use_cache=True, logits_to_keep=1)
-        request.fed = end
-
-    def _prefill(self, requests: list[_Request]) -> tuple[DynamicCache, torch.Tensor]:
-        """A fresh cache for ``requests`` (prompt + tokens so far, left-padded) and the logits
-        of each one's next token. Identical sequences (the samples of one prompt arrive
-        together) are computed once and their rows repeated."""
+    def _forward(self, batch: _Batch) -> torch.Tensor:
+        """One forward pass over every row's tokens not yet in the cache: a resident row's
+        last sampled token; a joining row's prompt and tokens so far, or, when it extends a
+        parked sequence (an episode's next turn), only what follows it. The joining rows
+        join ``batch.rows``; a joining sequence identical to another (the samples of one
+        prompt arrive together) is computed once and its cache rows copied. Returns the
+        logits of every row's next token."""
+        cache, resident = batch.cache, len(batch.rows)
+        computed: list[_Request] = []
+        prefixes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         first: dict[tuple[int, ...], int] = {}
-        row_of = [first.setdefault(tuple(r.prompt_ids + r.token_ids), len(first)) for r in requests]
-        sequences = [list(s) for s in first]
-        width = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(sequences), width), dtype=torch.long)
-        for i, s in enumerate(sequences):  # left padding keeps every sequence's end aligned
-            ids[i, width - len(s) :] = torch.tensor(s)
-            attention[i, width - len(s) :] = 1
-        for r in requests:
+        twins: list[tuple[_Request, int]] = []  # (request, row it copies)
+        for request in batch.joining:
+            kv = self.prefixes.take(request, self.version) if self.prefixes else None
+            if kv is not None:
+                prefixes[resident + len(computed)] = kv
+                request.fed = kv[0][0].shape[1]
+            else:
+                ids = tuple(request.prompt_ids + request.token_ids)
+                if ids in first:
+                    twins.append((request, first[ids]))
+                    continue
+                first[ids] = resident + len(computed)
+            computed.append(request)
+        rows = batch.rows + computed
+        lengths = [r.length for r in rows]
+        layout = cache.begin([r.length - r.fed for r in rows], lengths)
+        for row, kv in prefixes.items():
+            cache.place(row, kv, lengths[row])
+        ids = [r.token(i) for r in rows for i in range(r.fed, r.length)]
+        positions = [i for r in rows for i in range(r.fed, r.length)]
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            attention_mask=STEP_MASK.to(self.device), past_key_values=cache, use_cache=True,
+            slot_cache=cache,
+            logits_to_keep=layout.last.to(self.device) if self._keeps_logits else 0)
+        cache.commit()
+        logits = out.logits[0].float()
+        if not self._keeps_logits:
+            logits = logits[layout.last.to(self.device)]
+        for r in rows:
             r.fed = r.length
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()  # no config: plain full-attention layers, as SlotCache keeps
-        out = self.model(
-            input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-            position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1].float()
-        if len(sequences) < len(requests):
-            rows = torch.tensor(row_of, device=self.device)
-            for layer in cache.layers:
-                layer.keys = layer.keys.index_select(0, rows)
-                layer.values = layer.values.index_select(0, rows)
-            logits = logits.index_select(0, rows)
-        return cache, logits
-
-    def _decode(self, batch: _Batch) -> torch.Tensor:
-        """Feed every row its next token (its last sampled one, or the next new token of a
-        sequence resumed from the prefix cache); the cache's window grows by one column.
-        Returns the logits of the rows that draw a token, the rows still feeding a resumed
-        prefix's new tokens left out (the LM head runs without them where the model takes
-        a per-row ``logits_to_keep``)."""
-        cache = batch.cache
-        cache.reserve(cache.rows, 0, 1)
-        lengths = torch.tensor([r.fed + 1 for r in batch.rows])
-        last = torch.tensor([[r.token(r.fed)] for r in batch.rows])
-        for r in batch.rows:
-            r.fed += 1
-        width = cache.width + 1
-        attention = (torch.arange(width) >= width - lengths[:, None]).long()
-        drawn = torch.tensor([r.fed == r.length for r in batch.rows])  # the others still feed
-        select = self._keeps_logits and not bool(drawn.all())
-        out = self.model(
-            input_ids=last.to(self.device), attention_mask=attention.to(self.device),
-            position_ids=(lengths - 1)[:, None].to(self.device), past_key_values=cache,
-            use_cache=True, logits_to_keep=drawn[:, None].to(self.device) if select else 1,
-        )
-        cache.commit(1)
-        if select:  # the LM head ran at the drawing rows alone
-            return out.logits.float()
-        logits = out.logits[:, -1].float()
-        return logits if drawn.all() else logits[drawn.to(self.device)]
+        if twins:
+            sources = [row for _, row in twins]
+            cache.copy_rows(sources, max(lengths[row] for row in sources))
+            for request, _ in twins:
+                request.fed = request.length
+            logits = torch.cat([logits, logits[torch.tensor(sources, device=self.device)]])
+        batch.rows, batch.joining = rows + [r for r, _ in twins], []
+        return logits
 
     def _sample(self, logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         greedy = temperature <= 0
@@ -486,21 +433,6 @@ def _draw(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     u = torch.rand((len(cdf), 1), generator=generator, dtype=cdf.dtype, device=cdf.device)
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return picked.squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-
-
-def _buckets(lengths: list[int], call_tokens: int) -> list[slice]:
-    """Split ascending ``lengths`` into runs prefilled together (each padded to its longest),
-    minimising the padded tokens plus ``call_tokens`` per forward pass."""
-    cost = [0] * (len(lengths) + 1)
-    start = [0] * (len(lengths) + 1)
-    for j in range(1, len(lengths) + 1):
-        cost[j], start[j] = min((cost[i] + call_tokens + (j - i) * lengths[j - 1], i) for i in range(j))
-    runs = []
-    j = len(lengths)
-    while j:
-        runs.append(slice(start[j], j))
-        j = start[j]
-    return runs[::-1]
 
 
 # -- the prefix cache --------------------------------------------------------------------------
@@ -545,9 +477,10 @@ class PrefixCache:
         while self.tokens > self.max_tokens:
             self.tokens -= len(self._entries.popitem(last=False)[0])
 
-    def take(self, request: _Request, version: int) -> DynamicCache | None:
-        """The cache of the longest parked sequence ``request`` extends (it leaves the store:
-        the request's row holds it now), or None."""
+    def take(self, request: _Request, version: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The keys and values (per layer ``[heads, tokens, head_dim]``) of the longest parked
+        sequence ``request`` extends (they leave the store: the request's row holds them
+        now), or None."""
         self._at(version)
         ids = request.prompt_ids + request.token_ids
         best: tuple[int, ...] | None = None
@@ -561,10 +494,7 @@ class PrefixCache:
         self.tokens -= len(best)
         self.hits += 1
         self.reused += len(best)
-        cache = DynamicCache()
-        for i, (keys, values) in enumerate(self._entries.pop(best)):
-            cache.update(keys[None], values[None], i)
-        return cache
+        return self._entries.pop(best)
 
     def _at(self, version: int) -> None:
         if version != self.version:  # computed by other weights: of no use now

@@ -1,82 +1,121 @@
-"""The torch engine's batch KV cache (orchestrator/engines/slot_cache.py) against a plain
-reference: rows that join from prefills, decode columns written in place, rows that leave,
-and a window that is trimmed, slid back and regrown, always showing each row's tokens."""
+"""The torch engine's batch KV cache and step attention (orchestrator/engines/slot_cache.py)
+against plain references: rows that join with their prompts (or a parked prefix) in the
+same step as others decode, rows that leave, a window that is trimmed, slid back and
+regrown, always showing each row's tokens; and each token's attention equal to one over
+its own sequence alone."""
 
 from __future__ import annotations
 
-import torch
-from transformers import DynamicCache
+from types import SimpleNamespace
 
-from orchestrator.engines.slot_cache import SlotCache
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orchestrator.engines.slot_cache import SlotCache, step_attention
 
 LAYERS, HEADS, DIM = 2, 2, 3
 
 
-def prefill(values: list[list[float]]) -> DynamicCache:
-    """A prefill of ``len(values)`` rows, left-padded with zeros to the longest; each token's
-    keys and values hold its number (values: negated) so every column can be checked."""
-    width = max(len(v) for v in values)
-    cache = DynamicCache()
-    rows = torch.zeros(len(values), HEADS, width, DIM)
-    for i, v in enumerate(values):
-        rows[i, :, width - len(v):] = torch.tensor(v)[None, :, None]
+def step(cache: SlotCache, lengths: list[int], new: list[list[float]]) -> None:
+    """One step: row ``i`` brings the tokens ``new[i]`` (the last of its ``lengths[i]``).
+    Each token's keys and values hold its number (values: negated) plus the layer."""
+    cache.begin([len(n) for n in new], lengths)
+    flat = torch.tensor([t for n in new for t in n], dtype=torch.float)[None, None, :, None].expand(1, HEADS, -1, DIM)
     for layer in range(LAYERS):
-        cache.update(rows + layer, -(rows + layer), layer)
-    return cache
+        cache.update(flat + layer, -(flat + layer), layer)
+    cache.commit()
 
 
 def tokens(cache: SlotCache, row: int, n: int) -> list[float]:
     """The last ``n`` cached tokens of ``row`` in every layer (checked equal) and head."""
     seen = []
-    for layer_index, layer in enumerate(cache.layers):
-        keys, values = layer.keys[row, :, cache.width - n:], layer.values[row, :, cache.width - n:]
-        assert torch.equal(values, -keys)
-        seen.append((keys[0, :, 0] - layer_index).tolist())
+    for layer, (keys, values) in enumerate(cache.buffers):
+        k, v = keys[row, :, cache.end - n : cache.end], values[row, :, cache.end - n : cache.end]
+        assert torch.equal(v, -k)
+        seen.append((k[0, :, 0] - layer).tolist())
     assert all(s == seen[0] for s in seen)
     return seen[0]
 
 
-def decode(cache: SlotCache, column: list[float]) -> None:
-    """One decode step: the model writes one column through ``update``, then it is committed."""
-    cache.reserve(cache.rows, 0, 1)
-    new = torch.tensor(column)[:, None, None, None].expand(-1, HEADS, 1, DIM)
-    for layer in range(LAYERS):
-        keys, _ = cache.update(new + layer, -(new + layer), layer)
-        assert keys.shape[2] == cache.width + 1  # the model attends over the window and the new column
-    cache.commit(1)
-
-
 def test_rows_join_decode_leave_and_keep_their_tokens() -> None:
     cache = SlotCache(max_rows=8)
-    cache.add(prefill([[1, 2, 3], [4]]))
+    step(cache, [3, 1], [[1, 2, 3], [4]])  # two prompts join an empty cache
     assert cache.rows == 2 and cache.width == 3
-    decode(cache, [5, 6])
+    step(cache, [4, 2], [[5], [6]])
     assert tokens(cache, 0, 4) == [1, 2, 3, 5] and tokens(cache, 1, 2) == [4, 6]
-    cache.add(prefill([[7, 8], [9, 10, 11, 12, 13]]))  # a joining prefill wider than the window
+    # two decode while two join, one wider than the window
+    step(cache, [5, 3, 2, 5], [[14], [15], [7, 8], [9, 10, 11, 12, 13]])
     assert cache.rows == 4 and cache.width == 5
-    decode(cache, [14, 15, 16, 17])
-    assert tokens(cache, 2, 3) == [7, 8, 16] and tokens(cache, 3, 6) == [9, 10, 11, 12, 13, 17]
+    assert tokens(cache, 0, 5) == [1, 2, 3, 5, 14] and tokens(cache, 1, 3) == [4, 6, 15]
+    assert tokens(cache, 2, 2) == [7, 8] and tokens(cache, 3, 5) == [9, 10, 11, 12, 13]
 
     moved = cache.retain([1, 3])  # rows 0 and 2 stop: row 3 moves into the hole at 0
     assert moved == [3, 1] and cache.rows == 2
-    assert tokens(cache, 0, 6) == [9, 10, 11, 12, 13, 17] and tokens(cache, 1, 3) == [4, 6, 15]
-    cache.trim(6)
-    assert cache.width == 6
+    assert tokens(cache, 0, 5) == [9, 10, 11, 12, 13] and tokens(cache, 1, 3) == [4, 6, 15]
+    cache.trim(5)
+    assert cache.width == 5
     capacity = cache.buffers[0][0].shape[2]
-    for step in range(100):  # past the buffers' capacity: they are reallocated, rows kept
-        decode(cache, [100 + step, 200 + step])
-    assert cache.buffers[0][0].shape[2] > capacity and cache.width == 106
-    assert tokens(cache, 0, 106) == [9, 10, 11, 12, 13, 17, *range(100, 200)]
+    for i in range(100):  # past the buffers' capacity: they are reallocated, rows kept
+        step(cache, [6 + i, 4 + i], [[100 + i], [200 + i]])
+    assert cache.buffers[0][0].shape[2] > capacity and cache.width == 105
+    assert tokens(cache, 0, 105) == [9, 10, 11, 12, 13, *range(100, 200)]
     assert tokens(cache, 1, 103) == [4, 6, 15, *range(200, 300)]
 
 
-def test_gathered_rows_are_copies_and_a_cleared_cache_reuses_its_buffers() -> None:
+def test_a_parked_prefix_a_copied_row_and_a_cleared_cache() -> None:
     cache = SlotCache(max_rows=4)
-    cache.add(prefill([[1, 2], [3, 4, 5]]))
-    (first, second) = cache.rows_kv([0, 1], [2, 3])
-    assert first[0][0][0, :, 0].tolist() == [1, 2] and second[1][0][0, :, 0].tolist() == [4, 5, 6]
+    step(cache, [2, 3], [[1, 2], [3, 4, 5]])
+    parked = cache.rows_kv([1], [3])[0]  # copies: the cache's own buffers are untouched
+    assert parked[1][0][0, :, 0].tolist() == [4, 5, 6]
+    cache.retain([0])
+    # row 1 resumes from its parked prefix with two new tokens, while row 0 decodes
+    cache.begin([1, 2], [3, 5])
+    cache.place(1, parked, 5)
+    flat = torch.tensor([9.0, 6, 7])[None, None, :, None].expand(1, HEADS, -1, DIM)
+    for layer in range(LAYERS):
+        cache.update(flat + layer, -(flat + layer), layer)
+    cache.commit()
+    assert tokens(cache, 0, 3) == [1, 2, 9] and tokens(cache, 1, 5) == [3, 4, 5, 6, 7]
+    cache.copy_rows([1, 1], 5)  # two samples of row 1's sequence
+    assert cache.rows == 4 and tokens(cache, 3, 5) == [3, 4, 5, 6, 7]
     buffers = cache.buffers
     assert cache.cleared().rows == 0 and cache.width == 0 and cache.buffers is buffers
-    first[0][0].fill_(0)  # a copy: the cache's own buffers are untouched
-    cache.add(prefill([[7]]))
-    assert tokens(cache, 0, 1) == [7]
+    step(cache, [1], [[8]])
+    assert tokens(cache, 0, 1) == [8]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_each_token_attends_to_its_own_sequence_only(window: int | None) -> None:
+    """Rows that decode, join with a prompt, and resume a prefix, in one step: every new
+    token's attention equals a causal attention over its own sequence alone (in a sliding
+    window too), with grouped-query heads."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    lengths, new = [5, 2, 6, 4, 3], [1, 1, 6, 2, 3]  # two decode, a prompt, a resumed, a prompt
+    keys = [torch.randn(kv_heads, n, dim) for n in lengths]
+    values = [torch.randn(kv_heads, n, dim) for n in lengths]
+    queries = [torch.randn(heads, n, dim) for n in new]
+    cache = SlotCache(max_rows=8)
+    # the first two rows' earlier tokens are in the cache already, as a previous step left them
+    earlier = [n - 1 for n in lengths[:2]]
+    cache.begin(earlier, earlier)
+    flat = torch.cat([k[:, : n] for k, n in zip(keys[:2], earlier, strict=True)], dim=1)[None]
+    flat_v = torch.cat([v[:, : n] for v, n in zip(values[:2], earlier, strict=True)], dim=1)[None]
+    cache.update(flat, flat_v, 0)
+    cache.commit()
+    cache.begin(new, lengths)
+    cache.place(3, [(keys[3][:, :2], values[3][:, :2])], lengths[3])  # a parked prefix of 2
+    cache.update(torch.cat([k[:, -n:] for k, n in zip(keys, new, strict=True)], dim=1)[None],
+                 torch.cat([v[:, -n:] for v, n in zip(values, new, strict=True)], dim=1)[None], 0)
+    out, _ = step_attention(SimpleNamespace(layer_idx=0), torch.cat(queries, dim=1)[None],
+                            None, None, None, scaling=0.5, slot_cache=cache,
+                            sliding_window=window)
+    expected = []
+    for q, k, v, n, length in zip(queries, keys, values, new, lengths, strict=True):
+        position = torch.arange(length - n, length)[:, None]
+        key = torch.arange(length)[None]
+        mask = (key <= position) & ((key > position - window) if window else True)
+        expected.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5,
+                                                       enable_gqa=True).transpose(0, 1))
+    torch.testing.assert_close(out[0], torch.cat(expected), atol=1e-6, rtol=0)

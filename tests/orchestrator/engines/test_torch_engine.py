@@ -64,33 +64,33 @@ def assert_teacher_forced(model: torch.nn.Module, prompt: Sequence[int], gen: Ge
 
 
 class SteppedEngine(TorchEngine):
-    """Records the resident rows of every decode step; with ``stepped`` each decode step
+    """Records the rows of every step (its forward pass); with ``stepped`` each step
     waits (in the forward thread, holding the step) until the test lets it run with
     :meth:`steps`, so a test can place arrivals and pauses at exact tokens."""
 
     def __init__(self, *args: Any, stepped: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.decodes = 0
-        self.resident: list[int] = []  # rows of each decode step
+        self.forwards = 0
+        self.resident: list[int] = []  # rows of each step, the joining ones included
         self.allowed = 0 if stepped else 1 << 30
         self.held = False
         self.cond = threading.Condition()
 
-    def _decode(self, batch: Any) -> Any:
+    def _forward(self, batch: Any) -> Any:
         with self.cond:
             self.held = True
             self.cond.notify_all()
-            assert self.cond.wait_for(lambda: self.decodes < self.allowed, timeout=30)
+            assert self.cond.wait_for(lambda: self.forwards < self.allowed, timeout=30)
             self.held = False
-        self.resident.append(len(batch.rows))
-        out = super()._decode(batch)
+        self.resident.append(len(batch.rows) + len(batch.joining))
+        out = super()._forward(batch)
         with self.cond:
-            self.decodes += 1
+            self.forwards += 1
             self.cond.notify_all()
         return out
 
     async def steps(self, n: int) -> None:
-        """Let ``n`` more decode steps run; return once they have and the next one is held
+        """Let ``n`` more steps run; return once they have and the next one is held
         (its step has admitted what it admits)."""
         with self.cond:
             self.allowed += n
@@ -99,7 +99,7 @@ class SteppedEngine(TorchEngine):
 
         def wait() -> None:
             with self.cond:
-                assert self.cond.wait_for(lambda: self.decodes >= target and self.held, timeout=30)
+                assert self.cond.wait_for(lambda: self.forwards >= target and self.held, timeout=30)
 
         await anyio.to_thread.run_sync(wait)
 
@@ -269,7 +269,7 @@ async def test_a_request_arriving_mid_generation_joins_the_running_batch(
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run, "long", long_prompt, 30)
-                await engine.steps(5)  # the long one is 6 tokens in
+                await engine.steps(5)  # the long one is 5 tokens in
                 tg.start_soon(run, "short", short_prompt, 4)
                 await anyio.wait_all_tasks_blocked()
                 engine.run_freely()
@@ -277,11 +277,11 @@ async def test_a_request_arriving_mid_generation_joins_the_running_batch(
     if batching == "continuous":
         assert finished == ["short", "long"]
         assert max(engine.resident) == 2
-        assert engine.decodes == 29  # the short one's tokens came with the long one's steps
+        assert engine.forwards == 30  # the short one's prefill and tokens came with the long one's steps
     else:
         assert finished == ["long", "short"]
         assert max(engine.resident) == 1
-        assert engine.decodes == 29 + 3
+        assert engine.forwards == 30 + 4
     assert_teacher_forced(tiny.model, long_prompt, gens["long"])
     assert_teacher_forced(tiny.model, short_prompt, gens["short"])
 
@@ -297,7 +297,7 @@ async def test_a_finished_result_is_handed_out_while_others_keep_decoding(
 
         async def run(name: str, prompt: list[int], max_tokens: int) -> None:
             await engine.generate(prompt, SamplingParams(max_tokens=max_tokens))
-            decodes_at_result[name] = engine.decodes
+            decodes_at_result[name] = engine.forwards
 
         with anyio.fail_after(60):
             await engine.pause()  # both arrive before the first step
@@ -307,12 +307,12 @@ async def test_a_finished_result_is_handed_out_while_others_keep_decoding(
                 await anyio.wait_all_tasks_blocked()
                 await engine.resume()
     assert engine.resident[0] == 2
-    # the prefill gives token 0, decode step i token i: the short one stops at step 2
-    assert decodes_at_result["long"] == 29
+    # step i gives token i - 1: the short one stops at step 3, the long one at step 30
+    assert decodes_at_result["long"] == 30
     if batching == "continuous":
-        assert decodes_at_result["short"] < 29
+        assert decodes_at_result["short"] == 3
     else:
-        assert decodes_at_result["short"] == 29
+        assert decodes_at_result["short"] == 30
 
 
 async def test_requests_joining_mid_batch_keep_teacher_forced_logprobs(tiny: Any) -> None:
@@ -362,7 +362,7 @@ async def test_the_cache_slides_its_window_in_place_and_keeps_its_buffers(
     def watched_reserve(self: SlotCache, *args: Any) -> None:
         end, first = self.end, self.buffers[0][0] if self.buffers else None
         reserve(self, *args)
-        if self.end != end and self.buffers[0][0] is first:
+        if self.end != end and self.buffers and self.buffers[0][0] is first:
             slides.append(end)
 
     monkeypatch.setattr(SlotCache, "reserve", watched_reserve)
@@ -390,7 +390,7 @@ async def test_identical_prompts_are_prefilled_once_and_sampled_apart(tiny: Any)
     widths: list[int] = []
     async with engine_for(tiny, seed=9) as engine:
         hook = engine.model.register_forward_pre_hook(
-            lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+            lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
         with anyio.fail_after(60):
             await engine.pause()  # all five join the first prefill
             done: list[list[Generation]] = []
@@ -404,7 +404,7 @@ async def test_identical_prompts_are_prefilled_once_and_sampled_apart(tiny: Any)
                 await engine.resume()
         hook.remove()
     gens = done[0]
-    assert widths[0] == 2  # the first forward pass: two distinct prompts for five rows
+    assert widths[0] == len(shared) + len(other)  # the first pass: two distinct prompts, five rows
     assert len({g.token_ids for g in gens[:4]}) > 1
     for (prompt, sampling), gen in zip(requests, gens, strict=True):
         assert_teacher_forced(tiny.model, prompt, gen, sampling.temperature)
@@ -412,7 +412,7 @@ async def test_identical_prompts_are_prefilled_once_and_sampled_apart(tiny: Any)
 
 async def test_continuous_batching_refills_slots_as_sequences_leave(tiny: Any) -> None:
     """With room for two, a queued request takes the slot of one that stopped while the
-    other still decodes; waves wait for both: fewer decode steps for the same tokens."""
+    other still decodes; waves wait for both: fewer steps for the same tokens."""
     vocab = tiny.tokenizer.vocab_size
     requests = [(p, SamplingParams(max_tokens=n))
                 for p, n in zip(prompts(5, vocab, seed=15), (12, 3, 3, 8, 5), strict=True)]
@@ -426,7 +426,7 @@ async def test_continuous_batching_refills_slots_as_sequences_leave(tiny: Any) -
                     await anyio.wait_all_tasks_blocked()
                     await engine.resume()
         assert max(engine.resident) == 2
-        decodes[batching] = engine.decodes
+        decodes[batching] = engine.forwards
     assert decodes["continuous"] < decodes["waves"]
 
 
@@ -444,14 +444,14 @@ async def test_requests_sent_while_paused_join_the_running_batch_on_resume(tiny:
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run, 0, long_prompt, 30)
-                await engine.steps(3)  # decode step 4 is held
+                await engine.steps(3)  # step 4 is held
                 await pause_after_held_step(engine)
                 with threads_held() as threads:
                     for i, prompt in enumerate(short_prompts, 1):
                         tg.start_soon(run, i, prompt, 5)
                     await anyio.wait_all_tasks_blocked()
                     assert threads.statistics().tasks_waiting == 0, "a step started while paused"
-                    assert engine.decodes == 4 and not finished
+                    assert engine.forwards == 4 and not finished
                 await engine.resume()
     assert finished[-1] == 0  # both joined the long one's batch and finished first
     assert max(engine.resident) == 3
@@ -464,20 +464,20 @@ async def test_requests_sent_while_paused_join_the_running_batch_on_resume(tiny:
 
 
 class HoldingEngine(TorchEngine):
-    """At decode step ``at`` (from the forward thread) it signals ``reached`` and holds the
+    """At step ``at`` (from the forward thread) it signals ``reached`` and holds the
     step there until ``proceed`` is set, so a test can queue a pause at an exact token."""
 
     def __init__(self, *args: Any, at: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.decodes = 0
+        self.forwards = 0
         self.at = at
         self.reached = threading.Event()
         self.proceed = threading.Event()
 
-    def _decode(self, *args: Any) -> Any:
-        out = super()._decode(*args)
-        self.decodes += 1
-        if self.decodes == self.at:
+    def _forward(self, *args: Any) -> Any:
+        out = super()._forward(*args)
+        self.forwards += 1
+        if self.forwards == self.at:
             self.reached.set()
             self.proceed.wait(timeout=30)
         return out
@@ -500,11 +500,11 @@ async def test_weights_updated_mid_generation_continue_under_the_new_version(
 
         async def swap_weights() -> None:  # what weight sync does, in one task
             await engine.pause()
-            paused_at.append(engine.decodes)
+            paused_at.append(engine.forwards)
             with threads_held() as threads:
                 await anyio.wait_all_tasks_blocked()
                 assert threads.statistics().tasks_waiting == 0, "a step started while paused"
-            assert engine.decodes == paused_at[0]
+            assert engine.forwards == paused_at[0]
             await engine.update_weights(WeightUpdate.by_reference(1, new_weights, leased=False))
             assert engine.version == 1
             await engine.resume()
@@ -520,8 +520,8 @@ async def test_weights_updated_mid_generation_continue_under_the_new_version(
     (gen,) = result
     assert len(gen.token_ids) == 40 and gen.finish_reason is FinishReason.LENGTH
     assert gen.start_version == 0
-    # the prefill gave token 0 and decode step i token i: tokens 0..at ran on the old weights
-    switch = at + 1
+    # step i gave token i - 1: tokens 0..at-1 ran on the old weights
+    switch = at
     assert gen.versions == (0,) * switch + (1,) * (40 - switch)
     logprobs = torch.tensor(gen.logprobs)
     before = full_forward_logprobs(old.model, prompt, gen.token_ids[:switch])
@@ -549,16 +549,16 @@ async def test_a_weight_update_reprefills_every_resident_sequence(make_policy: A
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run, "first", first)
-                await engine.steps(3)  # first: 4 tokens; decode step 4 is held
+                await engine.steps(3)  # first: 3 tokens; step 4 is held
                 tg.start_soon(run, "second", second)
                 await anyio.wait_all_tasks_blocked()
-                await engine.steps(2)  # step 4; step 5 prefills second; step 6 is held
+                await engine.steps(2)  # step 4; second joins step 5; step 6 is held
                 await pause_after_held_step(engine)
                 await engine.update_weights(WeightUpdate.by_reference(1, new_weights, leased=False))
                 await engine.resume()
-    # first: token 0 from its prefill, token i from decode step i; second: token 0 from its
-    # prefill (with decode step 5), token 1 from step 6
-    switches = {"first": 7, "second": 2}
+    # first: token i from step i + 1, up to token 5 from step 6; second: token 0 from step 5
+    # (its prefill, in the same pass as first's token 4), token 1 from step 6
+    switches = {"first": 6, "second": 2}
     for name, prompt in (("first", first), ("second", second)):
         gen, switch = gens[name], switches[name]
         assert gen.start_version == 0
@@ -651,16 +651,19 @@ async def test_closing_an_engine_that_never_started_releases_its_streams(tiny: A
 @pytest.mark.parametrize("batching", BATCHING)
 async def test_an_episodes_next_turn_reuses_its_cached_prefix(tiny: Any, batching: str) -> None:
     """Turn two extends turn one's prompt and completion with an observation: only the new
-    tokens go through the model (fed by decode steps), and every log-prob is still what one
-    unpadded forward pass over the whole conversation gives; episodes run side by side."""
+    tokens go through the model, in the running batch's next step, and every log-prob is
+    still what one unpadded forward pass over the whole conversation gives; episodes run
+    side by side."""
     vocab = tiny.tokenizer.vocab_size
     ps = prompts(4, vocab, seed=5)
-    observations = prompts(4, vocab, seed=6)  # 3 to 18 new tokens after each turn: fed by
-    # decode steps, or (more than FEED_STEPS) by a pass of their own
-    head_rows, drawn = [], []
+    observations = prompts(4, vocab, seed=6)  # 3 to 18 new tokens after each turn
+    head_rows, drawn, fed = [], [], []
+    conversations: list[list[int]] = []
     async with engine_for(tiny, max_batch_size=8, seed=1, batching=batching) as engine:
         engine.model.get_output_embeddings().register_forward_hook(
             lambda _module, args, _out: head_rows.append(args[0].shape[:-1].numel()))
+        engine.model.register_forward_pre_hook(
+            lambda _, args, kwargs: fed.append(kwargs["input_ids"].numel()), with_kwargs=True)
 
         async def episode(i: int) -> None:
             conversation = list(ps[i])
@@ -670,6 +673,7 @@ async def test_an_episodes_next_turn_reuses_its_cached_prefix(tiny: Any, batchin
                 assert_teacher_forced(tiny.model, conversation, gen)
                 drawn.append(len(gen.token_ids))
                 conversation += [*gen.token_ids, *observations[(i + turn) % 4]]
+            conversations.append(conversation[: -len(observations[(i + 2) % 4])])
 
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
@@ -677,9 +681,10 @@ async def test_an_episodes_next_turn_reuses_its_cached_prefix(tiny: Any, batchin
                     tg.start_soon(episode, i)
     assert engine.prefixes.hits == 8  # turns two and three of every episode
     assert engine.prefixes.reused > 8 * 3
-    # The LM head runs for drawn tokens only, not for the rows feeding an observation (a
-    # resumed turn's own pass over more than FEED_STEPS new tokens computes one row).
-    assert sum(drawn) <= sum(head_rows) <= sum(drawn) + engine.prefixes.hits
+    # Every token of every conversation went through the model once (but the last sampled
+    # one, never fed), and the LM head ran once per drawn token.
+    assert sum(fed) == sum(len(c) - 1 for c in conversations)
+    assert sum(head_rows) == sum(drawn)
 
 
 async def test_a_weight_update_drops_the_cached_prefixes(make_policy: Any) -> None:
