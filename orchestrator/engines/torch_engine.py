@@ -53,7 +53,7 @@ vLLM is the engine for throughput.
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -158,6 +158,8 @@ class TorchEngine(InferenceEngine):
         queue_size: int = 1024,
         batching: str = "continuous",
         prefix_cache_tokens: int = 16384,
+        prefill_limit_after: int = 24,
+        prefill_limit_tokens: int = 64,
     ) -> None:
         if max_batch_size < 1:
             raise ConfigError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
@@ -167,6 +169,10 @@ class TorchEngine(InferenceEngine):
             raise ConfigError(f"engine.batching must be one of {', '.join(BATCHING)}, got {batching!r}")
         if prefix_cache_tokens < 0:
             raise ConfigError(f"engine.prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
+        for name, value in (("prefill_limit_after", prefill_limit_after),
+                            ("prefill_limit_tokens", prefill_limit_tokens)):
+            if value < 0:
+                raise ConfigError(f"engine.{name} must be >= 0 (0: no limit), got {value}")
         policy = build_policy(model)  # the engine's own copy: the trainer updates its own
         self.model = policy.model.eval()
         if not getattr(self.model, "_supports_attention_backend", False):
@@ -186,6 +192,9 @@ class TorchEngine(InferenceEngine):
             self._load(weights)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self.prefixes = PrefixCache(prefix_cache_tokens)
+        self.prefill_limit_after = prefill_limit_after
+        self.prefill_limit_tokens = prefill_limit_tokens
+        self._held: deque[_Request] = deque()  # received, not admitted yet: first in line
         self._send, self._receive = anyio.create_memory_object_stream[_Request](queue_size)
         self._step_gate = Gate()
         self._paused = False
@@ -260,7 +269,7 @@ class TorchEngine(InferenceEngine):
             try:
                 async for request in self._receive:  # idle until a request comes
                     self._join(batch, request)
-                    while batch.active:
+                    while batch.active or self._held:
                         await self._step(batch)
                     await anyio.to_thread.run_sync(self._park_drained, batch)
                     # Drained: the next batch reuses the buffers (growing them again from
@@ -290,15 +299,45 @@ class TorchEngine(InferenceEngine):
         batch.stopped.clear()
 
     def _admit(self, batch: _Batch) -> None:
-        """Move waiting requests into the batch while it has room (waves: only between waves)."""
+        """Move waiting requests into the batch while it has room (waves: only between waves).
+
+        While a resident sequence has generated ``prefill_limit_after`` tokens or more, a
+        step admits new prompts (requests that resume no cached prefix) up to
+        ``prefill_limit_tokens`` tokens, and at least one: every resident sequence waits
+        for a step's prefill, and the long ones, which make the latency tail, would wait
+        for every prefill of their whole life. Resumed turns, whose few new tokens cost
+        little, and copies of a prompt admitted in the same step are not counted."""
         if self.batching == "waves" and batch.decoding:
             return
+        limited = self.prefill_limit_after > 0 and self.prefill_limit_tokens > 0 and any(
+            len(r.token_ids) >= self.prefill_limit_after for r in batch.rows if not r.finished)
+        prefilled = 0
+        prompts: set[tuple[int, ...]] = set()
         while batch.active < self.max_batch_size:
-            try:
-                request = self._receive.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                return
+            if self._held:
+                request = self._held.popleft()
+            else:
+                try:
+                    request = self._receive.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    return
+            if limited and not self._resumes(batch, request):
+                ids = tuple(request.prompt_ids)
+                if ids not in prompts:
+                    if prompts and prefilled + len(ids) > self.prefill_limit_tokens:
+                        self._held.appendleft(request)
+                        return
+                    prompts.add(ids)
+                    prefilled += len(ids)
             self._join(batch, request)
+
+    def _resumes(self, batch: _Batch, request: _Request) -> bool:
+        """Whether ``request`` extends a parked sequence, or one that finished in the last
+        step (parked at the start of the next)."""
+        ids = request.prompt_ids
+        return any(_extends(ids, key) for key in self.prefixes.keys()) or any(
+            r.finished and _extends(ids, tuple(r.prompt_ids + r.token_ids)[: r.fed])
+            for r in batch.rows)
 
     def _join(self, batch: _Batch, request: _Request) -> None:
         room = self.max_positions - len(request.prompt_ids)
@@ -312,7 +351,8 @@ class TorchEngine(InferenceEngine):
     def _abort(self, batch: _Batch) -> None:
         """Fail every unfinished admitted and waiting request (the engine is closing); the
         finished ones still go out."""
-        cut = [r for r in batch.rows + batch.joining if not r.finished]
+        cut = [r for r in batch.rows + batch.joining if not r.finished] + list(self._held)
+        self._held.clear()
         while True:
             try:
                 cut.append(self._receive.receive_nowait())
@@ -485,9 +525,7 @@ class PrefixCache:
         ids = request.prompt_ids + request.token_ids
         best: tuple[int, ...] | None = None
         for key in self._entries:
-            n = len(key)
-            if n < len(ids) and (best is None or n > len(best)) and ids[n - 1] == key[-1] \
-                    and tuple(ids[:n]) == key:
+            if (best is None or len(key) > len(best)) and _extends(ids, key):
                 best = key
         if best is None:
             return None
@@ -496,7 +534,17 @@ class PrefixCache:
         self.reused += len(best)
         return self._entries.pop(best)
 
+    def keys(self) -> list[tuple[int, ...]]:
+        """The parked sequences' ids."""
+        return list(self._entries)
+
     def _at(self, version: int) -> None:
         if version != self.version:  # computed by other weights: of no use now
             self._entries.clear()
             self.tokens, self.version = 0, version
+
+
+def _extends(ids: Sequence[int], key: tuple[int, ...]) -> bool:
+    """Whether ``ids`` continue the sequence ``key`` past its end."""
+    n = len(key)
+    return n < len(ids) and ids[n - 1] == key[-1] and tuple(ids[:n]) == key

@@ -460,6 +460,45 @@ async def test_requests_sent_while_paused_join_the_running_batch_on_resume(tiny:
         assert_teacher_forced(tiny.model, prompt, gens[i])
 
 
+@pytest.mark.parametrize("limit_after", [4, 0])
+async def test_while_a_long_sequence_runs_new_prompts_join_within_the_prefill_limit(
+        tiny: Any, limit_after: int) -> None:
+    """Once a resident sequence is ``prefill_limit_after`` tokens in, a step admits new
+    prompts up to ``prefill_limit_tokens`` (at least one; a group's copies free), while an
+    episode's next turn, resumed from its cached prefix, joins at once; 0 lifts the limit."""
+    vocab = tiny.tokenizer.vocab_size
+    short, p8, p13, long_prompt = prompts(4, vocab, seed=31)  # 3, 8, 13 and 18 tokens
+    gens: dict[str, Generation] = {}
+    async with engine_for(tiny, SteppedEngine, stepped=True, prefill_limit_after=limit_after,
+                          prefill_limit_tokens=8) as engine:
+
+        async def run(name: str, prompt: list[int], max_tokens: int) -> None:
+            gens[name] = await engine.generate(prompt, SamplingParams(max_tokens=max_tokens))
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "long", long_prompt, 30)
+                tg.start_soon(run, "short", short, 2)
+                await anyio.wait_all_tasks_blocked()
+                await engine.steps(6)  # long: 6 tokens in; short stopped at step 2; step 7
+                # has admitted (nothing new) and is held: what comes now joins from step 8
+                resumed = short + list(gens["short"].token_ids) + [9, 10, 11]
+                tg.start_soon(run, "resumed", resumed, 5)
+                tg.start_soon(run, "p8", p8, 5)
+                tg.start_soon(run, "p13", p13, 5)
+                tg.start_soon(run, "p13 again", p13, 5)
+                await anyio.wait_all_tasks_blocked()
+                engine.run_freely()
+    assert engine.prefixes.hits == 1
+    if limit_after:  # step 8: long, resumed and p8 (8 tokens: the limit); step 9: p13 twice
+        assert engine.resident[7:9] == [3, 5]
+    else:
+        assert engine.resident[7] == 5
+    for name, prompt in (("long", long_prompt), ("resumed", resumed), ("p8", p8),
+                         ("p13", p13), ("p13 again", p13)):
+        assert_teacher_forced(tiny.model, prompt, gens[name])
+
+
 # -- weight updates in flight --------------------------------------------------------------
 
 
@@ -704,6 +743,8 @@ async def test_a_weight_update_drops_the_cached_prefixes(make_policy: Any) -> No
 async def test_the_prefix_cache_can_be_turned_off_and_is_checked(tiny: Any) -> None:
     with pytest.raises(ConfigError, match="engine.prefix_cache_tokens must be >= 0, got -1"):
         engine_for(tiny, prefix_cache_tokens=-1)
+    with pytest.raises(ConfigError, match="engine.prefill_limit_tokens must be >= 0"):
+        engine_for(tiny, prefill_limit_tokens=-1)
     prompt = prompts(1, tiny.tokenizer.vocab_size)[0]
     async with engine_for(tiny, prefix_cache_tokens=0) as engine:
         gen = await engine.generate(prompt, SamplingParams(max_tokens=3, temperature=1.0))
