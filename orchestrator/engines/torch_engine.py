@@ -378,6 +378,8 @@ class TorchEngine(InferenceEngine):
                 batch.rows = []
                 batch.cache.clear()
             batch.version = self.version
+            if not batch.rows and not batch.joining:  # what was admitted finished at once
+                return [], []
             logits = self._forward(batch)
             temperature = torch.tensor([r.sampling.temperature for r in batch.rows],
                                        device=self.device)
