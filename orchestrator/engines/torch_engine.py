@@ -335,7 +335,7 @@ class TorchEngine(InferenceEngine):
         """Whether ``request`` extends a parked sequence, or one that finished in the last
         step (parked at the start of the next)."""
         ids = request.prompt_ids
-        return any(_extends(ids, key) for key in self.prefixes.keys()) or any(
+        return any(_extends(ids, key) for key in self.prefixes.parked()) or any(
             r.finished and _extends(ids, tuple(r.prompt_ids + r.token_ids)[: r.fed])
             for r in batch.rows)
 
@@ -536,7 +536,7 @@ class PrefixCache:
         self.reused += len(best)
         return self._entries.pop(best)
 
-    def keys(self) -> list[tuple[int, ...]]:
+    def parked(self) -> list[tuple[int, ...]]:
         """The parked sequences' ids."""
         return list(self._entries)
 
