@@ -66,7 +66,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.slot_cache import ATTENTION, STEP_MASK, SlotCache
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.gate import Gate
-from orchestrator.models.policy import build_policy
+from orchestrator.models.policy import build_policy, cache_argument
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
@@ -186,6 +186,7 @@ class TorchEngine(InferenceEngine):
         self.max_positions: int = getattr(self.model.config, "max_position_embeddings", 1 << 30)
         # the LM head at each row's last token only (an index tensor: any transformers version)
         self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._cache_argument = cache_argument(self.model)
         self.version = 0
         self._weights = AdapterMerger()
         if weights is not None:
@@ -435,8 +436,8 @@ class TorchEngine(InferenceEngine):
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
-            attention_mask=STEP_MASK.to(self.device), past_key_values=cache, use_cache=True,
-            slot_cache=cache,
+            attention_mask=STEP_MASK.to(self.device), use_cache=True, slot_cache=cache,
+            **{self._cache_argument: cache},
             logits_to_keep=layout.last.to(self.device) if self._keeps_logits else 0)
         cache.commit()
         logits = out.logits[0].float()

@@ -49,6 +49,22 @@ def keeps_logits(model: torch.nn.Module) -> bool:
                for cls in type(target).__mro__)
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name ``model``'s forward takes its KV cache by, and its output returns it by:
+    ``cache`` from transformers 5.24 on (which warns on the old name), ``past_key_values``
+    before (``.venv-vllm`` pins an older one)."""
+    base = getattr(model, "get_base_model", None)
+    target = base() if callable(base) else model
+    parameters = inspect.signature(target.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    import transformers  # a wrapper passing **kwargs on: what this transformers' models take
+    from packaging.version import Version
+
+    return "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

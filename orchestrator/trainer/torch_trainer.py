@@ -39,7 +39,7 @@ import torch
 from orchestrator.algo.base import Algorithm, LossInputs
 from orchestrator.errors import ConfigError
 from orchestrator.faults import kill_point
-from orchestrator.models.policy import Policy, keeps_logits
+from orchestrator.models.policy import Policy, cache_argument, keeps_logits
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.trainer.lora import LoraConfig, adapter_update
 from orchestrator.trainer.packing import pack_by_group, packing_pays
@@ -221,6 +221,7 @@ class TorchTrainer(Trainer):
             self.model = self.lora.wrap(self.model)
         self.model = self._prepare(self.model)
         self._keeps_logits = keeps_logits(self.model)
+        self._cache_argument = cache_argument(self.model)
         self._flops_cache: tuple[float, float] | None = None
         self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], lr=lr,
                                weight_decay=weight_decay, betas=tuple(betas))
@@ -338,7 +339,7 @@ class TorchTrainer(Trainer):
         last = columns == group_prefix[:, None] - 1  # predicts each row's token `prefix`
         head_logits, head = self._logits(last, input_ids=inputs[first_row, :longest],
                                          attention_mask=prefix_attention, use_cache=True)
-        cache = head.past_key_values
+        cache = getattr(head, self._cache_argument)
         for layer in cache.layers:  # each row sees its group's prefix (gradients flow back)
             layer.keys = layer.keys.index_select(0, row_group)
             layer.values = layer.values.index_select(0, row_group)
@@ -365,7 +366,7 @@ class TorchTrainer(Trainer):
                 input_ids=inputs.gather(1, at),
                 attention_mask=torch.cat([prefix_attention[row_group], valid.long()], dim=1),
                 position_ids=positions,
-                past_key_values=cache,
+                **{self._cache_argument: cache},
             )
             logp, entropy = self._score(logits, targets[rest])
             logp_full = logp_full.masked_scatter(rest, logp)
