@@ -52,7 +52,6 @@ vLLM is the engine for throughput.
 
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -66,7 +65,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.slot_cache import ATTENTION, STEP_MASK, SlotCache
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.gate import Gate
-from orchestrator.models.policy import build_policy, cache_argument
+from orchestrator.models.policy import build_policy, cache_argument, forward_parameters
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
@@ -185,7 +184,7 @@ class TorchEngine(InferenceEngine):
         self.batching = batching
         self.max_positions: int = getattr(self.model.config, "max_position_embeddings", 1 << 30)
         # the LM head at each row's last token only (an index tensor: any transformers version)
-        self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._keeps_logits = "logits_to_keep" in forward_parameters(self.model)
         self._cache_argument = cache_argument(self.model)
         self.version = 0
         self._weights = AdapterMerger()

@@ -35,12 +35,22 @@ class Policy:
     device: torch.device
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """A ``peft`` model's wrapped model (it passes its forward's arguments on), else ``model``."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
+def forward_parameters(model: torch.nn.Module) -> Mapping[str, inspect.Parameter]:
+    """The parameters of ``model``'s forward (a ``peft`` model's: of the model it wraps)."""
+    return inspect.signature(_unwrapped(model).forward).parameters
+
+
 def keeps_logits(model: torch.nn.Module) -> bool:
     """Whether ``model``'s forward computes logits at chosen positions only (``transformers``'
-    ``logits_to_keep``); a ``peft`` model passes it on to the model it wraps."""
-    base = getattr(model, "get_base_model", None)
-    target = base() if callable(base) else model
-    if "logits_to_keep" not in inspect.signature(target.forward).parameters:
+    ``logits_to_keep``) given as a 2-D mask."""
+    target = _unwrapped(model)
+    if "logits_to_keep" not in forward_parameters(target):
         return False
     # The trained positions go in as a 2-D boolean mask, which transformers takes from 5.20 on
     # (its modeling code slices through slice_logits_to_keep); before that a tensor indexes
@@ -53,9 +63,7 @@ def cache_argument(model: torch.nn.Module) -> str:
     """The name ``model``'s forward takes its KV cache by, and its output returns it by:
     ``cache`` from transformers 5.24 on (which warns on the old name), ``past_key_values``
     before (``.venv-vllm`` pins an older one)."""
-    base = getattr(model, "get_base_model", None)
-    target = base() if callable(base) else model
-    parameters = inspect.signature(target.forward).parameters
+    parameters = forward_parameters(model)
     for name in ("cache", "past_key_values"):
         if name in parameters:
             return name
