@@ -349,6 +349,14 @@ class DockerSandboxPool(SandboxPool):
         return {"faults/sandbox_lost": float(self.stats["lost"]),
                 "faults/docker_unreachable": float(self.stats["engine_outages"])}
 
+    async def wait_warm(self) -> int:
+        """Wait until no warm container is on its way (before timing episodes, or before
+        taking the engine away in a test); returns how many are ready."""
+        want = min(self.config.pool_size, self.config.max_containers)
+        while len(self._ready) < want and self._pending and self._lost is None:
+            await self._changed.wait()
+        return len(self._ready)
+
     # -- sessions ----------------------------------------------------------------------------
     @asynccontextmanager
     async def session(self) -> AsyncIterator[DockerSandbox]:
@@ -379,6 +387,7 @@ class DockerSandboxPool(SandboxPool):
                     return await self._create()
                 finally:
                     self._pending -= 1
+                    self._notify()
             await self._changed.wait()
 
     def _notify(self) -> None:
