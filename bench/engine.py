@@ -33,11 +33,12 @@ it). Reported per mode: generated tokens per second of wall time, p50/p99 latenc
 Adding an engine: append ``(name, factory)`` to the list :func:`engines` returns;
 :func:`run_workload` drives any ``InferenceEngine``. Where vLLM is importable
 (``.venv-vllm/bin/python -m bench.engine``) a ``vllm`` row runs the same workload through
-``engine=vllm`` (its start-up is not timed; it has a prefix cache, the torch engine none).
+``engine=vllm`` (its start-up is not timed).
 
 Limits. The tiny model on CPU: a forward pass costs ~2-3 ms of fixed overhead plus compute
-per token, so batching more rows per step gains less than on a GPU. The engines have no
-prefix cache: every turn re-prefills its conversation, the same work in every mode.
+per token, so batching more rows per step gains less than on a GPU. Both engines keep a
+finished turn's KV cache (the torch engine's ``prefix_cache_tokens``, vLLM's prefix cache):
+an episode's next turn feeds only its new tokens, the same work in every mode.
 Observations are a few ids, not the trace's hundreds of tokens, which would fill the context.
 
 ``--model smollm2``: the same workload on the real SmolLM2-135M-Instruct (``model=smollm2``;

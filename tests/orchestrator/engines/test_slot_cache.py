@@ -86,13 +86,19 @@ def test_a_parked_prefix_a_copied_row_and_a_cleared_cache() -> None:
 
 
 @pytest.mark.parametrize("window", [None, 3])
-def test_each_token_attends_to_its_own_sequence_only(window: int | None) -> None:
+@pytest.mark.parametrize(("lengths", "new", "joins"), [
+    # two decode, a prompt, a resumed, a prompt: the first prompt is cut from the other two
+    ([5, 2, 6, 4, 3], [1, 1, 6, 2, 3], 2),
+    ([5, 2, 3, 4, 3], [1, 1, 3, 2, 3], 1),  # alike: one group
+])
+def test_each_token_attends_to_its_own_sequence_only(window: int | None, lengths: list[int],
+                                                     new: list[int], joins: int) -> None:
     """Rows that decode, join with a prompt, and resume a prefix, in one step: every new
     token's attention equals a causal attention over its own sequence alone (in a sliding
-    window too), with grouped-query heads."""
+    window too), with grouped-query heads, whether the joining rows attend in one padded
+    group or two."""
     torch.manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
-    lengths, new = [5, 2, 6, 4, 3], [1, 1, 6, 2, 3]  # two decode, a prompt, a resumed, a prompt
     keys = [torch.randn(kv_heads, n, dim) for n in lengths]
     values = [torch.randn(kv_heads, n, dim) for n in lengths]
     queries = [torch.randn(heads, n, dim) for n in new]
@@ -104,7 +110,7 @@ def test_each_token_attends_to_its_own_sequence_only(window: int | None) -> None
     flat_v = torch.cat([v[:, : n] for v, n in zip(values[:2], earlier, strict=True)], dim=1)[None]
     cache.update(flat, flat_v, 0)
     cache.commit()
-    cache.begin(new, lengths)
+    assert len(cache.begin(new, lengths).joins) == joins
     cache.place(3, [(keys[3][:, :2], values[3][:, :2])], lengths[3])  # a parked prefix of 2
     cache.update(torch.cat([k[:, -n:] for k, n in zip(keys, new, strict=True)], dim=1)[None],
                  torch.cat([v[:, -n:] for v, n in zip(values, new, strict=True)], dim=1)[None], 0)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import engine_for, threads_held
 
-from orchestrator.engines.torch_engine import BATCHING, SlotCache, TorchEngine, _draw
+from orchestrator.engines.torch_engine import BATCHING, SlotCache, TorchEngine, sample
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
@@ -189,12 +189,21 @@ def test_draws_follow_the_distribution_and_never_take_an_impossible_token() -> N
                            [-float("inf"), 0.5, 0.5, -200.0],
                            [3.0, -float("inf"), -float("inf"), 3.0]])
     logp = torch.log_softmax(logits, -1)
-    generator = torch.Generator().manual_seed(0)
-    draws = torch.stack([_draw(logp, generator) for _ in range(20_000)])  # [draws, rows]
+    generator, ones = torch.Generator().manual_seed(0), torch.ones(len(logits))
+    drawn = [sample(logits, ones, generator) for _ in range(20_000)]
+    draws = torch.stack([tokens for tokens, _ in drawn])  # [draws, rows]
     for row in range(len(logp)):
         counts = torch.bincount(draws[:, row], minlength=4).double() / len(draws)
         torch.testing.assert_close(counts, logp[row].exp().double(), atol=0.015, rtol=0)
         assert not bool((counts[logp[row].exp() == 0] > 0).any())
+    # each draw's log-probability is its token's
+    tokens, chosen = drawn[0]
+    torch.testing.assert_close(chosen, logp.gather(-1, tokens[:, None]).squeeze(-1))
+    # at a temperature, of the tempered distribution; at 0, the most likely token
+    tokens, chosen = sample(logits, torch.tensor([0.5, 0.0, 2.0]), generator)
+    tempered = torch.log_softmax(logits / torch.tensor([[0.5], [1.0], [2.0]]), -1)
+    assert tokens[1] in (1, 2)
+    torch.testing.assert_close(chosen, tempered.gather(-1, tokens[:, None]).squeeze(-1))
 
 
 async def test_stop_token_ends_generation(tiny: Any) -> None:
