@@ -52,7 +52,7 @@ vLLM is the engine for throughput.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -335,7 +335,7 @@ class TorchEngine(InferenceEngine):
         """Whether ``request`` extends a parked sequence, or one that finished in the last
         step (parked at the start of the next)."""
         ids = request.prompt_ids
-        return any(_extends(ids, key) for key in self.prefixes.parked()) or any(
+        return bool(self.prefixes.extended(ids)) or any(
             r.finished and _extends(ids, tuple(r.prompt_ids + r.token_ids)[: r.fed])
             for r in batch.rows)
 
@@ -513,6 +513,9 @@ class PrefixCache:
         self.reused = 0  # tokens they did not prefill again
         self._entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = \
             OrderedDict()
+        # the parked keys by their first HEAD ids (a shorter key: by itself), so a request
+        # looks at its own episode's, not at every parked sequence
+        self._heads: defaultdict[tuple[int, ...], set[tuple[int, ...]]] = defaultdict(set)
 
     def __bool__(self) -> bool:
         return bool(self._entries)
@@ -525,37 +528,48 @@ class PrefixCache:
                 continue
             key = tuple((request.prompt_ids + request.token_ids)[: request.fed])
             if key in self._entries:
-                self.tokens -= len(key)
+                self._remove(key)
             self._entries[key] = kv
+            self._heads[key[:HEAD]].add(key)
             self.tokens += len(key)
         while self.tokens > self.max_tokens:
-            self.tokens -= len(self._entries.popitem(last=False)[0])
+            self._remove(next(iter(self._entries)))
 
     def take(self, request: _Request, version: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The keys and values (per layer ``[heads, tokens, head_dim]``) of the longest parked
         sequence ``request`` extends (they leave the store: the request's row holds them
         now), or None."""
         self._at(version)
-        ids = request.prompt_ids + request.token_ids
-        best: tuple[int, ...] | None = None
-        for key in self._entries:
-            if (best is None or len(key) > len(best)) and _extends(ids, key):
-                best = key
-        if best is None:
+        extended = self.extended(request.prompt_ids + request.token_ids)
+        if not extended:
             return None
-        self.tokens -= len(best)
+        best = max(extended, key=len)
         self.hits += 1
         self.reused += len(best)
-        return self._entries.pop(best)
+        return self._remove(best)
 
-    def parked(self) -> list[tuple[int, ...]]:
-        """The parked sequences' ids."""
-        return list(self._entries)
+    def extended(self, ids: Sequence[int]) -> list[tuple[int, ...]]:
+        """The parked sequences that ``ids`` continue past their end."""
+        candidates = (key for n in range(1, min(HEAD, len(ids)) + 1)
+                      for key in self._heads.get(tuple(ids[:n]), ()))
+        return [key for key in candidates if _extends(ids, key)]
+
+    def _remove(self, key: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.tokens -= len(key)
+        bucket = self._heads[key[:HEAD]]
+        bucket.discard(key)
+        if not bucket:
+            del self._heads[key[:HEAD]]
+        return self._entries.pop(key)
 
     def _at(self, version: int) -> None:
         if version != self.version:  # computed by other weights: of no use now
             self._entries.clear()
+            self._heads.clear()
             self.tokens, self.version = 0, version
+
+
+HEAD = 8  # ids a parked sequence is found by
 
 
 def _extends(ids: Sequence[int], key: tuple[int, ...]) -> bool:

@@ -16,7 +16,8 @@ import pytest
 import torch
 from helpers import engine_for, threads_held
 
-from orchestrator.engines.torch_engine import BATCHING, SlotCache, TorchEngine, sample
+from orchestrator.engines.torch_engine import (BATCHING, PrefixCache, SlotCache, TorchEngine,
+                                               _Request, sample)
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
@@ -747,6 +748,35 @@ async def test_a_weight_update_drops_the_cached_prefixes(make_policy: Any) -> No
         again = await engine.generate(follow, SamplingParams(max_tokens=3, temperature=1.0))
     assert engine.prefixes.hits == 0  # the parked prefix came from the old weights
     assert_teacher_forced(second.model, follow, again)
+
+
+def test_the_prefix_cache_gives_the_longest_parked_sequence_a_request_extends() -> None:
+    """Parked sequences shorter and longer than the ids they are found by, of two episodes:
+    a request takes the longest it extends, and an evicted or taken one is found no more."""
+    def parked(ids: list[int]) -> _Request:
+        request = _Request(ids, SamplingParams())
+        request.fed = len(ids)
+        return request
+
+    def kv(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.zeros(1, n, 2), torch.zeros(1, n, 2))]
+
+    episode, other = list(range(10, 30)), list(range(10, 18)) + list(range(50, 62))
+    store = PrefixCache(max_tokens=60)
+    keys = [episode[:3], episode[:12], episode[:16], other[:14], [7, 7]]
+    store.park([parked(k) for k in keys], [kv(len(k)) for k in keys], version=0)
+    assert store.tokens == 3 + 12 + 16 + 14 + 2
+    assert set(store.extended(episode[:16])) == {tuple(episode[:3]), tuple(episode[:12])}
+    taken = store.take(_Request(episode, SamplingParams()), version=0)
+    assert taken is not None and taken[0][0].shape[1] == 16
+    assert store.take(_Request(episode, SamplingParams()), version=0)[0][0].shape[1] == 12
+    # the other episode's first 8 ids are this one's: it extends its own and the shortest
+    assert set(store.extended(other[:15])) == {tuple(other[:14]), tuple(episode[:3])}
+    store.park([parked(list(range(100, 142)))], [kv(42)], version=0)  # 61 > 60: the oldest goes
+    assert store.tokens == 14 + 2 + 42 and store.extended(episode) == []
+    assert store.extended([7, 7, 1]) == [(7, 7)]
+    store.take(_Request([1, 2, 3], SamplingParams()), version=1)  # other weights: all go
+    assert not store and store.extended([7, 7, 1]) == []
 
 
 async def test_the_prefix_cache_can_be_turned_off_and_is_checked(tiny: Any) -> None:
