@@ -16,8 +16,14 @@ import pytest
 import torch
 from helpers import engine_for, threads_held
 
-from orchestrator.engines.torch_engine import (BATCHING, PrefixCache, SlotCache, TorchEngine,
-                                               _Request, sample)
+from orchestrator.engines.torch_engine import (
+    BATCHING,
+    PrefixCache,
+    SlotCache,
+    TorchEngine,
+    _Request,
+    sample,
+)
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
