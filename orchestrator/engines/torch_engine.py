@@ -492,6 +492,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor,
 # -- the prefix cache --------------------------------------------------------------------------
 
 
+HEAD = 8  # ids a parked sequence is found by
+
+
 class PrefixCache:
     """Finished sequences' keys and values, kept for the next turn of their episode.
 
@@ -567,9 +570,6 @@ class PrefixCache:
             self._entries.clear()
             self._heads.clear()
             self.tokens, self.version = 0, version
-
-
-HEAD = 8  # ids a parked sequence is found by
 
 
 def _extends(ids: Sequence[int], key: tuple[int, ...]) -> bool:
