@@ -1,45 +1,74 @@
-"""A micro-batch's groups packed one to a row: the shared prefix once, then every sample's
-own tokens after it, with an attention mask that keeps the samples apart.
+"""A micro-batch's groups packed into one row: each group's shared prefix once, then every
+sample's own tokens after it, each group attending within its own block of the row.
 
 The samples of one prompt share it. Run as a right-padded batch, every row computes the
 prompt again and pads to the longest sample; run in two passes (the prefixes, then the rows'
 own tokens on top of their keys and values), the prompt is computed once but the second pass
 still pads every row to the longest reply, which is most of it when replies are short (a
 group of 8 one-digit answers next to a reply cut at 16 tokens computes 128 positions for
-about 60 tokens). Packed, a group is one row ``[prefix | sample 1 | sample 2 | ...]``: each
-token sits at its own position id (its column in its sample), attends to the prefix and to
-the earlier tokens of its own sample only, so its keys, values and logits are those of its
-sample run alone, and nothing but the gap to the longest group is padding.
+about 60 tokens). Packed, a group is a block ``[prefix | sample 1 | sample 2 | ...]`` and the
+groups follow one another in a single row, with no padding at all: each token sits at its
+own position id (its column in its sample) and attends to the prefix and to the earlier
+tokens of its own sample only, so its keys, values and logits are those of its sample run
+alone.
 
-The price is attention: the mask is applied to a dense ``[row, row]`` product, so a group of
-long samples computes every pair between them and throws most away. :func:`packing_pays`
-compares the two layouts' FLOPs (the same count as ``bench.flops``: ``2 x weights`` per
-token, ``4 x heads x head size`` per attention pair and layer) and the trainer packs only
-when it computes less.
+Attention runs block by block (:func:`group_attention`, registered with ``transformers`` as
+``"group_blocks"``): each group's queries meet only its own keys, through the model's own
+attention (SDPA, eager) with the group's mask. The price is that the mask is applied to a
+dense ``[block, block]`` product, so a group of long samples computes every pair between
+them and throws most away. :func:`packing_pays` compares the two layouts' FLOPs (the same
+count as ``bench.flops``: ``2 x weights`` per token, ``4 x heads x head size`` per attention
+pair and layer) and the trainer packs only when it computes less.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+ATTENTION = "group_blocks"
+# What the model is given as its attention mask: a 4-D placeholder that transformers hands
+# through unchanged (the blocks carry the masks).
+PLACEHOLDER_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class GroupBlocks:
+    """The model's ``group_blocks`` argument: each group's ``[start, end)`` in the row, its
+    additive mask (``[1, 1, size, size]``) and the attention each block runs through."""
+
+    bounds: tuple[tuple[int, int], ...]
+    masks: tuple[torch.Tensor, ...]
+    inner: str
 
 
 @dataclass(frozen=True)
 class GroupPacking:
-    """Model inputs with one row per group, and where each trained target's logits are."""
+    """Model inputs with every group in one row, and where each trained target's logits are."""
 
-    input_ids: torch.Tensor  # [groups, length]
-    position_ids: torch.Tensor  # [groups, length]: a token's column in its own sample
-    attention: torch.Tensor  # [groups, 1, length, length] bool: query row attends to key column
-    keep: torch.Tensor  # [groups, length] bool: the positions whose logits a trained target needs
-    rows: torch.Tensor  # [trained targets]: each one's row among the kept logits (row-major order)
+    input_ids: torch.Tensor  # [1, length]
+    position_ids: torch.Tensor  # [1, length]: a token's column in its own sample
+    bounds: tuple[tuple[int, int], ...]  # each group's [start, end) in the row
+    attention: tuple[torch.Tensor, ...]  # each group's [size, size] bool: query attends to key
+    keep: torch.Tensor  # [1, length] bool: the positions whose logits a trained target needs
+    rows: torch.Tensor  # [trained targets]: each one's row among the kept logits (row order)
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mask as ``transformers`` adds it to attention scores (0 or the dtype's lowest)."""
+    def blocks(self, dtype: torch.dtype, device: torch.device | str, inner: str) -> GroupBlocks:
+        """The blocks as :func:`group_attention` reads them, masks additive in ``dtype`` (0
+        or the dtype's lowest, as ``transformers`` adds them to attention scores)."""
         lowest = torch.finfo(dtype).min
-        return torch.zeros(self.attention.shape, dtype=dtype).masked_fill_(~self.attention, lowest)
+        masks = tuple(torch.zeros((1, 1, *a.shape), dtype=dtype).masked_fill_(~a, lowest).to(device)
+                      for a in self.attention)
+        return GroupBlocks(self.bounds, masks, inner)
 
 
 def groups_of(group: Sequence[int], prefix: Sequence[int], lengths: Sequence[int]
@@ -61,38 +90,40 @@ def pack_by_group(inputs: torch.Tensor, lengths: Sequence[int], trained: torch.T
     tokens), ``trained`` ``[rows, width]`` bool (target ``t`` is token ``t + 1``), each row's
     group and its group's shared untrained prefix (0: none; the first row's is the group's)."""
     packed, shared, sizes = groups_of(group, prefix, lengths)
-    length = max(sizes)
-    source_row = torch.zeros((len(packed), length), dtype=torch.long)
-    source_col = torch.zeros((len(packed), length), dtype=torch.long)
-    sample = torch.full((len(packed), length), -2, dtype=torch.long)  # -1: prefix, -2: padding
+    length = sum(sizes)
+    source_row = torch.zeros(length, dtype=torch.long)
+    source_col = torch.zeros(length, dtype=torch.long)
     slot = torch.full(trained.shape, -1, dtype=torch.long)  # the packed position target (r, t) reads
-    for g, (p, rows) in enumerate(zip(shared, packed, strict=True)):
-        base = g * length
-        source_row[g, :p], source_col[g, :p], sample[g, :p] = rows[0], torch.arange(p), -1
+    bounds, attention = [], []
+    base = 0
+    for p, rows, size in zip(shared, packed, sizes, strict=True):
+        sample = torch.full((size,), -1, dtype=torch.long)  # -1: the prefix
+        source_row[base:base + p], source_col[base:base + p] = rows[0], torch.arange(p)
         at = p
         for r in rows:
             n = lengths[r] - p
-            source_row[g, at:at + n], sample[g, at:at + n] = r, r
-            source_col[g, at:at + n] = torch.arange(p, p + n)
+            source_row[base + at:base + at + n], sample[at:at + n] = r, r
+            source_col[base + at:base + at + n] = torch.arange(p, p + n)
             if p:
                 slot[r, p - 1] = base + p - 1  # the prefix's last token predicts every first own one
             slot[r, p:p + n] = torch.arange(base + at, base + at + n)
             at += n
+        query, key = sample[:, None], sample[None, :]
+        attention.append(torch.ones((size, size), dtype=torch.bool).tril_() & ((key == -1) | (key == query)))
+        bounds.append((base, base + size))
+        base += size
     wanted = slot[trained]
     if (wanted < 0).any():
         raise ValueError("a trained target lies inside its group's shared prefix")
-    keep = torch.zeros(len(packed) * length, dtype=torch.bool)
+    keep = torch.zeros(length, dtype=torch.bool)
     keep[wanted] = True
     kept_row = keep.cumsum(0) - 1
-    query, key = sample[:, :, None], sample[:, None, :]
-    causal = torch.ones((length, length), dtype=torch.bool).tril()
-    attention = causal & ((key == -1) | (key == query)) & (key != -2)
-    attention |= torch.eye(length, dtype=torch.bool)  # padding sees itself: no empty row
     return GroupPacking(
-        input_ids=inputs[source_row, source_col],
-        position_ids=source_col,
-        attention=attention[:, None],
-        keep=keep.view(len(packed), length),
+        input_ids=inputs[source_row, source_col][None],
+        position_ids=source_col[None],
+        bounds=tuple(bounds),
+        attention=tuple(attention),
+        keep=keep[None],
         rows=kept_row[wanted],
     )
 
@@ -101,13 +132,57 @@ def packing_pays(lengths: Sequence[int], group: Sequence[int], prefix: Sequence[
                  token_flops: float, pair_flops: float) -> bool:
     """Whether packing by group computes fewer FLOPs than two passes (the prefixes, then every
     row's own tokens padded to the longest), each layout counted with its padding (a masked
-    attention product is dense: every query meets every key of its pass): a token costs
-    ``token_flops``, an attention pair ``pair_flops``."""
+    attention product is dense: every query meets every key of its block or pass): a token
+    costs ``token_flops``, an attention pair ``pair_flops``."""
     packed, shared, sizes = groups_of(group, prefix, lengths)
-    longest = max(sizes)
-    packed_cost = len(packed) * longest * (token_flops + pair_flops * longest)
+    packed_cost = sum(size * (token_flops + pair_flops * size) for size in sizes)
     p = max(shared)
     own = max(lengths[r] - shared[g] for g, rows in enumerate(packed) for r in rows)
     prefix_cost = len(packed) * p * (token_flops + pair_flops * p)
     own_cost = len(lengths) * own * (token_flops + pair_flops * (p + own))
     return packed_cost < prefix_cost + own_cost
+
+
+@contextmanager
+def attending_by_group(model: torch.nn.Module) -> Iterator[str]:
+    """``model`` attends through :func:`group_attention` inside; yields its own attention."""
+    config = model.config
+    inner = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    try:
+        yield inner
+    finally:
+        config._attn_implementation = inner
+
+
+def group_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    group_blocks: GroupBlocks | None = None, **kwargs: Any
+                    ) -> tuple[torch.Tensor, None]:
+    """``transformers`` attention over a packed row (``query`` ``[1, heads, length, d]``):
+    each group's block of queries attends to its own keys under its own mask, through the
+    model's own attention. Returns ``[1, length, heads, d]``. Without ``group_blocks`` (the
+    model called as any model) it is ``transformers``' SDPA attention."""
+    if group_blocks is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    inner = _attention(module, group_blocks.inner)
+    outputs = []
+    for (start, end), mask in zip(group_blocks.bounds, group_blocks.masks, strict=True):
+        block = slice(start, end)
+        out, _ = inner(module, query[:, :, block], key[:, :, block], value[:, :, block], mask,
+                       **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+def _attention(module: torch.nn.Module, name: str) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """The attention function ``name`` names for ``module``: ``"eager"`` is the one its
+    architecture's modeling code defines (SDPA where it defines none)."""
+    if name != "eager":
+        return ALL_ATTENTION_FUNCTIONS[name]
+    modeling = sys.modules.get(type(module).__module__)
+    return getattr(modeling, "eager_attention_forward", sdpa_attention_forward)
+
+
+AttentionInterface.register(ATTENTION, group_attention)
+AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

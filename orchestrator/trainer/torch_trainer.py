@@ -18,9 +18,10 @@ no others), through ``transformers``' ``logits_to_keep``: prompt positions, obse
 padding go through the decoder layers only. A model whose forward takes no ``logits_to_keep``
 computes every position's logits and the trainer keeps the trained ones (same results).
 
-The samples of a group share their prompt, which ``share_prefix`` computes once: each group
-packed into one row (:mod:`~orchestrator.trainer.packing`) where that computes fewer FLOPs,
-else in two passes (the prompts, then every sample's own tokens on top of their cache).
+The samples of a group share their prompt, which ``share_prefix`` computes once: the groups
+packed into one row, a block each (:mod:`~orchestrator.trainer.packing`), where that computes
+fewer FLOPs, else in two passes (the prompts, then every sample's own tokens on top of their
+cache).
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ from orchestrator.faults import kill_point
 from orchestrator.models.policy import Policy, cache_argument, keeps_logits
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.trainer.lora import LoraConfig, adapter_update
-from orchestrator.trainer.packing import pack_by_group, packing_pays
+from orchestrator.trainer.packing import (
+    PLACEHOLDER_MASK,
+    attending_by_group,
+    pack_by_group,
+    packing_pays,
+)
 from orchestrator.trainer.snapshot import SHARDS, TrainerSnapshot, load_shards
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
@@ -221,6 +227,8 @@ class TorchTrainer(Trainer):
             self.model = self.lora.wrap(self.model)
         self.model = self._prepare(self.model)
         self._keeps_logits = keeps_logits(self.model)
+        # Groups pack into one row through transformers' attention interface.
+        self._packs = isinstance(getattr(self.model.config, "_attn_implementation", None), str)
         self._cache_argument = cache_argument(self.model)
         self._flops_cache: tuple[float, float] | None = None
         self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], lr=lr,
@@ -260,7 +268,8 @@ class TorchTrainer(Trainer):
                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each target's log-prob and the entropy of its distribution; ``rows``: the row of
         ``logits`` each target reads (default: one row per target, in order)."""
-        logp_all = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        scaled = logits.float() if self.temperature == 1 else logits.float() / self.temperature
+        logp_all = torch.log_softmax(scaled, dim=-1)
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         if rows is None:
@@ -290,27 +299,30 @@ class TorchTrainer(Trainer):
 
     def _shared_prefix_logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_logprobs` with each group's shared prefix run once, not once per sample:
-        packed one group to a row where that computes less (:mod:`~orchestrator.trainer.packing`),
-        else in two passes."""
+        the groups packed into one row, a block each, where that computes less
+        (:mod:`~orchestrator.trainer.packing`), else in two passes."""
         lengths = batch.attention.sum(1).tolist()
         group, prefix = batch.group.tolist(), batch.prefix.tolist()
         token_flops, pair_flops = self._flops
-        if packing_pays(lengths, group, prefix, token_flops, pair_flops):
+        if self._packs and packing_pays(lengths, group, prefix, token_flops, pair_flops):
             return self._packed_logprobs(batch, lengths, group, prefix)
         return self._two_pass_logprobs(batch)
 
     def _packed_logprobs(self, batch: PackedBatch, lengths: list[int], group: list[int],
                          prefix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each group in one row: its prefix, then its samples' own tokens, kept apart by the
-        attention mask (:func:`~orchestrator.trainer.packing.pack_by_group`)."""
+        """Every group in one row, each a block of its prefix then its samples' own tokens,
+        attending within its block and kept apart by its mask
+        (:func:`~orchestrator.trainer.packing.pack_by_group`)."""
         dev = self.device
         trained = batch.mask > 0
         packing = pack_by_group(batch.inputs, lengths, trained, group, prefix)
-        logits, _ = self._logits(
-            packing.keep.to(dev), input_ids=packing.input_ids.to(dev),
-            position_ids=packing.position_ids.to(dev), use_cache=False,
-            attention_mask=packing.additive_mask(self._dtype).to(dev),
-        )
+        with attending_by_group(self.model) as inner:
+            logits, _ = self._logits(
+                packing.keep.to(dev), input_ids=packing.input_ids.to(dev),
+                position_ids=packing.position_ids.to(dev), use_cache=False,
+                attention_mask=PLACEHOLDER_MASK.to(dev),
+                group_blocks=packing.blocks(self._dtype, dev, inner),
+            )
         logp, entropy = self._score(logits, batch.targets[trained].to(dev), packing.rows.to(dev))
         trained = trained.to(dev)
         return _placed(trained, logp), _placed(trained, entropy)

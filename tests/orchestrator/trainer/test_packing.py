@@ -1,5 +1,5 @@
-"""Groups packed one to a row (``orchestrator.trainer.packing``): where each token goes, what it
-may attend to, which logits the trained targets read, and when packing is chosen. That the
+"""Groups packed into one row, a block each (``orchestrator.trainer.packing``): where each token
+goes, what it may attend to, which logits the trained targets read, and when packing is chosen. That the
 packed log-probs and gradients equal the unshared ones is ``test_trained_logits``'."""
 
 from __future__ import annotations
@@ -18,22 +18,27 @@ EXAMPLE = (torch.tensor([[1, 2, 10, 11], [1, 2, 20, 0], [5, 30, 31, 0]]), [4, 3,
                          [True, True, False, False]]), [7, 7, 3], [2, 2, 1])
 
 
-def test_a_group_becomes_its_prefix_then_each_samples_own_tokens() -> None:
+def test_the_groups_follow_one_another_in_one_row_each_its_prefix_then_its_samples() -> None:
     packing = pack_by_group(*EXAMPLE)
-    assert packing.input_ids[0].tolist() == [1, 2, 10, 11, 20]
-    assert packing.input_ids[1, :3].tolist() == [5, 30, 31]  # then two of padding
-    assert packing.position_ids[0].tolist() == [0, 1, 2, 3, 2]  # each token at its own position
-    assert packing.position_ids[1, :3].tolist() == [0, 1, 2]
-    sees = packing.attention[0, 0]
+    assert packing.input_ids.tolist() == [[1, 2, 10, 11, 20, 5, 30, 31]]  # no padding
+    assert packing.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2]]  # each at its own position
+    assert packing.bounds == ((0, 5), (5, 8))
+    sees = packing.attention[0]
     assert sees[4].tolist() == [True, True, False, False, True]  # sample 2: prefix and itself
     assert sees[3].tolist() == [True, True, True, True, False]  # causal within sample 1
     assert sees[1].tolist() == [True, True, False, False, False]
-    padding = packing.attention[1, 0, 3]
-    assert padding.tolist() == [True, False, False, True, False]  # the prefix and itself only
+    assert packing.attention[1].tolist() == torch.ones((3, 3), dtype=torch.bool).tril().tolist()
     # Logits: group 7 at 1 (the prefix's last, for both samples' first own token), 2, 3 and
-    # 4; group 3 at 0 (its prefix, for token 30) and 1.
-    assert packing.keep.tolist() == [[False, True, True, True, True],
-                                     [True, True, False, False, False]]
+    # 4; group 3 at 5 (its prefix, for token 30) and 6.
+    assert packing.keep.tolist() == [[False, True, True, True, True, True, True, False]]
+
+
+def test_a_block_mask_is_additive_in_the_models_dtype() -> None:
+    blocks = pack_by_group(*EXAMPLE).blocks(torch.float32, "cpu", "sdpa")
+    assert blocks.bounds == ((0, 5), (5, 8)) and blocks.inner == "sdpa"
+    assert [m.shape for m in blocks.masks] == [(1, 1, 5, 5), (1, 1, 3, 3)]
+    lowest = torch.finfo(torch.float32).min
+    assert blocks.masks[0][0, 0, 4].tolist() == [0.0, 0.0, lowest, lowest, 0.0]
 
 
 def test_trained_targets_read_the_logits_of_their_own_tokens() -> None:
@@ -64,3 +69,7 @@ def test_packing_is_chosen_where_it_computes_less() -> None:
     assert not packing_pays(long, group, [500] * 32, TOKEN, PAIR)
     # Without attention's cost, fewer tokens always wins.
     assert packing_pays(long, group, [500] * 32, TOKEN, 0.0)
+    # Blocks pad nothing: one group of long replies beside three of short ones packs, where
+    # rows padded to the longest group (4 x 8,000 tokens) would not have.
+    mixed = long[:8] + short[8:]
+    assert packing_pays(mixed, group, [500] * 8 + [43] * 24, TOKEN, PAIR)

@@ -40,7 +40,7 @@ class FullLogits(torch.nn.Module):
 @pytest.fixture(params=["unshared", "two_passes", "packed"])
 def share(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Whether groups share their prefix, and how: in two passes (the prefixes, then each
-    row's own tokens) or packed one group to a row; each layout whatever its cost."""
+    row's own tokens) or packed into one row, a block per group; each layout whatever its cost."""
     if request.param != "unshared":
         monkeypatch.setattr(torch_trainer, "packing_pays", lambda *_: request.param == "packed")
     return request.param != "unshared"
@@ -154,13 +154,13 @@ def test_the_head_computes_the_trained_positions_alone(share: bool) -> None:
     assert sum(rows) < 0.5 * batch.attention.sum()
 
 
-def test_lora_trains_at_trained_positions_with_the_full_logits_gradients() -> None:
+def test_lora_trains_at_trained_positions_with_the_full_logits_gradients(share: bool) -> None:
     batch = batch_for(8192)
     lora = {"r": 4, "alpha": 8}
 
     def adapters(model: torch.nn.Module) -> list[torch.Tensor]:
         trainer = TorchTrainer(Policy(model, CharTokenizer(), torch.device("cpu")), GRPO(),
-                               lora=lora, temperature=TEMPERATURE)
+                               lora=lora, temperature=TEMPERATURE, share_prefix=share)
         assert keeps_logits(trainer.model) == isinstance(model, LlamaForCausalLM)  # through peft
         trainer.model.eval()
         for p in trainer.model.parameters():  # B = 0 at first: give the adapters a value
