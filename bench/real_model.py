@@ -449,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--generation-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    keep_freed_memory()  # glibc's allocator as python -m orchestrator sets it, for every part
     if args.generation_json is not None:  # the generation part, under .venv-vllm
         budget = Budget(**{k: tuple(v) if isinstance(v, list) else v
                            for k, v in json.loads(args.budget).items()})
