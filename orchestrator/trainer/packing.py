@@ -13,8 +13,8 @@ tokens of its own sample only, so its keys, values and logits are those of its s
 alone.
 
 Attention runs block by block (:func:`group_attention`, registered with ``transformers`` as
-``"group_blocks"``): each group's queries meet only its own keys, through the model's own
-attention (SDPA, eager) with the group's mask. The price is that the mask is applied to a
+``"group_blocks"``): each group's queries meet only its own keys, under the group's mask,
+through the model's eager attention if it runs eager, else SDPA. The price is that the mask is applied to a
 dense ``[block, block]`` product, so a group of long samples computes every pair between
 them and throws most away. :func:`packing_pays` compares the two layouts' FLOPs (the same
 count as ``bench.flops``: ``2 x weights`` per token, ``4 x heads x head size`` per attention
@@ -33,7 +33,6 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 ATTENTION = "group_blocks"
 # What the model is given as its attention mask: a 4-D placeholder that transformers hands
@@ -161,8 +160,8 @@ def group_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     ) -> tuple[torch.Tensor, None]:
     """``transformers`` attention over a packed row (``query`` ``[1, heads, length, d]``):
     each group's block of queries attends to its own keys under its own mask, through the
-    model's own attention. Returns ``[1, length, heads, d]``. Without ``group_blocks`` (the
-    model called as any model) it is ``transformers``' SDPA attention."""
+    model's eager attention if it runs eager, else SDPA. Returns ``[1, length, heads, d]``.
+    Without ``group_blocks`` (the model called as any model) it is ``transformers``' SDPA."""
     if group_blocks is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     inner = _attention(module, group_blocks.inner)
@@ -176,11 +175,10 @@ def group_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 
 def _attention(module: torch.nn.Module, name: str) -> Callable[..., tuple[torch.Tensor, Any]]:
-    """The attention function ``name`` names for ``module``: ``"eager"`` is the one its
-    architecture's modeling code defines (SDPA where it defines none)."""
-    if name != "eager":
-        return ALL_ATTENTION_FUNCTIONS[name]
-    modeling = sys.modules.get(type(module).__module__)
+    """What a block runs through for a model whose attention is ``name``: its architecture's
+    own eager attention for ``"eager"``, else ``transformers``' SDPA, which takes any mask
+    (flash kernels take none but a causal one)."""
+    modeling = sys.modules.get(type(module).__module__) if name == "eager" else None
     return getattr(modeling, "eager_attention_forward", sdpa_attention_forward)
 
 
