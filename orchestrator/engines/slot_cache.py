@@ -41,6 +41,7 @@ class _Join:
         self.first, self.last = first, first + len(new)
         self.width, self.queries, self.tokens = max(lengths), max(new), sum(new)
         self.valid = torch.arange(self.queries) >= self.queries - torch.tensor(new)[:, None]
+        self.at = self.valid.nonzero(as_tuple=True)  # (row, query) of each token, once a step
 
 
 def _cut(new: Sequence[int], lengths: Sequence[int]) -> int:
@@ -254,12 +255,11 @@ class SlotCache(DynamicCache):
         order = [i for i in keep if i < len(keep)]
         holes = sorted(set(range(len(keep))) - set(order))
         movers = [i for i in keep if i >= len(keep)]
-        if movers:
-            device = self.buffers[0][0].device
-            dst, src = torch.tensor(holes, device=device), torch.tensor(movers, device=device)
-            for keys, values in self.buffers:
-                keys[dst, :, self.start : self.end] = keys[src, :, self.start : self.end]
-                values[dst, :, self.start : self.end] = values[src, :, self.start : self.end]
+        window = slice(self.start, self.end)
+        for keys, values in self.buffers:  # a copy per row: an index would gather, then scatter
+            for hole, mover in zip(holes, movers, strict=True):
+                keys[hole, :, window] = keys[mover, :, window]
+                values[hole, :, window] = values[mover, :, window]
         new = list(range(len(keep)))
         for hole, mover in zip(holes, movers, strict=True):
             new[hole] = mover
@@ -311,12 +311,12 @@ def step_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         tokens = join.tokens
         window = slice(end + 1 - join.width, end + 1)
         padded = q.new_zeros((join.last - join.first, join.queries, *q.shape[1:]))
-        padded[join.valid] = q[flat : flat + tokens]
+        padded[join.at] = q[flat : flat + tokens]
         rows = slice(join.first, join.last)
         joined = F.scaled_dot_product_attention(
             padded.transpose(1, 2), keys[rows, :, window], values[rows, :, window],
             attn_mask=mask, scale=scaling, enable_gqa=True)
-        out[flat : flat + tokens] = joined.transpose(1, 2)[join.valid]
+        out[flat : flat + tokens] = joined.transpose(1, 2)[join.at]
         flat += tokens
     return out[None], None
 

@@ -1,5 +1,5 @@
 """A micro-batch's groups packed into one row: each group's shared prefix once, then every
-sample's own tokens after it, each group attending within its own block of the row.
+sample's own tokens after it, each group's tokens attending only to one another.
 
 The samples of one prompt share it. Run as a right-padded batch, every row computes the
 prompt again and pads to the longest sample; run in two passes (the prefixes, then the rows'
@@ -12,13 +12,15 @@ own position id (its column in its sample) and attends to the prefix and to the 
 tokens of its own sample only, so its keys, values and logits are those of its sample run
 alone.
 
-Attention runs block by block (:func:`group_attention`, registered with ``transformers`` as
-``"group_blocks"``): each group's queries meet only its own keys, under the group's mask,
-through the model's eager attention if it runs eager, else SDPA. The price is that the mask is applied to a
-dense ``[block, block]`` product, so a group of long samples computes every pair between
-them and throws most away. :func:`packing_pays` compares the two layouts' FLOPs (the same
-count as ``bench.flops``: ``2 x weights`` per token, ``4 x heads x head size`` per attention
-pair and layer) and the trainer packs only when it computes less.
+Attention (:func:`group_attention`, registered with ``transformers`` as ``"group_blocks"``)
+stacks the groups one to a row, padded to the longest, for one call of the model's eager
+attention if it runs eager, else SDPA, under each group's mask: a token meets only its own
+group's keys. So the decoder's linear layers, norms and activations (most of a step) compute
+no padding, and attention, a small part, computes what one row per group would. Its price is
+that the mask is applied to a dense ``[group, group]`` product, so a group of long samples
+computes every pair between them and throws most away. :func:`packing_pays` compares the
+two layouts' FLOPs (the same count as ``bench.flops``: ``2 x weights`` per token, ``4 x heads
+x head size`` per attention pair and layer) and the trainer packs only when it computes less.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ PLACEHOLDER_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
 @dataclass(frozen=True)
 class GroupBlocks:
-    """The model's ``group_blocks`` argument: each group's ``[start, end)`` in the row, its
-    additive mask (``[1, 1, size, size]``) and the attention each block runs through."""
+    """The model's ``group_blocks`` argument: where each token of the row sits when the
+    groups are stacked, one to a row padded to the longest (``group`` and ``column``,
+    ``[length]`` each), and their additive mask (``[groups, 1, longest, longest]``; a padded
+    query sees itself alone)."""
 
-    bounds: tuple[tuple[int, int], ...]
-    masks: tuple[torch.Tensor, ...]
+    group: torch.Tensor
+    column: torch.Tensor
+    mask: torch.Tensor
     inner: str
 
 
@@ -62,12 +67,18 @@ class GroupPacking:
     rows: torch.Tensor  # [trained targets]: each one's row among the kept logits (row order)
 
     def blocks(self, dtype: torch.dtype, device: torch.device | str, inner: str) -> GroupBlocks:
-        """The blocks as :func:`group_attention` reads them, masks additive in ``dtype`` (0
-        or the dtype's lowest, as ``transformers`` adds them to attention scores)."""
-        lowest = torch.finfo(dtype).min
-        masks = tuple(torch.zeros((1, 1, *a.shape), dtype=dtype).masked_fill_(~a, lowest).to(device)
-                      for a in self.attention)
-        return GroupBlocks(self.bounds, masks, inner)
+        """The groups as :func:`group_attention` reads them, the mask additive in ``dtype``
+        (0 or the dtype's lowest, as ``transformers`` adds masks to attention scores)."""
+        longest = max(end - start for start, end in self.bounds)
+        sees = torch.eye(longest, dtype=torch.bool).repeat(len(self.bounds), 1, 1)
+        group, column = [], []
+        for g, ((start, end), attention) in enumerate(zip(self.bounds, self.attention, strict=True)):
+            sees[g, : end - start, : end - start] = attention
+            group.append(torch.full((end - start,), g))
+            column.append(torch.arange(end - start))
+        mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)
+        return GroupBlocks(torch.cat(group).to(device), torch.cat(column).to(device),
+                           mask[:, None].to(device), inner)
 
 
 def groups_of(group: Sequence[int], prefix: Sequence[int], lengths: Sequence[int]
@@ -131,10 +142,11 @@ def packing_pays(lengths: Sequence[int], group: Sequence[int], prefix: Sequence[
                  token_flops: float, pair_flops: float) -> bool:
     """Whether packing by group computes fewer FLOPs than two passes (the prefixes, then every
     row's own tokens padded to the longest), each layout counted with its padding (a masked
-    attention product is dense: every query meets every key of its block or pass): a token
-    costs ``token_flops``, an attention pair ``pair_flops``."""
+    attention product is dense: every query meets every key of its padded group or pass): a
+    token costs ``token_flops``, an attention pair ``pair_flops``."""
     packed, shared, sizes = groups_of(group, prefix, lengths)
-    packed_cost = sum(size * (token_flops + pair_flops * size) for size in sizes)
+    longest = max(sizes)  # attention runs with the groups stacked, padded to the longest
+    packed_cost = sum(sizes) * token_flops + len(sizes) * longest * longest * pair_flops
     p = max(shared)
     own = max(lengths[r] - shared[g] for g, rows in enumerate(packed) for r in rows)
     prefix_cost = len(packed) * p * (token_flops + pair_flops * p)
@@ -159,19 +171,22 @@ def group_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     group_blocks: GroupBlocks | None = None, **kwargs: Any
                     ) -> tuple[torch.Tensor, None]:
     """``transformers`` attention over a packed row (``query`` ``[1, heads, length, d]``):
-    each group's block of queries attends to its own keys under its own mask, through the
-    model's eager attention if it runs eager, else SDPA. Returns ``[1, length, heads, d]``.
+    the groups stacked one to a row (padded to the longest), so each token meets only its own
+    group's keys, under its group's mask, in one call of the model's eager attention if it
+    runs eager, else SDPA; then back in row order. Returns ``[1, length, heads, d]``.
     Without ``group_blocks`` (the model called as any model) it is ``transformers``' SDPA."""
     if group_blocks is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    inner = _attention(module, group_blocks.inner)
-    outputs = []
-    for (start, end), mask in zip(group_blocks.bounds, group_blocks.masks, strict=True):
-        block = slice(start, end)
-        out, _ = inner(module, query[:, :, block], key[:, :, block], value[:, :, block], mask,
-                       **kwargs)
-        outputs.append(out)
-    return torch.cat(outputs, dim=1), None
+    at = (group_blocks.group, group_blocks.column)
+    groups, longest = group_blocks.mask.shape[0], group_blocks.mask.shape[-1]
+
+    def stacked(t: torch.Tensor) -> torch.Tensor:  # [1, heads, length, d] -> [groups, heads, longest, d]
+        rows = t.new_zeros((groups, longest, t.shape[1], t.shape[3]))
+        return rows.index_put(at, t[0].transpose(0, 1)).transpose(1, 2)
+
+    out, _ = _attention(module, group_blocks.inner)(
+        module, stacked(query), stacked(key), stacked(value), group_blocks.mask, **kwargs)
+    return out[at][None], None  # out: [groups, longest, heads, d]
 
 
 def _attention(module: torch.nn.Module, name: str) -> Callable[..., tuple[torch.Tensor, Any]]:

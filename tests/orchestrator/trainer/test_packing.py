@@ -33,12 +33,15 @@ def test_the_groups_follow_one_another_in_one_row_each_its_prefix_then_its_sampl
     assert packing.keep.tolist() == [[False, True, True, True, True, True, True, False]]
 
 
-def test_a_block_mask_is_additive_in_the_models_dtype() -> None:
+def test_the_groups_attend_stacked_one_to_a_row_under_an_additive_mask() -> None:
     blocks = pack_by_group(*EXAMPLE).blocks(torch.float32, "cpu", "sdpa")
-    assert blocks.bounds == ((0, 5), (5, 8)) and blocks.inner == "sdpa"
-    assert [m.shape for m in blocks.masks] == [(1, 1, 5, 5), (1, 1, 3, 3)]
+    assert blocks.group.tolist() == [0, 0, 0, 0, 0, 1, 1, 1] and blocks.inner == "sdpa"
+    assert blocks.column.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert blocks.mask.shape == (2, 1, 5, 5)
     lowest = torch.finfo(torch.float32).min
-    assert blocks.masks[0][0, 0, 4].tolist() == [0.0, 0.0, lowest, lowest, 0.0]
+    assert blocks.mask[0, 0, 4].tolist() == [0.0, 0.0, lowest, lowest, 0.0]
+    assert blocks.mask[1, 0, 2].tolist() == [0.0, 0.0, 0.0, lowest, lowest]
+    assert blocks.mask[1, 0, 3].tolist() == [lowest, lowest, lowest, 0.0, lowest]  # padding: itself
 
 
 def test_trained_targets_read_the_logits_of_their_own_tokens() -> None:
@@ -69,7 +72,3 @@ def test_packing_is_chosen_where_it_computes_less() -> None:
     assert not packing_pays(long, group, [500] * 32, TOKEN, PAIR)
     # Without attention's cost, fewer tokens always wins.
     assert packing_pays(long, group, [500] * 32, TOKEN, 0.0)
-    # Blocks pad nothing: one group of long replies beside three of short ones packs, where
-    # rows padded to the longest group (4 x 8,000 tokens) would not have.
-    mixed = long[:8] + short[8:]
-    assert packing_pays(mixed, group, [500] * 8 + [43] * 24, TOKEN, PAIR)
