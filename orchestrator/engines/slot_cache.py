@@ -336,7 +336,6 @@ def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
 
 
 AttentionInterface.register(ATTENTION, step_attention)
-# Outside a step the model builds the masks SDPA takes; a step passes STEP_MASK, a 4-D
-# placeholder that transformers hands through unchanged (its attention reads the layout).
+# Outside a step the model builds the masks SDPA takes; a step passes
+# orchestrator.models.policy.PASSTHROUGH_MASK (its attention reads the layout).
 AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-STEP_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)

@@ -62,10 +62,15 @@ import torch
 from anyio.abc import TaskGroup
 
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.engines.slot_cache import ATTENTION, STEP_MASK, SlotCache
+from orchestrator.engines.slot_cache import ATTENTION, SlotCache
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.gate import Gate
-from orchestrator.models.policy import build_policy, cache_argument, forward_parameters
+from orchestrator.models.policy import (
+    PASSTHROUGH_MASK,
+    build_policy,
+    cache_argument,
+    forward_parameters,
+)
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
@@ -438,7 +443,7 @@ class TorchEngine(InferenceEngine):
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
-            attention_mask=STEP_MASK.to(self.device), use_cache=True, slot_cache=cache,
+            attention_mask=PASSTHROUGH_MASK.to(self.device), use_cache=True, slot_cache=cache,
             **{self._cache_argument: cache},
             logits_to_keep=layout.last.to(self.device) if self._keeps_logits else 0)
         cache.commit()

@@ -41,6 +41,12 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return base() if callable(base) else model
 
 
+# An attention mask that transformers hands to a registered attention unchanged (a 4-D mask
+# is taken as prepared): for attentions that read their own layout (the torch engine's step,
+# the trainer's packed groups) instead of a mask.
+PASSTHROUGH_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+
+
 def forward_parameters(model: torch.nn.Module) -> Mapping[str, inspect.Parameter]:
     """The parameters of ``model``'s forward (a ``peft`` model's: of the model it wraps)."""
     return inspect.signature(_unwrapped(model).forward).parameters

@@ -36,10 +36,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-ATTENTION = "group_blocks"
-# What the model is given as its attention mask: a 4-D placeholder that transformers hands
-# through unchanged (the blocks carry the masks).
-PLACEHOLDER_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+ATTENTION = "group_blocks"  # the model is given PASSTHROUGH_MASK: the blocks carry the masks
 
 
 @dataclass(frozen=True)

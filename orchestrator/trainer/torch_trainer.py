@@ -40,15 +40,10 @@ import torch
 from orchestrator.algo.base import Algorithm, LossInputs
 from orchestrator.errors import ConfigError
 from orchestrator.faults import kill_point
-from orchestrator.models.policy import Policy, cache_argument, keeps_logits
+from orchestrator.models.policy import PASSTHROUGH_MASK, Policy, cache_argument, keeps_logits
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.trainer.lora import LoraConfig, adapter_update
-from orchestrator.trainer.packing import (
-    PLACEHOLDER_MASK,
-    attending_by_group,
-    pack_by_group,
-    packing_pays,
-)
+from orchestrator.trainer.packing import attending_by_group, pack_by_group, packing_pays
 from orchestrator.trainer.snapshot import SHARDS, TrainerSnapshot, load_shards
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
@@ -320,7 +315,7 @@ class TorchTrainer(Trainer):
             logits, _ = self._logits(
                 packing.keep.to(dev), input_ids=packing.input_ids.to(dev),
                 position_ids=packing.position_ids.to(dev), use_cache=False,
-                attention_mask=PLACEHOLDER_MASK.to(dev),
+                attention_mask=PASSTHROUGH_MASK.to(dev),
                 group_blocks=packing.blocks(self._dtype, dev, inner),
             )
         logp, entropy = self._score(logits, batch.targets[trained].to(dev), packing.rows.to(dev))
