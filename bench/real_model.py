@@ -298,11 +298,17 @@ class StepClock:
         self.first = None
 
 
-def training(budget: Budget, threads: int) -> dict[str, float]:
+def training(budget: Budget, threads: int, microbenchmark: bool = True, device: str = "cpu",
+             after: Callable[[TorchTrainer, list[list[Group]]], dict[str, float]] | None = None,
+             ) -> dict[str, float]:
+    """The training part's figures; ``microbenchmark``: time the CPU matmul microbenchmark
+    too (``fraction``; ``bench.gpu`` compares a GPU's rate with its own peak instead);
+    ``after(trainer, batches)``: more figures, measured once the timed steps are done."""
     from orchestrator.main import training_parts
 
     keep_freed_memory()  # as python -m orchestrator does (the steps run in this thread)
-    cfg = experiment("torch_threads=null", *budget.shrink, base=base_args(EXPERIMENT))
+    base = [a for a in base_args(EXPERIMENT) if not a.startswith("model.device=")]
+    cfg = experiment("torch_threads=null", *budget.shrink, base=[*base, f"model.device={device}"])
     parts = training_parts(cfg)
     trainer = cast(TorchTrainer, parts.trainer)  # launcher=local builds the one the config names
     rollout = parts.rollout
@@ -354,7 +360,8 @@ def training(budget: Budget, threads: int) -> dict[str, float]:
     flops = 3 * shapes.forward_flops(tokens, pairs, head)
     rows = round(tokens / len(steps))
     timing = {"min_time": 0.02, "repeats": 3, "calls": 1}
-    matmul = 6 * shapes.weights * rows / shapes.linear_time(rows, backward=True, **timing)
+    matmul = (6 * shapes.weights * rows / shapes.linear_time(rows, backward=True, **timing)
+              if microbenchmark else math.nan)
     return {"threads": threads, "steps": len(steps), "samples_per_step": size * rollout.group_size,
             "batch_tokens_per_s": batch_tokens / fb, "step_batch_tokens_per_s": batch_tokens / wall,
             "computed_tokens_per_step": tokens / len(steps),
@@ -362,7 +369,7 @@ def training(budget: Budget, threads: int) -> dict[str, float]:
             "forward_backward_s": fb / len(steps), "step_s": wall / len(steps),
             "gflops": flops / fb / 1e9, "step_gflops": flops / wall / 1e9,
             "matmul_gflops": matmul / 1e9, "matmul_weights": float(shapes.weights),
-            "fraction": flops / fb / matmul}
+            "fraction": flops / fb / matmul, **(after(trainer, batches) if after else {})}
 
 
 def print_training(t: Mapping[str, float]) -> None:

@@ -183,9 +183,11 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         async def accuracy() -> float:  # on the run's engine, with the trainer's weights
             await sync_weights(runner.engine, await trainer.weights())
             checks.append(await evaluate(unrecorded, check_tasks))
+            await runner.engine.sleep()  # colocated: the GPU back to the warm start's steps
             log.info("warm start: greedy accuracy %.3f on %d train tasks", checks[-1], len(check_tasks))
             return checks[-1]
 
+        await runner.engine.sleep()  # colocated: the GPU is the warm start's between checks
         with recorder.span("warm_start", "trainer", trainer.version) as attrs:
             losses = await warm_start(trainer, tokenizer, spec.tasks("train"), warm, seed=seed,
                                       accuracy=accuracy, demonstrate=spec.demonstration)

@@ -38,6 +38,10 @@ samples that may be started and not yet trained (:class:`~orchestrator.staleness
   across many versions without filling the engines with fresh ones. It needs ``k >= 1`` (a
   carried sample is at least one version old when trained).
 
+With ``launcher.colocate=true`` (the trainer and the engine on one GPU) the engine sleeps
+through each train step (:meth:`~orchestrator.engines.base.InferenceEngine.sleep`: its requests
+wait) and the weight sync wakes it; every engine but a colocated vLLM ignores it.
+
 The trainer loop ends the run after ``num_steps`` steps: it waits for the last weight sync,
 then cancels the workers. A crash anywhere cancels everything and surfaces.
 """
@@ -330,6 +334,7 @@ class Pipeline:
                 groups = [g.group for g in batch]  # the trainer gets no timings
                 for group in groups:
                     self.sampler.settle(group.prompt_id)
+                await self.engine.sleep()  # colocated: the GPU is the trainer's until the sync
                 with self.recorder.span("train_step", "trainer", version, step=step) as attrs:
                     metrics = await self.trainer.step(groups)
                     attrs["samples"] = sum(len(g) for g in groups)

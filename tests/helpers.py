@@ -3,6 +3,7 @@ prompt) and a composed config for a seconds-long run of any experiment."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from orchestrator.models.policy import Policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Span, read_spans, spans_path
 from orchestrator.trainer.torch_trainer import shared_prefix
+from orchestrator.types import FinishReason, Group, Trajectory
 from orchestrator.weights import WeightUpdate
 
 TOK = CharTokenizer()
@@ -167,3 +169,23 @@ def ray_cluster(head: dict[str, float], worker: dict[str, float], workers: int =
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+
+
+def make_groups(seed: int = 0, count: int = 5, size: int = 4) -> list[Group]:
+    """Groups of varied lengths sharing a prompt each, mixed rewards, behaviour log-probs."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(count):
+        prompt = [1] + [rng.randrange(4, 30) for _ in range(rng.randrange(3, 9))]
+        trajectories = []
+        for i in range(size):
+            completion = [rng.randrange(4, 30) for _ in range(rng.randrange(1, 7))]
+            ids = tuple(prompt + completion)
+            trajectories.append(Trajectory(
+                prompt_id=g, sample_index=i, token_ids=ids,
+                loss_mask=tuple([False] * len(prompt) + [True] * len(completion)),
+                logprobs=tuple(-3.0 - rng.random() for _ in ids), versions=(0,) * len(ids),
+                reward=float(rng.random() < 0.5), start_version=0,
+                finish_reason=FinishReason.STOP))
+        groups.append(Group(g, tuple(trajectories), 0))
+    return groups

@@ -28,7 +28,9 @@ class LossInputs:
 @dataclass(frozen=True)
 class LossOutput:
     loss: torch.Tensor
-    metrics: dict[str, float]
+    # per trained token, averaged over the micro-batch: numbers or 0-d tensors (detached),
+    # which the trainer sums on the device and reads once a step
+    metrics: dict[str, float | torch.Tensor]
 
 
 class Algorithm(ABC):

@@ -54,11 +54,11 @@ def decoupled_ppo_loss(
         # k3 estimator of KL(behaviour || proximal) from behaviour samples, w = prox / behav.
         kl = (raw_weight - 1.0 - log_w) * mask
         metrics = {
-            "clip_fraction": float(((clipped > unclipped) * mask).sum() / n),
-            "importance_weight": float((raw_weight * mask).sum() / n),
-            "truncated_fraction": float(((raw_weight > importance_cap) * mask).sum() / n),
-            "kl_to_behaviour": float(kl.sum() / n),
-            "ratio": float((ratio * mask).sum() / n),
+            "clip_fraction": ((clipped > unclipped) * mask).sum() / n,
+            "importance_weight": (raw_weight * mask).sum() / n,
+            "truncated_fraction": ((raw_weight > importance_cap) * mask).sum() / n,
+            "kl_to_behaviour": kl.sum() / n,
+            "ratio": (ratio * mask).sum() / n,
         }
     return LossOutput(loss=loss, metrics=metrics)
 

@@ -50,6 +50,11 @@ class InferenceEngine(ABC):
     @abstractmethod
     async def resume(self) -> None: ...
 
+    async def sleep(self) -> None:
+        """Give the device's memory to a train step (``launcher.colocate``): requests in flight
+        wait, as under :meth:`pause`, and the next weight sync (its :meth:`resume`) brings the
+        engine back. Default: nothing (an engine beside its trainer, or on its own device)."""
+
     @property
     def context_length(self) -> int | None:
         """The most positions a sequence may have (prompt + generated); None: not known here."""

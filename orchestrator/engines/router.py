@@ -300,6 +300,9 @@ class EngineRouter(InferenceEngine):
             with anyio.CancelScope(shield=True):
                 await self.keeper.release()
 
+    async def sleep(self) -> None:
+        await self._each(lambda e: e.sleep())
+
     async def _each(self, call: Callable[[InferenceEngine], Awaitable[None]]) -> None:
         """``call`` on every replica that is up, at once; one lost meanwhile is left to the
         keeper, which brings it back on the latest weights."""

@@ -37,11 +37,14 @@ class _Join:
     call with their queries right-aligned and padded to the most of them (``queries``),
     over the last ``width`` columns."""
 
-    def __init__(self, first: int, new: Sequence[int], lengths: Sequence[int]) -> None:
+    def __init__(self, first: int, new: Sequence[int], lengths: Sequence[int],
+                 device: torch.device) -> None:
         self.first, self.last = first, first + len(new)
         self.width, self.queries, self.tokens = max(lengths), max(new), sum(new)
-        self.valid = torch.arange(self.queries) >= self.queries - torch.tensor(new)[:, None]
-        self.at = self.valid.nonzero(as_tuple=True)  # (row, query) of each token, once a step
+        valid = torch.arange(self.queries) >= self.queries - torch.tensor(new)[:, None]
+        # (row, query) of each token: found on the host (nonzero on a GPU waits for it)
+        self.at = tuple(i.to(device, non_blocking=True) for i in valid.nonzero(as_tuple=True))
+        self.valid = valid.to(device, non_blocking=True)
 
 
 def _cut(new: Sequence[int], lengths: Sequence[int]) -> int:
@@ -70,26 +73,42 @@ class StepLayout:
     tokens: two when cutting them where the new tokens jump (resumed turns, then prompts,
     as the engine orders them) saves a quarter of the padded work."""
 
-    def __init__(self, end: int, new: Sequence[int], lengths: Sequence[int]) -> None:
+    def __init__(self, end: int, new: Sequence[int], lengths: Sequence[int],
+                 device: torch.device | str = "cpu") -> None:
         self.end, self.rows = end, len(new)
+        self.device = device = torch.device(device)
         split = 0
         while split < len(new) and new[split] == 1:
             split += 1
         self.split = split
         self.tokens = sum(new)
-        self.last = torch.tensor(new).cumsum(0) - 1  # each row's last token, flat
-        self._lengths = torch.tensor(lengths)
+        # Every tensor of the step lives on the model's device: built from these lists on the
+        # host and copied once, so the step itself never waits on a host-built mask.
+        self.last = _on(torch.tensor(new).cumsum(0) - 1, device)  # each row's last token, flat
+        self._lengths = _on(torch.tensor(lengths), device)
         self._masks: dict[int | None, tuple[torch.Tensor | None, list[torch.Tensor]]] = {}
         self.decode_width = max(lengths[:split], default=0)
         self.joins: list[_Join] = []
         if split < len(new):
             cut = _cut(new[split:], lengths[split:])
-            self.joins = [_Join(split + a, new[split + a : split + b], lengths[split + a : split + b])
+            self.joins = [_Join(split + a, new[split + a : split + b], lengths[split + a : split + b],
+                                device)
                           for a, b in ((0, cut), (cut, len(new) - split)) if a < b]
             counts = torch.tensor(new[split:])
-            self.join_rows = torch.arange(split, len(new)).repeat_interleave(counts)
             within = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts).repeat_interleave(counts)
-            self.join_columns = end + 1 - counts.repeat_interleave(counts) + within
+            self.join_rows = _on(torch.arange(split, len(new)).repeat_interleave(counts), device)
+            self.join_columns = _on(end + 1 - counts.repeat_interleave(counts) + within, device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the step reads (its indices and, once built, its masks)."""
+        out = [self.last, self._lengths]
+        if self.joins:
+            out += [self.join_rows, self.join_columns]
+        for join in self.joins:
+            out += [join.valid, *join.at]
+        for decode, joins in self._masks.values():
+            out += ([decode] if decode is not None else []) + joins
+        return out
 
     def masks(self, window: int | None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Boolean masks (True: attend) of the decoding rows ``[split, 1, 1, decode_width]``
@@ -109,8 +128,9 @@ class StepLayout:
               window: int | None) -> torch.Tensor | None:
         if first == last:
             return None
-        key = (self.end + 1 - width + torch.arange(width))[None, None, :]
-        query = (self.end + 1 - queries + torch.arange(queries))[None, :, None]
+        arange = torch.arange(max(width, queries), device=self.device)
+        key = (self.end + 1 - width + arange[:width])[None, None, :]
+        query = (self.end + 1 - queries + arange[:queries])[None, :, None]
         start = (self.end + 1 - self._lengths[first:last])[:, None, None]
         mask = (key >= start) & (key <= query)
         if window is not None:
@@ -130,9 +150,10 @@ class SlotCache(DynamicCache):
     window back does not make room); a drained batch's buffers serve the next one.
     """
 
-    def __init__(self, max_rows: int) -> None:
+    def __init__(self, max_rows: int, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.max_rows = max_rows
+        self.device = torch.device(device)  # the model's: buffers and step layouts live there
         self.rows = self.start = self.end = 0
         self.slots = self.capacity = 0  # the buffers' size (their next size before the first)
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -150,7 +171,7 @@ class SlotCache(DynamicCache):
         self.reserve(len(new), max(lengths) - 1, 1)
         self.rows = len(new)
         self.start = min(self.start, self.end + 1 - max(lengths))
-        self.layout = StepLayout(self.end, new, lengths)
+        self.layout = StepLayout(self.end, new, lengths, self.device)
         return self.layout
 
     def place(self, row: int, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
@@ -191,7 +212,7 @@ class SlotCache(DynamicCache):
         if not sources:
             return
         self.reserve(self.rows + len(sources), width, 0)
-        index = torch.tensor(sources, device=self.buffers[0][0].device)
+        index = _on(torch.tensor(sources), self.device)
         rows = slice(self.rows, self.rows + len(sources))
         for keys, values in self.buffers:
             keys[rows, :, self.end - width : self.end] = keys[index, :, self.end - width : self.end]
@@ -242,7 +263,7 @@ class SlotCache(DynamicCache):
         if not rows:
             return []
         width = max(widths)
-        index = torch.tensor(rows, device=self.buffers[0][0].device)
+        index = _on(torch.tensor(rows), self.device)
         window = slice(self.end - width, self.end)
         gathered = [(k[:, :, window].index_select(0, index), v[:, :, window].index_select(0, index))
                     for k, v in self.buffers]
@@ -277,6 +298,11 @@ class SlotCache(DynamicCache):
 
     def clear(self) -> None:
         self.rows, self.start = 0, self.end
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (built on the host) on ``device``: as is on the CPU, else one asynchronous copy."""
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 def step_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

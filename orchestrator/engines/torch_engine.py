@@ -185,6 +185,7 @@ class TorchEngine(InferenceEngine):
                               f"engine=vllm")
         self.model.config._attn_implementation = ATTENTION  # steps attend through the SlotCache
         self.device = policy.device
+        self._passthrough = PASSTHROUGH_MASK.to(self.device)
         self.max_batch_size = max_batch_size
         self.batching = batching
         self.max_positions: int = getattr(self.model.config, "max_position_embeddings", 1 << 30)
@@ -269,7 +270,7 @@ class TorchEngine(InferenceEngine):
     # -- scheduling (event loop) -------------------------------------------------------
 
     async def _scheduler(self) -> None:
-        batch = _Batch(SlotCache(self.max_batch_size))
+        batch = _Batch(SlotCache(self.max_batch_size, self.device))
         async with self._receive:
             try:
                 async for request in self._receive:  # idle until a request comes
@@ -386,9 +387,7 @@ class TorchEngine(InferenceEngine):
             if not batch.rows and not batch.joining:  # what was admitted finished at once
                 return [], []
             logits = self._forward(batch)
-            temperature = torch.tensor([r.sampling.temperature for r in batch.rows],
-                                       device=self.device)
-            tokens, logprobs = self._sample(logits, temperature)
+            tokens, logprobs = self._sample(logits, [r.sampling.temperature for r in batch.rows])
         return tokens.tolist(), logprobs.tolist()
 
     def _park_drained(self, batch: _Batch) -> None:
@@ -440,16 +439,16 @@ class TorchEngine(InferenceEngine):
                 cache.place(row, prefixes[id(request)], lengths[row])
         ids = [r.token(i) for r in rows for i in range(r.fed, r.length)]
         positions = [i for r in rows for i in range(r.fed, r.length)]
-        out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            attention_mask=PASSTHROUGH_MASK.to(self.device), use_cache=True, slot_cache=cache,
+        out = self.model(  # the step's inputs copied without waiting for the GPU
+            input_ids=torch.tensor([ids]).to(self.device, non_blocking=True),
+            position_ids=torch.tensor([positions]).to(self.device, non_blocking=True),
+            attention_mask=self._passthrough, use_cache=True, slot_cache=cache,
             **{self._cache_argument: cache},
-            logits_to_keep=layout.last.to(self.device) if self._keeps_logits else 0)
+            logits_to_keep=layout.last if self._keeps_logits else 0)
         cache.commit()
         logits = out.logits[0].float()
         if not self._keeps_logits:
-            logits = logits[layout.last.to(self.device)]
+            logits = logits[layout.last]
         for r in rows:
             r.fed = r.length
         if twins:
@@ -458,38 +457,48 @@ class TorchEngine(InferenceEngine):
             cache.copy_rows(sources, max(lengths[row] for row in sources))
             for request, _ in twins:
                 request.fed = request.length
-            logits = torch.cat([logits, logits[torch.tensor(sources, device=self.device)]])
+            logits = torch.cat([logits, logits[torch.tensor(sources).to(self.device, non_blocking=True)]])
         batch.rows, batch.joining = rows + [r for r, _ in twins], []
         return logits
 
-    def _sample(self, logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, chosen = sample(logits, temperature, self._generator)
-        if not torch.isfinite(chosen).all():  # pragma: no cover - a NaN model is a bug upstream
+    def _sample(self, logits: torch.Tensor, temperatures: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        temperature = torch.tensor(temperatures, dtype=logits.dtype)
+        tokens, chosen = sample(logits, temperature.to(self.device, non_blocking=True),
+                                self._generator, uniform=all(t == 1 for t in temperatures),
+                                greedy=any(t <= 0 for t in temperatures))
+        # the step's one wait for the device: its tokens and log-probs, copied together
+        out = torch.stack([tokens.to(chosen.dtype), chosen]).cpu()
+        if not torch.isfinite(out[1]).all():  # pragma: no cover - a NaN model is a bug upstream
             raise FloatingPointError("the policy produced non-finite log-probabilities")
-        return tokens.cpu(), chosen.cpu()
+        return out[0].long(), out[1]
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator,
+           uniform: bool | None = None, greedy: bool | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` at the row's ``temperature`` (0: greedy), and its
     log-probability. A draw inverts the row's cumulative distribution at a uniform variate,
     summed in float64 so that rounding cannot reach a token of probability 0; the
     log-probability is the token's logit less the log of that sum, in float64 too (closer to
-    a float64 ``log_softmax`` than a float32 one is: 6e-7 against 1e-5 on SmolLM2's rows).
-    Four passes over the vocabulary: ``torch.multinomial`` draws an exponential variate per
-    entry (37 ms a step for 32 rows of SmolLM2's 49,152 on 2 CPU threads); ``log_softmax``
-    then a draw from its ``exp`` took 29 ms for 60 rows on one thread, this 13 ms."""
-    greedy = temperature <= 0
-    if not bool((temperature == 1).all()):
-        logits = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    a float64 ``log_softmax`` than a float32 one is). Four passes over the vocabulary, where
+    ``torch.multinomial`` draws an exponential variate per entry (docs/real-model.md has the
+    figures). ``uniform`` (every temperature is 1) and ``greedy`` (some row is greedy), when
+    the caller knows them, spare a wait for the device to find out."""
+    if uniform is None:
+        uniform = bool((temperature == 1).all())
+    if greedy is None:
+        greedy = bool((temperature <= 0).any())
+    greedy_rows = temperature <= 0
+    if not uniform:
+        logits = logits / torch.where(greedy_rows, torch.ones_like(temperature), temperature)[:, None]
     shifted = logits - logits.amax(-1, keepdim=True)
     cdf = torch.cumsum(shifted.exp(), -1, dtype=torch.float64)
     total = cdf[:, -1:]
     u = torch.rand((len(cdf), 1), generator=generator, dtype=cdf.dtype, device=cdf.device)
     tokens = torch.searchsorted(cdf, u * total, right=True).squeeze(-1)
     tokens.clamp_(max=cdf.shape[-1] - 1)
-    if greedy.any():
-        tokens = torch.where(greedy, shifted.argmax(-1), tokens)
+    if greedy:
+        tokens = torch.where(greedy_rows, shifted.argmax(-1), tokens)
     chosen = shifted.gather(-1, tokens[:, None]).double() - total.log()
     return tokens, chosen.squeeze(-1).to(logits.dtype)
 

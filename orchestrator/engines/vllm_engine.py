@@ -16,10 +16,23 @@ processes. What it does for the pipeline:
   aborted, and their KV cache and the prefix cache are dropped, so after :meth:`resume`
   they are recomputed (prompt plus the tokens so far) under the new weights and no cached
   prefix from the old weights is reused. Both ``pipeline.inflight_update`` modes work on it.
-* **Weight updates** through vLLM's documented route for RL: a worker extension
-  (:mod:`orchestrator.engines.vllm_worker`) called with ``collective_rpc`` reloads the
-  weights in place through the model's own weight loaders. A file update is read by the
-  workers from its path; any other transport travels as safetensors bytes.
+* **Weight updates**, ``engine.weight_transfer`` (:mod:`orchestrator.engines.placement`
+  chooses for ``auto``). ``rpc``, the route on CPU and for a trainer in another process: a
+  worker extension (:mod:`orchestrator.engines.vllm_worker`) called with ``collective_rpc``
+  reloads the weights in place through the model's own weight loaders; a file update is read
+  by the workers from its path, any other transport travels as safetensors bytes. ``ipc``
+  (the trainer on the engine's GPU) and ``nccl`` (the trainer on a GPU of its own), with the
+  trainer in this process: vLLM's own weight-transfer engines (``WeightTransferConfig``,
+  driven by :mod:`orchestrator.engines.vllm_transfer`), which load through the same layerwise
+  reload, into the parameters' own storage, so CUDA graphs stay valid.
+* **Colocation** (``launcher.colocate=true``, one GPU for the trainer and the engine): vLLM
+  runs with sleep mode; :meth:`sleep` (before each train step) is vLLM's ``sleep(level=1)``
+  (weights offloaded to CPU, KV cache dropped, requests in flight kept), the next update
+  wakes the weights (``wake_up(tags=["weights"])``), loads the new ones and labels them, and
+  :meth:`resume` wakes the KV cache (``wake_up(tags=["kv_cache"])``), which lets vLLM's
+  scheduler go on. ``engine.gpu_memory_utilization=auto`` then leaves the trainer what it
+  keeps resident while the engine generates (:func:`~orchestrator.engines.placement.
+  colocated_memory_share`); alone on its GPU, auto is 0.9.
 * **LoRA updates** (``trainer.lora``) are merged here, ``W0 + scale * B @ A`` from the base
   weights the first update carried (:class:`~orchestrator.weights.AdapterMerger`), and only
   the layers they touch are reloaded, each whole: vLLM fuses ``q_proj``, ``k_proj`` and
@@ -35,6 +48,8 @@ times the memory of NUMA node 0 minus what is in use there, which depends on the
 NUMA layout and page cache (node 0 may be a fraction of the machine). On a GPU,
 ``gpu_memory_utilization`` applies unless ``kv_cache_bytes`` is given.
 
+The nccl and ipc routes and sleep mode have not yet run on a GPU (docs/vllm.md).
+
 The model is the run's ``conf/model`` node: a Hugging Face directory (``model=hf``, or a GGUF
 converted into one, ``model=smollm2``) is served from its path; a model built from config (``model=tiny``) is written once to a
 temporary directory with the starting weights. vLLM's CPU build needs a head size of at
@@ -44,24 +59,34 @@ least 32 (64 is safest); the tiny default (128 / 4 heads) qualifies.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import anyio
 import torch
 
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.engines.placement import (
+    Placement,
+    WeightTransfer,
+    check_colocation,
+    choose_weight_transfer,
+    colocated_memory_share,
+)
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.models.policy import build_policy, checkpoint_dir
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GPU_MEMORY_UTILIZATION = 0.9  # gpu_memory_utilization=auto on a GPU of the engine's own
 CPU_KV_CACHE_BYTES = 1 << 30  # kv_cache_bytes=auto on CPU
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
           "GB": 10**9}
@@ -79,12 +104,14 @@ def parse_bytes(value: int | str | None, key: str = "engine.kv_cache_bytes") -> 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 
-def _check_options(gpu_memory_utilization: float, max_num_seqs: int, max_model_len: int | None,
-                   tensor_parallel_size: int, dtype: str) -> None:
-    if not 0 < gpu_memory_utilization <= 1:
+def _check_options(gpu_memory_utilization: float | str, max_num_seqs: int,
+                   max_model_len: int | None, tensor_parallel_size: int, dtype: str) -> None:
+    if gpu_memory_utilization != "auto" and not (
+            isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
         raise ConfigError(
-            f"engine.gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1] (on CPU: "
-            "the share of memory for the KV cache; about 0.3 or less on a small machine)")
+            f"engine.gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1] or auto "
+            "(on CPU: the share of memory for the KV cache; about 0.3 or less on a small "
+            "machine)")
     if max_num_seqs < 1:
         raise ConfigError(f"engine.max_num_seqs must be >= 1, got {max_num_seqs}")
     if max_model_len is not None and max_model_len < 2:
@@ -100,7 +127,7 @@ class VLLMEngine(InferenceEngine):
         self,
         model: Mapping[str, Any],
         weights: WeightUpdate | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float | Literal["auto"] = "auto",
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         tensor_parallel_size: int = 1,
@@ -109,10 +136,22 @@ class VLLMEngine(InferenceEngine):
         enforce_eager: bool = False,
         seed: int = 0,
         kv_cache_bytes: int | str | None = "auto",
+        weight_transfer: WeightTransfer = "auto",
+        placement: Placement | None = None,
     ) -> None:
         _check_options(gpu_memory_utilization, max_num_seqs, max_model_len, tensor_parallel_size,
                        dtype)
+        if model.get("fp32_head"):  # the trainer's head alone in float32 widens the gap
+            raise ConfigError("model.fp32_head=true is for engine=torch: vLLM computes its LM head "
+                              "in the model's dtype, so only the trainer's would be float32; "
+                              "set model.fp32_head=false with engine=vllm")
         kv_bytes = parse_bytes(kv_cache_bytes)
+        cuda = torch.cuda.is_available()
+        # the launcher told the trainer's side; the engine's side is this process's view
+        self.placement = replace(placement or Placement(), cuda=cuda,
+                                 engine_gpus=tuple(range(tensor_parallel_size)) if cuda else ())
+        check_colocation(self.placement)
+        self.transfer = choose_weight_transfer(weight_transfer, self.placement)
         try:
             import vllm  # noqa: F401 - fail here, with the fix, rather than at the first request
         except ImportError as e:
@@ -125,6 +164,9 @@ class VLLMEngine(InferenceEngine):
         # LoRA updates: merged into the weights they adapt (made again, knowing the model's
         # fused layers, once vLLM has built it)
         self._adapters = AdapterMerger()
+        if gpu_memory_utilization == "auto":
+            gpu_memory_utilization = (self._colocated_share(weights) if self.placement.colocate
+                                      else GPU_MEMORY_UTILIZATION)
         self._options: dict[str, Any] = {
             "gpu_memory_utilization": gpu_memory_utilization,
             "max_num_seqs": max_num_seqs,
@@ -135,7 +177,13 @@ class VLLMEngine(InferenceEngine):
             "enforce_eager": enforce_eager,
             "seed": seed,
         }
-        if not torch.cuda.is_available():  # CPU: always in bytes (see the module docstring)
+        if self.transfer != "rpc":
+            from vllm.config import WeightTransferConfig
+
+            self._options["weight_transfer_config"] = WeightTransferConfig(backend=self.transfer)
+        if self.placement.colocate:
+            self._options["enable_sleep_mode"] = True
+        if not cuda:  # CPU: always in bytes (see the module docstring)
             kv_bytes = kv_bytes or CPU_KV_CACHE_BYTES
             _check_cpu_room(kv_bytes)
         if kv_bytes is not None:
@@ -145,7 +193,20 @@ class VLLMEngine(InferenceEngine):
         self._llm: Any = None
         self._workdir: Path | None = None
         self._paused = False
+        self._asleep: set[str] = set()  # colocated: what vLLM's sleep put away (weights, kv_cache)
+        # colocated: a sleep waits for a weight sync in progress (pause to resume) to end
+        self._turn = anyio.Semaphore(1)
+        self._syncing = False  # this engine's weight sync holds the turn
+        self._sender: Any = None  # the trainer side of nccl / ipc (vllm_transfer.Sender)
         self._closed = False
+
+    def _colocated_share(self, weights: WeightUpdate | None) -> float:
+        if weights is None:
+            raise ConfigError("engine.gpu_memory_utilization=auto beside a colocated trainer "
+                              "needs the starting weights to size it: set it to a share")
+        parameters = sum(t.numel() for t in weights.tensors().values())
+        total = torch.cuda.get_device_properties(self.placement.engine_gpus[0]).total_memory
+        return colocated_memory_share(total, parameters)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -160,6 +221,8 @@ class VLLMEngine(InferenceEngine):
             await self._llm.update_weight_version(str(self.version))
             fused = (await self._llm.collective_rpc("polyrl_fused_modules"))[0]
             self._adapters = AdapterMerger(fused)
+            if self.transfer != "rpc":
+                await self._start_sender()
             if self._weights is not None and self._served is not None:
                 # A checkpoint directory was served as it is on disk; the run may start
                 # elsewhere (a warm start, a resume): load the weights it was given.
@@ -177,6 +240,9 @@ class VLLMEngine(InferenceEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if self.transfer == "ipc":
+            # vLLM's workers unpickle the CUDA IPC handles only with this set (vllm_transfer)
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         args = AsyncEngineArgs(
             model=self._model_dir(),
             skip_tokenizer_init=True,
@@ -202,6 +268,8 @@ class VLLMEngine(InferenceEngine):
         if self._closed:
             return
         self._closed = True
+        if self._sender is not None:
+            self._sender.close()
         if self._llm is not None:
             self._llm.shutdown()
             _close_zmq(self._llm)
@@ -273,7 +341,10 @@ class VLLMEngine(InferenceEngine):
             update = WeightUpdate.by_reference(update.version, merged, leased=False)
         else:
             self._adapters.forget()
-        if update.path is not None:
+        await self._wake("weights")  # colocated: the weights back first, the KV cache at resume()
+        if self._sender is not None:
+            await anyio.to_thread.run_sync(self._sender.send, update.tensors())
+        elif update.path is not None:
             await self._llm.collective_rpc("polyrl_load_file", args=(str(update.path), partial))
         else:
             data = await anyio.to_thread.run_sync(update.to_bytes)
@@ -281,15 +352,61 @@ class VLLMEngine(InferenceEngine):
         await self._llm.update_weight_version(str(update.version))
         self.version = update.version
 
+    async def _start_sender(self) -> None:
+        from orchestrator.engines.vllm_transfer import Sender
+
+        assert self.placement.trainer_gpu is not None  # choose_weight_transfer() saw to it
+        loop = asyncio.get_running_loop()
+        self._sender = await anyio.to_thread.run_sync(
+            Sender, self.transfer, self._llm, loop, torch.device("cuda", self.placement.trainer_gpu),
+            len(self.placement.engine_gpus))
+
     async def pause(self) -> None:
+        if self.placement.colocate and not self._syncing:
+            await self._turn.acquire()  # released by resume()
+            self._syncing = True
         if not self._paused:
             await self._llm.pause_generation(mode="keep", clear_cache=True)
             self._paused = True
 
     async def resume(self) -> None:
-        if self._paused:
-            await self._llm.resume_generation()
+        try:
+            if self._asleep:
+                # vLLM resumes its scheduler once all its memory is back, the KV cache last
+                await self._wake("weights")
+                await self._wake("kv_cache")
+            elif self._paused:
+                await self._llm.resume_generation()
             self._paused = False
+        finally:
+            if self._syncing:
+                self._syncing = False
+                self._turn.release()
+
+    async def sleep(self) -> None:
+        """Colocated: free the GPU for a train step (vLLM's level-1 sleep: weights to CPU,
+        KV and prefix caches dropped, requests in flight kept and recomputed after
+        :meth:`resume`). Not colocated: nothing."""
+        if not self.placement.colocate:
+            return
+        async with self._turn:
+            if not self._asleep:
+                await self._llm.sleep(level=1, mode="keep")
+                self._asleep = {"weights", "kv_cache"}
+                self._paused = True  # the weight sync's pause has nothing more to do
+
+    async def _wake(self, tag: str) -> None:
+        if tag in self._asleep:
+            _free_cached_memory(self.placement)
+            await self._llm.wake_up(tags=[tag])
+            self._asleep.discard(tag)
+
+
+def _free_cached_memory(placement: Placement) -> None:
+    """A colocated trainer in this process holds the blocks its step freed in torch's cache;
+    give them back before vLLM takes its memory again."""
+    if placement.trainer_here and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _check_cpu_room(kv_bytes: int) -> None:

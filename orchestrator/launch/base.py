@@ -8,10 +8,16 @@ picklable data, so the same recipe builds its object in this process
 (``orchestrator.launch.ray``). What the launcher hands back implements the same
 :class:`~orchestrator.engines.base.InferenceEngine` and :class:`~orchestrator.trainer.Trainer`
 interfaces either way; the pipeline cannot tell them apart.
+
+An engine recipe also carries the launcher's side of the engine's
+:class:`~orchestrator.engines.placement.Placement` (is the trainer in the engine's process, on
+which GPU, ``launcher.colocate``); an engine class that takes a ``placement`` argument gets it
+(vLLM's chooses its weight-transfer backend and sleep mode from it), the others never see it.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +25,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.engines.placement import Placement
 from orchestrator.recorder import Recorder
 from orchestrator.trainer.base import Trainer
 from orchestrator.weights import WeightUpdate
@@ -28,12 +35,16 @@ from orchestrator.weights import WeightUpdate
 class EngineRecipe:
     engine: Mapping[str, Any]  # conf/engine: _target_ and the engine's options
     model: Mapping[str, Any]  # conf/model: the engine builds its own copy of the architecture
+    placement: Placement = field(default_factory=Placement)  # the trainer's side of it
 
     def build(self, weights: WeightUpdate) -> InferenceEngine:
         from hydra.utils import get_object
 
         values = dict(self.engine)
-        return get_object(values.pop("_target_"))(**values, model=dict(self.model), weights=weights)
+        cls = get_object(values.pop("_target_"))
+        if "placement" in inspect.signature(cls).parameters:
+            values["placement"] = self.placement
+        return cls(**values, model=dict(self.model), weights=weights)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,34 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
 
 
+class Fp32Head(torch.nn.Linear):
+    """An LM head that computes its logits in float32 whatever its weights' dtype and any
+    autocast around it (``model.fp32_head``): bf16 rounding of the logits is the largest
+    source of engine/trainer log-prob disagreement in bf16 (a logit near 20 is rounded by up
+    to 0.06). The engine and the trainer build their models from the same ``conf/model``
+    node, so both sides get it or neither does. Costs a float32 copy of the head's weight per
+    forward pass when the weights are bf16."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def with_fp32_head(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its LM head computing in float32 (:class:`Fp32Head`), in place."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        raise ConfigError(f"model.fp32_head=true needs an LM head that is a linear layer; "
+                          f"{type(model).__name__}'s is {type(head).__name__}")
+    if type(head) is torch.nn.Linear:  # a subclass (an adapter, a quantised layer) is left be
+        head.__class__ = Fp32Head
+    elif not isinstance(head, Fp32Head):
+        raise ConfigError(f"model.fp32_head=true: {type(model).__name__}'s LM head is a "
+                          f"{type(head).__name__}, which this option cannot change")
+    return model
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -93,6 +121,14 @@ def _dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _check_dtype(name: str, device: torch.device) -> None:
+    """A bf16 model on a GPU that cannot compute in bf16 (before Ampere): one line, now."""
+    if name == "bfloat16" and device.type == "cuda" and \
+            not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise ConfigError(f"model.dtype=bfloat16 but this GPU ({torch.cuda.get_device_name(device)}) "
+                          "does not compute in bf16; use model.dtype=float32 or float16")
+
+
 def tiny_policy(
     architecture: str = "llama",
     hidden_size: int = 128,
@@ -103,6 +139,7 @@ def tiny_policy(
     seed: int = 0,
     dtype: str = "float32",
     device: str = "auto",
+    fp32_head: bool = False,
 ) -> Policy:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -127,11 +164,14 @@ def tiny_policy(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=_dtype(dtype), attn_implementation="eager")
     target = resolve_device(device)
+    _check_dtype(dtype, target)
+    if fp32_head:
+        with_fp32_head(model)
     return Policy(model=model.to(target), tokenizer=tokenizer, device=target)
 
 
 def pretrained_policy(path: str | None = None, dtype: str = "bfloat16", device: str = "auto",
-                      gguf: str | None = None) -> Policy:
+                      gguf: str | None = None, fp32_head: bool = False) -> Policy:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -148,6 +188,9 @@ def pretrained_policy(path: str | None = None, dtype: str = "bfloat16", device: 
                           f"but the model's vocabulary has {vocab}; the tokenizer is not this "
                           "model's (give a checkpoint directory holding both)")
     target = resolve_device(device)
+    _check_dtype(dtype, target)
+    if fp32_head:
+        with_fp32_head(model)
     return Policy(model=model.to(target), tokenizer=tokenizer, device=target)
 
 

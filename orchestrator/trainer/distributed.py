@@ -162,13 +162,18 @@ class RankTrainer(TorchTrainer):
     # -- sharding --------------------------------------------------------------------------
 
     def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        options: dict[str, Any] = {"reshard_after_forward": False}
+        if self.precision.compute is not None:  # trainer.precision=mixed: FSDP2's, not autocast
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.precision.compute,
+                                                        reduce_dtype=torch.float32)
+            self._autocasts = False
         # Resharding after forward would make the collectives depend on each rank's data (see
         # the module docstring): the parameters are gathered once per minibatch instead.
         for layer in decoder_layers(model):
-            self._sharded.append(fully_shard(layer, reshard_after_forward=False))
-        self._sharded.append(fully_shard(model, reshard_after_forward=False))
+            self._sharded.append(fully_shard(layer, **options))
+        self._sharded.append(fully_shard(model, **options))
         for module in self._sharded:
             module.set_gradient_divide_factor(1.0)  # sum the ranks' shares of the gradient
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
@@ -214,6 +219,7 @@ class RankTrainer(TorchTrainer):
         return out
 
     def _agreement(self, agreement: LogprobAgreement) -> LogprobAgreement:
+        agreement.settle()
         total, count = self._all_sum([agreement.total, agreement.count])
         top = torch.tensor([agreement.max], dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)

@@ -74,8 +74,8 @@ class GroupPacking:
             group.append(torch.full((end - start,), g))
             column.append(torch.arange(end - start))
         mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)
-        return GroupBlocks(torch.cat(group).to(device), torch.cat(column).to(device),
-                           mask[:, None].to(device), inner)
+        return GroupBlocks(*(t.to(device, non_blocking=True) for t in (
+            torch.cat(group), torch.cat(column), mask[:, None])), inner)
 
 
 def groups_of(group: Sequence[int], prefix: Sequence[int], lengths: Sequence[int]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from orchestrator.models.policy import PASSTHROUGH_MASK, Policy, cache_argument,
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.trainer.lora import LoraConfig, adapter_update
 from orchestrator.trainer.packing import attending_by_group, pack_by_group, packing_pays
+from orchestrator.trainer.precision import Precision
 from orchestrator.trainer.snapshot import SHARDS, TrainerSnapshot, load_shards
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
@@ -126,6 +127,15 @@ def pack(
     )
 
 
+def _numbers(values: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
+    """Sums kept on the device, as numbers: one copy to the host for all of them."""
+    tensors = [torch.as_tensor(v).detach().double() for v in values.values()]
+    if not tensors:
+        return {}
+    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+    return dict(zip(values, torch.stack([t.to(device) for t in tensors]).tolist(), strict=True))
+
+
 def _placed(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``values`` (one per True of ``keep``, in row order) at their places in a zero tensor
     shaped like ``keep`` (differentiable)."""
@@ -146,17 +156,31 @@ class LogprobAgreement:
         self.total = 0.0
         self.count = 0.0
         self.max = 0.0
+        self._parts: list[torch.Tensor] = []  # per add: (sum, count, max) on the device
 
     def add(self, trainer_logprobs: torch.Tensor, batch: PackedBatch) -> None:
-        fresh = batch.fresh.to(trainer_logprobs.device)
-        gap = (trainer_logprobs.detach() - batch.behaviour_logprobs.to(fresh.device)).abs() * fresh
-        self.total += float(gap.sum())
-        self.count += float(fresh.sum())
-        worst = float(gap.max()) if gap.numel() else 0.0
-        if not math.isnan(self.max) and (math.isnan(worst) or worst > self.max):
-            self.max = worst  # a NaN (an engine gone wrong) stays: max() would skip it
+        """Kept on the device; read once, by :meth:`settle`."""
+        device = trainer_logprobs.device
+        fresh = batch.fresh.to(device, non_blocking=True)
+        behaviour = batch.behaviour_logprobs.to(device, non_blocking=True)
+        gap = (trainer_logprobs.detach() - behaviour).abs() * fresh
+        if gap.numel():
+            self._parts.append(torch.stack([gap.sum(), fresh.sum(), gap.max()]).double())
+
+    def settle(self) -> LogprobAgreement:
+        """The sums and the maximum as numbers (one wait for the device)."""
+        if self._parts:
+            parts = torch.stack(self._parts).cpu()
+            self._parts = []
+            self.total += float(parts[:, 0].sum())
+            self.count += float(parts[:, 1].sum())
+            worst = float(parts[:, 2].max()) if not parts[:, 2].isnan().any() else math.nan
+            if not math.isnan(self.max) and (math.isnan(worst) or worst > self.max):
+                self.max = worst  # a NaN (an engine gone wrong) stays: max() would skip it
+        return self
 
     def metrics(self, warn_above: float) -> dict[str, float]:
+        self.settle()
         if not self.count:
             return {}
         mean = self.total / self.count
@@ -195,6 +219,7 @@ class TorchTrainer(Trainer):
         share_prefix: bool = True,
         lora: Mapping[str, Any] | None = None,
         world_size: int | None = None,
+        precision: str = "auto",
     ) -> None:
         if micro_batch_size < 1:
             raise ConfigError(f"trainer.micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -217,6 +242,11 @@ class TorchTrainer(Trainer):
         self.temperature = temperature if temperature > 0 else 1.0
         self.logprob_diff_warn = logprob_diff_warn
         self.share_prefix = share_prefix
+        loaded = next(p.dtype for p in policy.model.parameters() if p.is_floating_point())
+        self.precision = Precision.resolve(precision, self.device, loaded)
+        if loaded != self.precision.weights:  # e.g. fp32 master weights of a bf16 checkpoint
+            policy.model.to(self.precision.weights)
+        self._autocasts = True  # a rank under FSDP2's mixed precision does not (its _prepare)
         self.lora = LoraConfig.of(lora)
         if self.lora is not None:  # only the adapters train (orchestrator.trainer.lora)
             self.model = self.lora.wrap(self.model)
@@ -242,21 +272,29 @@ class TorchTrainer(Trainer):
     def _logits(self, keep: torch.Tensor, **inputs: Any) -> tuple[torch.Tensor, Any]:
         """The model's logits at the positions ``keep`` (bool, ``[rows, width]``) marks, in row
         order (``[kept, vocab]``), and the model's output (its cache)."""
-        if self._keeps_logits:
-            out = self.model(**inputs, logits_to_keep=keep)
-            return out.logits, out
-        out = self.model(**inputs)
+        with self.precision.autocast(self.device) if self._autocasts else nullcontext():
+            if self._keeps_logits:
+                out = self.model(**inputs, logits_to_keep=self._on(keep))
+                return out.logits, out
+            out = self.model(**inputs)
+        if keep.device.type == "cpu":  # found on the host: indexing does not wait for the GPU
+            return out.logits.flatten(0, 1)[self._on(keep.flatten().nonzero().squeeze(1))], out
         return out.logits[keep], out
+
+    def _on(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the trainer's device, copied without waiting for the GPU."""
+        return t.to(self.device, non_blocking=True)
 
     def _logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs of the targets and the policy's entropy at each trained position
         (``[rows, width]``, zero where no target is trained)."""
         if self.share_prefix and int(batch.prefix.max()) > 1:
             return self._shared_prefix_logprobs(batch)
-        keep = batch.mask.to(self.device) > 0
-        logits, _ = self._logits(keep, input_ids=batch.inputs.to(self.device),
-                                 attention_mask=batch.attention.to(self.device))
-        logp, entropy = self._score(logits, batch.targets.to(self.device)[keep])
+        keep = batch.mask > 0
+        logits, _ = self._logits(keep, input_ids=self._on(batch.inputs),
+                                 attention_mask=self._on(batch.attention))
+        logp, entropy = self._score(logits, self._on(batch.targets[keep]))
+        keep = self._on(keep)
         return _placed(keep, logp), _placed(keep, entropy)
 
     def _score(self, logits: torch.Tensor, targets: torch.Tensor,
@@ -313,13 +351,13 @@ class TorchTrainer(Trainer):
         packing = pack_by_group(batch.inputs, lengths, trained, group, prefix)
         with attending_by_group(self.model) as inner:
             logits, _ = self._logits(
-                packing.keep.to(dev), input_ids=packing.input_ids.to(dev),
-                position_ids=packing.position_ids.to(dev), use_cache=False,
-                attention_mask=PASSTHROUGH_MASK.to(dev),
+                packing.keep, input_ids=self._on(packing.input_ids),
+                position_ids=self._on(packing.position_ids), use_cache=False,
+                attention_mask=self._on(PASSTHROUGH_MASK),
                 group_blocks=packing.blocks(self._dtype, dev, inner),
             )
-        logp, entropy = self._score(logits, batch.targets[trained].to(dev), packing.rows.to(dev))
-        trained = trained.to(dev)
+        logp, entropy = self._score(logits, self._on(batch.targets[trained]), self._on(packing.rows))
+        trained = self._on(trained)
         return _placed(trained, logp), _placed(trained, entropy)
 
     def _two_pass_logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,13 +372,16 @@ class TorchTrainer(Trainer):
         instead of 60.
         """
         dev = self.device
-        inputs, prefix = batch.inputs.to(dev), batch.prefix.to(dev)
-        groups, row_group = torch.unique(batch.group.to(dev), return_inverse=True)
+        inputs, prefix = self._on(batch.inputs), self._on(batch.prefix)
+        groups, row_group = torch.unique(self._on(batch.group), return_inverse=True)
         first_row = torch.full((len(groups),), len(batch), dtype=torch.long, device=dev)
         first_row.scatter_reduce_(0, row_group, torch.arange(len(batch), device=dev), "amin")
         group_prefix = prefix[first_row].clamp(min=1)  # a row with none shares its first token
         prefix = group_prefix[row_group]
-        longest = int(group_prefix.max())
+        # sizes from the host's copy of the batch (every row of a group has its prefix), so
+        # the device is never waited on for a shape
+        host_prefix = batch.prefix.clamp(min=1)
+        longest = int(host_prefix.max())
         columns = torch.arange(longest, device=dev)
         prefix_attention = (columns < group_prefix[:, None]).long()
         last = columns == group_prefix[:, None] - 1  # predicts each row's token `prefix`
@@ -353,16 +394,16 @@ class TorchTrainer(Trainer):
 
         # Trained target positions: the last prefix one (from the prefix pass), then the rows'.
         full = inputs.shape[1]
-        trained = batch.mask.to(dev) > 0
+        trained = self._on(batch.mask) > 0
         position = torch.arange(full, device=dev)
         first = trained & (position == prefix[:, None] - 1)
         rest = trained & (position >= prefix[:, None])
-        targets = batch.targets.to(dev)
+        targets = self._on(batch.targets)
         logp, entropy = self._score(head_logits[row_group[first.any(1)]], targets[first])
         logp_full, entropy_full = _placed(first, logp), _placed(first, entropy)
 
-        own = batch.attention.to(dev).sum(1) - prefix  # each row's inputs after its prefix
-        width = int(own.max())
+        own = self._on(batch.attention).sum(1) - prefix  # each row's inputs after its prefix
+        width = int((batch.attention.sum(1) - host_prefix).max())
         if width > 0:
             offsets = torch.arange(width, device=dev)
             positions = prefix[:, None] + offsets
@@ -413,7 +454,7 @@ class TorchTrainer(Trainer):
                 proximal = torch.cat([self._logprobs(mb)[0] for mb in self._micro_batches(batch)])
             agreement.add(proximal, batch)
 
-        sums: dict[str, float] = {}
+        sums: dict[str, Any] = {}  # tensors on the device until the step's end
         grad_norm = 0.0
         rows = len(batch) if batch is not None else 0
         size = math.ceil(rows / self.num_minibatches)
@@ -431,28 +472,28 @@ class TorchTrainer(Trainer):
             with self._accumulating():
                 for mb in self._micro_batches(part) if local_rows else ():
                     logp, entropy = self._logprobs(mb)
-                    mask = mb.mask.to(self.device)
+                    mask = self._on(mb.mask)
                     if proximal is None:
                         prox = logp.detach()
                         if start == 0:  # before any update: the weights that sampled fresh tokens
                             agreement.add(prox, mb)
                     else:
-                        prox = proximal[start + offset : start + offset + len(mb)].to(self.device)
+                        prox = proximal[start + offset : start + offset + len(mb)]
                     offset += len(mb)
                     out = self.algorithm.loss(LossInputs(
                         logprobs=logp,
                         proximal_logprobs=prox,
-                        behaviour_logprobs=mb.behaviour_logprobs.to(self.device),
-                        advantages=mb.advantages.to(self.device),
+                        behaviour_logprobs=self._on(mb.behaviour_logprobs),
+                        advantages=self._on(mb.advantages),
                         mask=mask,
                         num_tokens=num_tokens,
                     ))
                     out.loss.backward()
-                    tokens = float(mask.sum())
-                    weighted = {"loss": float(out.loss.detach()) * num_tokens, **{
+                    tokens = mask.sum()  # sums stay on the device until the step's end
+                    weighted = {"loss": out.loss.detach() * num_tokens, **{
                         k: v * tokens for k, v in out.metrics.items()
                     }}
-                    weighted["entropy"] = float((entropy * mask).sum())
+                    weighted["entropy"] = (entropy * mask).sum()
                     weighted["trained_tokens"] = tokens
                     for k, v in weighted.items():
                         sums[k] = sums.get(k, 0.0) + v
@@ -461,7 +502,7 @@ class TorchTrainer(Trainer):
             self.optimizer.step()
         self.scheduler.step()
         self.version += 1
-        sums = self._all_sum_named(sums)
+        sums = self._all_sum_named(_numbers(sums))
         counts = sums.pop("trained_tokens", 0.0)
         metrics = {k: v / max(counts, 1.0) for k, v in sums.items()}
         metrics["grad_norm"] = grad_norm
@@ -579,11 +620,11 @@ class TorchTrainer(Trainer):
         total = 0.0
         with self._accumulating():
             for mb in self._micro_batches(batch) if batch is not None else ():
-                keep = mb.mask.to(self.device) > 0  # the head runs at the trained tokens only
-                logits, _ = self._logits(keep, input_ids=mb.inputs.to(self.device),
-                                         attention_mask=mb.attention.to(self.device))
+                keep = mb.mask > 0  # the head runs at the trained tokens only
+                logits, _ = self._logits(keep, input_ids=self._on(mb.inputs),
+                                         attention_mask=self._on(mb.attention))
                 nll = torch.nn.functional.cross_entropy(
-                    logits.float(), mb.targets.to(self.device)[keep], reduction="sum")
+                    logits.float(), self._on(mb.targets[keep]), reduction="sum")
                 loss = nll / max(num_tokens, 1.0)
                 loss.backward()
                 total += float(loss.detach())

@@ -180,6 +180,9 @@ class EngineActor(_Reporting):
     async def resume(self) -> None:
         await self._running().resume()
 
+    async def sleep(self) -> None:
+        await self._running().sleep()
+
     async def version(self) -> int:
         return self._running().version
 

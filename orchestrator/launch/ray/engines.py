@@ -92,6 +92,9 @@ class RayEngine(InferenceEngine):
     async def resume(self) -> None:
         await self._call(self.actor.resume.remote())
 
+    async def sleep(self) -> None:
+        await self._call(self.actor.sleep.remote())
+
     async def start(self, weights: WeightUpdate) -> Any:
         """Start the actor's engine from ``weights`` (or find it running); returns the ref of
         the ``serve`` call, which fails when the actor is lost and returns when it stops."""

@@ -13,6 +13,13 @@ whose head is there; ``ray://host:port`` goes through Ray Client. Every node nee
 installed in the same Python environment (the actors import it). A run that cannot connect, or
 that asks for resources no node has, ends with one sentence naming the key to change.
 
+``launcher.colocate=true``: the trainer and the engines take turns on one GPU. Their bundles
+ask for fractions of it (``launcher.trainer.num_gpus`` plus ``launcher.engine.num_gpus`` per
+engine at most 1, each above 0) and are placed on one node (``STRICT_PACK``), where Ray gives
+fractional requests the same GPU while it has room (Ray's behaviour, not checked here); a
+colocated vLLM engine sleeps through each train step. Weights still travel through the object
+store (``engine.weight_transfer`` rpc: the trainer actor's tensors are in another process).
+
 Weights: after each step the trainer actor puts the new weights into the object store once and
 every engine actor pulls them (see :mod:`orchestrator.weights`); engine faults are survived
 (:mod:`~.engines`); a dead trainer actor is replaced and the run goes on from its last
@@ -43,6 +50,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import allocator
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.engines.placement import Placement
 from orchestrator.errors import ConfigError, chain
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
 from orchestrator.launch.ranks import RankGroup, world_size
@@ -155,7 +163,7 @@ class RayLauncher(Launcher):
                  placement: str = "pack", connect_timeout_s: float = 30.0,
                  engine_restart_timeout_s: float = 120.0, span_flush_s: float = 5.0,
                  affinity_slack: int | None = 8, namespace: str = "polyrl",
-                 trainer_ranks: int | None = None) -> None:
+                 trainer_ranks: int | None = None, colocate: bool = False) -> None:
         if trainer_ranks is not None and (not isinstance(trainer_ranks, int) or trainer_ranks < 1):
             raise ConfigError(f"trainer.world_size must be an integer >= 1 or null, got "
                               f"{trainer_ranks!r}")
@@ -172,6 +180,9 @@ class RayLauncher(Launcher):
             connect_timeout_s=connect_timeout_s, engine_restart_timeout_s=engine_restart_timeout_s,
             span_flush_s=span_flush_s, affinity_slack=affinity_slack, namespace=namespace,
             trainer_max_restarts=max_restarts)
+        self.colocate = colocate
+        if colocate:
+            _check_colocation(self.config, self.ranks)
         self.run_id = f"polyrl-{uuid.uuid4().hex[:8]}"  # names this run's actors in the cluster
         self.spans = SpanCollector()
         self._owns_ray = False
@@ -217,8 +228,8 @@ class RayLauncher(Launcher):
         config = self.config
         bundles = [config.trainer.bundle()] * self.ranks + [config.engine.bundle()] * config.num_engines
         self._check_fits()
-        group = placement_group(bundles, strategy=PLACEMENTS[config.placement],
-                                name=self.run_id)
+        strategy = "STRICT_PACK" if self.colocate else PLACEMENTS[config.placement]
+        group = placement_group(bundles, strategy=strategy, name=self.run_id)
         self._group = group
         if not group.wait(timeout_seconds=config.connect_timeout_s):
             raise ConfigError(
@@ -288,6 +299,8 @@ class RayLauncher(Launcher):
         if recorder is not None:
             self.record_to(recorder)
         spec = self.config.engine
+        # the trainer is another actor: its tensors are not in the engines' processes
+        recipe = replace(recipe, placement=Placement(trainer_here=False, colocate=self.colocate))
         engines = []
         for i in range(self.config.num_engines):
             name = f"engine-{i}"
@@ -360,6 +373,18 @@ class RayLauncher(Launcher):
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+
+
+def _check_colocation(config: RayConfig, ranks: int) -> None:
+    """``launcher.colocate=true``: fractions of one GPU that fit in it together."""
+    trainer, engine = config.trainer.num_gpus, config.engine.num_gpus
+    total = trainer * ranks + engine * config.num_engines
+    if trainer <= 0 or engine <= 0 or total > 1 + 1e-9:
+        raise ConfigError(
+            f"launcher.colocate=true needs the trainer and the engines on one GPU: "
+            f"launcher.trainer.num_gpus={trainer:g} (x{ranks}) and launcher.engine.num_gpus="
+            f"{engine:g} (x{config.num_engines}) must each be above 0 and add up to at most 1, "
+            "e.g. 0.5 each")
 
 
 def _trainer_lost(error: BaseException) -> BaseException | None:

@@ -125,3 +125,20 @@ def test_each_token_attends_to_its_own_sequence_only(window: int | None, lengths
         expected.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5,
                                                        enable_gqa=True).transpose(0, 1))
     torch.testing.assert_close(out[0], torch.cat(expected), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_every_tensor_of_a_step_is_on_the_cache_device(window: int | None) -> None:
+    """A step's indices and masks live on the model's device: on a GPU, a mask left on the
+    host fails the step (SDPA's attn_mask, masked_fill_). The meta device stands in for it
+    here: whatever is built on the host instead shows up as a CPU tensor."""
+    cache = SlotCache(8, device="meta")
+    cache.end = 6
+    # two decoding rows, then joining rows of different sizes (two join groups)
+    layout = cache.begin([1, 1, 2, 5, 6], [4, 6, 3, 5, 6])
+    assert len(layout.joins) >= 1
+    decode, joins = layout.masks(window)
+    assert decode is not None and joins
+    tensors = layout.tensors()
+    assert len(tensors) >= 6 + len(joins)
+    assert {t.device.type for t in tensors} == {"meta"}

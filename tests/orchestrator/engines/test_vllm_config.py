@@ -49,3 +49,8 @@ def test_without_vllm_the_error_says_how_to_install_it() -> None:
 ])
 def test_kv_cache_sizes_are_read_in_bytes(value: object, expected: int | None) -> None:
     assert parse_bytes(value) == expected  # type: ignore[arg-type]
+
+
+def test_an_fp32_head_on_the_trainer_side_only_is_refused() -> None:
+    with pytest.raises(ConfigError, match="^model.fp32_head=true is for engine=torch"):
+        VLLMEngine({**TINY_MODEL, "fp32_head": True})

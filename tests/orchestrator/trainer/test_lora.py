@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from test_trainer_ranks import make_groups
+from helpers import make_groups
 
 from orchestrator.algo.grpo import GRPO
 from orchestrator.engines.torch_engine import TorchEngine

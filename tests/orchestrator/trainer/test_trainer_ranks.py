@@ -4,7 +4,6 @@ in one line."""
 
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import anyio
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import make_groups
 
 from orchestrator.algo.grpo import GRPO
 from orchestrator.launch import LocalLauncher, TrainerRecipe
@@ -20,31 +20,10 @@ from orchestrator.launch.ranks import RankGroup, RankLost, process_group
 from orchestrator.models.policy import tiny_policy
 from orchestrator.trainer import TorchTrainer
 from orchestrator.trainer.distributed import RankSpec, balance, free_port
-from orchestrator.types import FinishReason, Group, Trajectory
 
 MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 32,
          "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "seed": 0, "device": "cpu"}
 TRAINER = {"_target_": "orchestrator.trainer.TorchTrainer", "lr": 1e-3, "micro_batch_size": 3}
-
-
-def make_groups(seed: int = 0, count: int = 5, size: int = 4) -> list[Group]:
-    """Groups of varied lengths sharing a prompt each, mixed rewards, behaviour log-probs."""
-    rng = random.Random(seed)
-    groups = []
-    for g in range(count):
-        prompt = [1] + [rng.randrange(4, 30) for _ in range(rng.randrange(3, 9))]
-        trajectories = []
-        for i in range(size):
-            completion = [rng.randrange(4, 30) for _ in range(rng.randrange(1, 7))]
-            ids = tuple(prompt + completion)
-            trajectories.append(Trajectory(
-                prompt_id=g, sample_index=i, token_ids=ids,
-                loss_mask=tuple([False] * len(prompt) + [True] * len(completion)),
-                logprobs=tuple(-3.0 - rng.random() for _ in ids), versions=(0,) * len(ids),
-                reward=float(rng.random() < 0.5), start_version=0,
-                finish_reason=FinishReason.STOP))
-        groups.append(Group(g, tuple(trajectories), 0))
-    return groups
 
 
 def one_process(share_prefix: bool) -> TorchTrainer:
