@@ -19,6 +19,7 @@ the run fails part-way.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from functools import partial
@@ -29,7 +30,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from envs.base import EnvSpec
+from envs.base import EnvSpec, Task
+from envs.dataset import DatasetSpec
+from envs.errors import EnvConfigError
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import build_env, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine, sync_weights
@@ -38,7 +41,8 @@ from orchestrator.evaluate import evaluate
 from orchestrator.faults import resumed_faults
 from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRecipe
 from orchestrator.loggers.base import Logger
-from orchestrator.models.policy import build_tokenizer
+from orchestrator.models.policy import build_tokenizer, model_context
+from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import PipelineConfig, TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.resume import restore
@@ -169,13 +173,15 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         trainer=section(cfg, "trainer"), model=model_cfg, algo=section(cfg, "algo"),
         temperature=rollout_cfg.temperature, seed=seed, torch_threads=threads))
     tokenizer = build_tokenizer(model_cfg)
+    if isinstance(spec, DatasetSpec):
+        _leave_out_long_prompts(spec, tokenizer, rollout_cfg, model_context(model_cfg))
     engine_recipe = EngineRecipe(engine=section(cfg, "engine"), model=model_cfg)
 
     def make_engine(weights: WeightUpdate, recorder: Recorder) -> InferenceEngine:
         return launcher.engine(engine_recipe, weights, recorder)
 
     async def warm_up(runner: EpisodeRunner) -> int:
-        check_tasks = list(spec.tasks("train"))[: warm.check_tasks]
+        check_tasks = _first(spec.tasks("train"), warm.check_tasks)
         checks: list[float] = []
         recorder = runner.recorder
         unrecorded = replace(runner, recorder=Recorder(clock=recorder.clock))  # not the run's spans
@@ -201,11 +207,36 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         sampler=TaskSampler(spec.tasks("train"), seed=seed), pipeline=pipeline_cfg,
         checkpoint=checkpoint_cfg,
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
-        eval_tasks=list(spec.tasks("eval"))[: eval_cfg.num_tasks],
+        eval_tasks=_first(spec.tasks("eval"), eval_cfg.num_tasks),
         eval_every=eval_cfg.every,
         progress=scalar(cfg, "progress", bool),
         progress_every=scalar(cfg, "progress_every", float),
     )
+
+
+def _first(tasks: Sequence[Task], n: int) -> list[Task]:
+    """The first ``n`` tasks, without building the rest (a dataset's are built on demand)."""
+    return [tasks[i] for i in range(min(n, len(tasks)))]
+
+
+def _leave_out_long_prompts(spec: DatasetSpec, tokenizer: Tokenizer, rollout: RolloutConfig,
+                            context: int | None) -> None:
+    """A file's rows whose prompt does not fit the model's context with ``rollout.max_tokens``
+    left for the answer are left out now, counted in one line, never a failure mid-run."""
+    limit = rollout.max_total_tokens or context
+    if limit is None:
+        log.info("env=dataset: the model's context is unknown (model.max_position_embeddings, "
+                 "rollout.max_total_tokens): prompts are not checked for length")
+        return
+    budget = limit - rollout.max_tokens
+    try:
+        left_out = spec.keep(lambda messages: len(tokenizer.chat_prompt(messages)) <= budget)
+    except EnvConfigError as e:
+        raise ConfigError(str(e)) from e
+    if any(left_out.values()):
+        log.warning("env=dataset: left out %d train and %d eval rows whose prompt is over %d "
+                    "tokens (context %d less rollout.max_tokens=%d)", left_out["train"],
+                    left_out["eval"], budget, limit, rollout.max_tokens)
 
 
 def check_sizes(pipeline: PipelineConfig, rollout: RolloutConfig, spec: EnvSpec) -> None:

@@ -91,7 +91,9 @@ async def warm_start(
     losses = []
     for step in range(config.steps):
         sequences, masks = [], []
-        for task in rng.sample(list(tasks), min(config.batch_size, len(tasks))):
+        # by index: a dataset's tasks are built one at a time (same draws as sampling the list)
+        drawn = rng.sample(range(len(tasks)), min(config.batch_size, len(tasks)))
+        for task in (tasks[i] for i in drawn):
             if task.id not in cache:
                 cache[task.id] = demonstration_tokens(tokenizer, demonstrate(task))
             ids, mask = cache[task.id]

@@ -216,6 +216,21 @@ def checkpoint_dir(config: Mapping[str, Any]) -> Path | None:
     return Path(path)
 
 
+def model_context(config: Mapping[str, Any]) -> int | None:
+    """The most positions the model a ``conf/model`` node describes takes (its
+    ``max_position_embeddings``: the node's own, else its checkpoint's ``config.json``), None
+    if neither says; read without building the model."""
+    if config.get("max_position_embeddings") is not None:
+        return int(config["max_position_embeddings"])
+    directory = checkpoint_dir(config) if ("path" in config or "gguf" in config) else None
+    if directory is None:
+        return None
+    import json
+
+    value = json.loads((directory / "config.json").read_text()).get("max_position_embeddings")
+    return int(value) if value is not None else None
+
+
 def build_tokenizer(config: Mapping[str, Any]) -> Tokenizer:
     """The tokenizer a ``conf/model`` node describes, without building its model (a driver
     whose trainer lives in another process needs only this); a model target this module does

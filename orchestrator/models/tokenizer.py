@@ -118,6 +118,34 @@ class CharTokenizer(Tokenizer):
     def stop_ids(self) -> tuple[int, ...]:
         return (self.end_id,)
 
+    def to_hf(self) -> Any:
+        """This tokenizer as a ``transformers`` fast tokenizer (a ``tokenizers`` word-level
+        model over single characters): the same ids for the same text, the same chat layout
+        from its chat template (tools are described in the system message, as here, by
+        :class:`HFTokenizer`), ``<end>`` as its end of sequence. What ``orchestrator.export``
+        writes beside a tiny model, so ``AutoTokenizer`` and ``model=hf`` load it. One
+        difference: a special's name in text (``"<user>"``) is that special there, its
+        characters here."""
+        from tokenizers import Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as Backend
+        from transformers import PreTrainedTokenizerFast
+
+        # "?" stands for a character out of the vocabulary, as in encode(); it stays an
+        # ordinary token (not the unknown special, which decoding would drop)
+        backend = Backend(models.WordLevel(dict(self._stoi), unk_token="?"))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+        roles = [s[1:-1] for s in self.SPECIALS[3:]]
+        template = (
+            "{{ bos_token }}{% for m in messages %}"
+            f"{{% if m['role'] not in {roles} %}}"
+            "{{ raise_exception('unknown chat role ' + m['role']) }}{% endif %}"
+            "<{{ m['role'] }}>{{ m['content'] }}<end>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token="<bos>", eos_token="<end>", pad_token="<pad>",
+            additional_special_tokens=list(self.SPECIALS[3:]), chat_template=template)
+
 
 class HFTokenizer(Tokenizer):
     """A local Hugging Face tokenizer and its chat template (no network access)."""

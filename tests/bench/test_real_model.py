@@ -94,6 +94,7 @@ def test_trl_gets_the_projects_prompt_ids() -> None:
 
 
 @needs_smollm2
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_smoke_slice_runs_to_its_last_line(tmp_path: Path) -> None:
     # one thread: two OpenMP threads crawl when the machine's cores are busy
     done = subprocess.run([sys.executable, "-m", "bench.real_model", "--smoke", "--threads", "1",

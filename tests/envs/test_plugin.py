@@ -30,6 +30,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_the_plugin_trains_one_step_as_env_reverse(site: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
@@ -54,4 +55,4 @@ def test_without_the_plugin_the_name_is_unknown(tmp_path: Path) -> None:
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == ["error: unknown env 'reverse'; available: agent, arithmetic, code, code_tool, reasoning_gym, search_qa"]
+    assert result.stderr.strip().splitlines() == ["error: unknown env 'reverse'; available: agent, arithmetic, code, code_tool, dataset, reasoning_gym, search_qa"]

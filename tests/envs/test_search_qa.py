@@ -256,6 +256,7 @@ def test_experiment_search_qa_trains_and_records_every_tool_call(tmp_path: Path)
 
 
 @pytest.mark.anyio
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 async def test_faults_turned_on_at_the_server_are_ridden_out_and_counted() -> None:
     """The server's /faults control (the chaos soak's): 500s, then held requests, then slow
     answers; the episode's searches retry through them and the spec counts each failed

@@ -41,6 +41,7 @@ def faults(**env: str) -> dict[str, object]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_a_worker_threads_freed_memory_is_reused_not_faulted_in_again() -> None:
     kept = faults()
     assert kept["kept"] is True

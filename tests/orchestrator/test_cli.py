@@ -69,6 +69,7 @@ def mistakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
 
 
 @pytest.mark.parametrize("case", list(MISTAKES))
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_a_config_mistake_is_one_line_naming_it(
     case: str, mistakes: dict[str, subprocess.CompletedProcess[str]]
 ) -> None:

@@ -47,7 +47,8 @@ def test_the_groups_design_md_names_exist() -> None:
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_every_group_option_composes_and_instantiates(group: str, option: str) -> None:
+def test_every_group_option_composes_and_instantiates(group: str, option: str,
+                                                      tmp_path: Path) -> None:
     overrides = [f"{group}={option}"]
     if (group, option) == ("experiment", "replay"):
         cfg = composed(overrides)  # composes only what a replay uses, and builds from it
@@ -60,6 +61,10 @@ def test_every_group_option_composes_and_instantiates(group: str, option: str) -
         return
     if (group, option) == ("model", "hf"):
         overrides += ["model.path=/nonexistent"]
+    if (group, option) == ("env", "dataset"):  # env.train has no default: a file of 64 rows
+        (tmp_path / "train.jsonl").write_text(
+            "".join(f'{{"question": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(64)))
+        overrides += [f"env.train={tmp_path / 'train.jsonl'}"]
     if (group, option) == ("env", "agent"):  # env.program has no default: bench.gateway's
         overrides += ["env.program=bench.gateway:agent", "env.tasks=bench.gateway:noop_tasks"]
     if group != "model" and (group, option) != ("experiment", "rg_smol"):  # rg_smol: the real model

@@ -102,6 +102,7 @@ def test_the_final_checkpoint_loads_back(tmp_path: Path) -> None:
         assert torch.equal(state[name], tensor), name
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_smoke_from_the_command_line_with_offline_wandb(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("WANDB_API_KEY", "WANDB_MODE") and not k.startswith("HYDRA_")}

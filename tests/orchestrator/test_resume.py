@@ -84,6 +84,7 @@ def check_finished(run_dir: Path, again: set[int]) -> None:
 
 
 @pytest.mark.parametrize("kill_at", ["generate@2", "train_step@2", "weight_sync@3", "checkpoint@3"])
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_a_run_killed_at_any_point_resumes_to_the_end(tmp_path: Path, kill_at: str) -> None:
     run_dir = tmp_path / "run"
     killed = orchestrator(*RUN, f"hydra.run.dir={run_dir}", kill_at=kill_at)
@@ -103,6 +104,7 @@ def test_a_run_killed_at_any_point_resumes_to_the_end(tmp_path: Path, kill_at: s
     assert not list((run_dir / "checkpoints").glob(".tmp-step-*"))
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_sigterm_checkpoints_the_step_in_progress_and_exits_with_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = orchestrator(*RUN, "checkpoint.every=0", f"hydra.run.dir={run_dir}", wait=False)
@@ -126,6 +128,7 @@ def test_sigterm_checkpoints_the_step_in_progress_and_exits_with_one_line(tmp_pa
     check_finished(run_dir, set(state.pipeline["sampler"]["again"]))
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_resume_auto_starts_a_run_then_resumes_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     first = orchestrator(*RUN, "resume=auto", f"hydra.run.dir={run_dir}", kill_at="train_step@3")
@@ -244,6 +247,7 @@ def test_rng_state_round_trips(tmp_path: Path) -> None:
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_a_resumed_run_continues_the_same_offline_wandb_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [a for a in RUN if not a.startswith("logger=")] + ["logger=wandb", "logger.mode=offline"]
@@ -257,6 +261,7 @@ def test_a_resumed_run_continues_the_same_offline_wandb_run(tmp_path: Path) -> N
     assert len(runs) == 2 and all(r.name.endswith(f"-{state.logger_run_id}") for r in runs)
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_killed_and_resumed_ends_within_noise_of_an_uninterrupted_run(tmp_path: Path) -> None:
     """Same seed, same config: one run straight through, one SIGKILLed mid-step and resumed.
     One-digit sums and a longer warm start make the held-out accuracy informative (~0.6)."""

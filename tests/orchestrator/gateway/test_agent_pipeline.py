@@ -20,6 +20,7 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.mark.parametrize("inflight_update", ["continue", "finish"])
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 async def test_agent_episodes_train_under_the_staleness_bound_and_failures_are_counted(
         fake_trainer_cls: Any, inflight_update: str) -> None:
     spec = AgentSpec(program="toy_agents:flaky", timeout_s=1.0, max_context=4096)

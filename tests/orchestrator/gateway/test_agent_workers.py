@@ -72,6 +72,7 @@ async def test_episodes_spread_over_the_workers_and_none_runs_in_the_runs_proces
     assert len(set(pids)) == 2 and os.getpid() not in pids
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 async def test_a_failing_program_fails_its_episode_and_a_dead_worker_is_replaced(
         gateway: Gateway) -> None:
     outcomes = {}
@@ -110,6 +111,7 @@ async def test_worker_processes_need_the_specs_running_block(gateway: Gateway) -
         AgentSpec(program="toy_agents:calculator", processes=-1)
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_a_run_with_its_programs_in_worker_processes(tmp_path: Path) -> None:
     """The whole run (Hydra config, pipeline, trainer) with env.processes=2: the run holds the
     workers for its episodes (the evaluations' too) and every trained sample was recorded."""

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.mark.parametrize("program", ["toy_verifiers:run", "toy_verifiers:run_streaming"])
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 async def test_a_verifiers_rollout_is_one_segment_of_exactly_the_engines_tokens(
         program: str) -> None:
     """Plain calls, and streamed ones as verifiers' own chat program makes them (relayed
@@ -58,6 +59,7 @@ async def test_a_failed_verifiers_rollout_is_a_failed_episode() -> None:
     assert gateway.counters["errors"] == 1 and gateway.counters["bad_requests"] == 1
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 async def test_a_verifiers_program_runs_in_a_worker_process() -> None:
     """env.processes: the worker imports the program afresh (it never listed the tasks) and
     finds the verifiers task by its key."""

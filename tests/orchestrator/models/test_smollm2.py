@@ -35,6 +35,7 @@ def policy() -> Any:
     return build_policy(SMOLLM2)
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_the_converted_directory_gives_the_logits_of_transformers_own_gguf_load(policy: Any) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -42,6 +42,7 @@ def two_steps(tmp_path: Path, *overrides: str, experiment: str = "rg_smol") -> l
     return [r.metrics for r in result.reports]
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_two_rl_steps_with_the_torch_engine(tmp_path: Path) -> None:
     pytest.importorskip("reasoning_gym", reason="experiment=rg_smol needs the tasks extra")
     metrics = two_steps(tmp_path)

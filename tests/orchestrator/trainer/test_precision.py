@@ -98,6 +98,7 @@ def test_fp32_head_needs_a_plain_linear_head() -> None:
         with_fp32_head(NoHead())
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_mixed_under_trainer_ranks_is_fsdp2_mixed_precision() -> None:
     """Two ranks over gloo: FSDP2 gathers the parameters in bf16 and reduces gradients in
     float32 (no autocast); the engines get the gathered bf16 weights."""

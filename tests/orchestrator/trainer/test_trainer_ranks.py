@@ -64,6 +64,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.parametrize("world", [2])
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_two_ranks_give_the_gradients_and_weights_of_one_process(tmp_path: Path, world: int) -> None:
     out = tmp_path / "ranks.pt"
     mp.start_processes(_rank, args=(world, free_port(), str(out)), nprocs=world,
@@ -109,6 +110,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         torch.testing.assert_close(tensor, b[name], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_sharded_checkpoints_resume_at_another_world_size(tmp_path: Path) -> None:
     """1 -> 2 and 2 -> 1: the next step after loading matches the step without a restart, so
     the weights and the optimiser's moments came back."""
@@ -153,6 +155,7 @@ def test_sharded_checkpoints_resume_at_another_world_size(tmp_path: Path) -> Non
     update.release()
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_a_dead_rank_ends_the_run_in_one_line() -> None:
     with LocalLauncher() as launcher:
         group = launcher.trainer(recipe(world_size=2))
@@ -167,6 +170,7 @@ def test_a_dead_rank_ends_the_run_in_one_line() -> None:
 
 
 @pytest.mark.timeout(120)  # without the stop, the good rank waits in gloo's 300 s collective
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_a_rank_that_raises_stops_the_rank_waiting_on_it_and_ends_the_run_in_one_line() -> None:
     groups = make_groups(count=2)
     bad = groups[1].trajectories[0]  # a token past the vocabulary: that rank's forward raises
@@ -186,6 +190,7 @@ def test_a_rank_that_raises_stops_the_rank_waiting_on_it_and_ends_the_run_in_one
             group.snapshot()
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_lora_on_two_ranks_matches_one_process() -> None:
     """A warm-start step (every weight) then an RL step (adapters only) on 2 ranks: the same
     updates as in one process; the RL update carries the adapters alone."""

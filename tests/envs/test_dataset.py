@@ -1,0 +1,193 @@
+"""``env=dataset``: a user's files in every format and schema, their bad input, the order a
+resumed run keeps, and a run from a file end to end (envs/dataset.py, orchestrator/main.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import anyio
+import pandas as pd
+import pytest
+from helpers import REPO
+from hydra import compose, initialize_config_dir
+
+from envs.dataset import DatasetSpec, DatasetTask
+from envs.errors import EnvConfigError
+from orchestrator.pipeline import TaskSampler
+
+
+def verl_rows(n: int, source: str = "arith") -> list[dict]:
+    return [{"data_source": source, "ability": "math",
+             "prompt": [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": f"What is {i}+{i}?"}],
+             "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"index": i}} for i in range(n)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    from datasets import Dataset
+
+    plain = [{"question": f"{i}*3=", "answer": str(3 * i), "difficulty": "easy"} for i in range(12)]
+    out = {
+        "verl_parquet": tmp_path / "verl.parquet",
+        "verl_jsonl": write_jsonl(tmp_path / "verl.jsonl", verl_rows(10, "jsonl_src")),
+        "trl_json": tmp_path / "trl.json",
+        "plain_csv": tmp_path / "plain.csv",
+        "arrow": tmp_path / "plain.arrow",
+        "disk": tmp_path / "saved",
+    }
+    pd.DataFrame(verl_rows(20)).to_parquet(out["verl_parquet"])
+    out["trl_json"].write_text(json.dumps(
+        [{"prompt": f"Name {i}", "completion_hint": "x", "answer": f"n{i}"} for i in range(8)]))
+    pd.DataFrame(plain).to_csv(out["plain_csv"], index=False)
+    Dataset.from_list([{"problem": f"p{i}", "solution": f"s{i}"} for i in range(6)]).save_to_disk(
+        str(out["disk"]))
+    Dataset.from_list(plain[:5]).save_to_disk(str(tmp_path / "arrowdir"))
+    (tmp_path / "arrowdir" / "data-00000-of-00001.arrow").rename(out["arrow"])
+    return out
+
+
+def test_every_format_and_schema(files: dict[str, Path]) -> None:
+    spec = DatasetSpec(train=str(files["verl_parquet"]), eval=str(files["verl_jsonl"]))
+    task = spec.tasks("train")[3]
+    assert isinstance(task, DatasetTask)
+    assert task.messages == ({"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "What is 3+3?"})
+    assert task.answer == "6" and task.source == "arith" and task.row == 4
+    assert task.metadata["ability"] == "math" and task.metadata["extra_info"] == {"index": 3}
+    assert "prompt" not in task.metadata
+    assert spec.tasks("eval")[0].source == "jsonl_src"
+
+    trl = DatasetSpec(train=str(files["trl_json"]), system_prompt="S", instruction="Be exact.")
+    task = trl.tasks("train")[1]
+    assert task.messages == ({"role": "system", "content": "S"},
+                             {"role": "user", "content": "Name 1 Be exact."})
+    assert task.metadata == {"completion_hint": "x", "answer": "n1", "data_source": "trl"}
+    plain = DatasetSpec(train=str(files["plain_csv"]))
+    assert plain.tasks("train")[2].answer == "6"
+    assert plain.tasks("train")[2].metadata["difficulty"] == "easy"
+    assert len(DatasetSpec(train=str(files["arrow"])).tasks("train")) == 5
+    disk = DatasetSpec(train=str(files["disk"]))
+    assert disk.tasks("train")[5].answer == "s5" and disk.tasks("train")[5].source == "saved"
+    # a glob and a list are one source; keys override
+    both = DatasetSpec(train=str(files["verl_parquet"].parent / "verl.*"),
+                       answer_key="extra_info.index", prompt_key="prompt")
+    assert len(both.tasks("train")) == 30  # sorted: verl.jsonl first
+    assert both.tasks("train")[5].answer == "5" and both.tasks("train")[25].answer == "15"
+
+
+def test_a_weighted_mixture_counts_samples_per_source(files: dict[str, Path]) -> None:
+    spec = DatasetSpec(train=[{"path": str(files["verl_parquet"]), "weight": 0.75},
+                              {"path": str(files["plain_csv"]), "weight": 0.25}])
+    tasks = spec.tasks("train")
+    assert len(tasks) == 32  # 20 + 12 rows an epoch, shared 24 : 8
+    assert Counter(t.source for t in tasks) == {"arith": 24, "plain": 8}
+    assert len({t.answer for t in tasks if t.source == "arith"}) == 20  # every row, some twice
+    assert [t.id for t in tasks] == list(range(32))
+
+    async def episodes() -> dict[str, float]:
+        async with spec.running():
+            for task in list(tasks)[:3] + list(tasks)[-1:]:
+                env = spec.make_env()
+                await env.reset(task)
+                await env.step(r"\boxed{0}")
+                await env.reward()
+            return spec.metrics()
+
+    metrics = anyio.run(episodes)
+    assert metrics["data/samples/arith"] == 3 and metrics["data/samples/plain"] == 1
+    assert metrics["reward/timeouts"] == metrics["reward/errors"] == 0
+
+
+def test_duplicates_between_train_and_eval_are_reported(files: dict[str, Path],
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        spec = DatasetSpec(train=str(files["verl_parquet"]), eval=str(files["verl_jsonl"]))
+    assert spec.duplicates == 10
+    assert "10 train rows have the same prompt as an eval row" in caplog.text
+
+
+def test_resume_neither_repeats_nor_skips_within_an_epoch(files: dict[str, Path]) -> None:
+    tasks = DatasetSpec(train=str(files["verl_parquet"])).tasks("train")
+    whole = TaskSampler(tasks, seed=7)
+    epoch = [whole.next().id for _ in range(20)]
+    assert sorted(epoch) == list(range(20))
+
+    first = TaskSampler(tasks, seed=7)
+    handed = [first.next().id for _ in range(9)]
+    for task_id in handed[:6]:  # trained before the checkpoint; 3 still in flight
+        first.settle(task_id)
+    state = json.loads(json.dumps(first.state_dict()))  # through the checkpoint's JSON
+    resumed = TaskSampler(DatasetSpec(train=str(files["verl_parquet"])).tasks("train"), seed=7)
+    resumed.load_state_dict(state)
+    rest = [resumed.next().id for _ in range(14)]
+    assert sorted(handed[:6] + rest) == list(range(20))
+    assert rest[:3] == handed[6:9] and rest[3:] == epoch[9:]
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda d: {"train": str(d / "missing.jsonl")}, "env.train: no such file"),
+    (lambda d: {"train": str(d / "none-*.jsonl")}, "env.train: no file matches"),
+    (lambda d: {"train": str(write_jsonl(d / "a.txt", [{}]))}, "unknown extension '.txt'"),
+    (lambda d: {"train": str(write_jsonl(d / "a.jsonl", [{"text": "x", "answer": "1"}]))},
+     ("has no prompt column (prompt, messages, question, problem); set env.prompt_key; "
+      "its columns: text, answer")),
+    (lambda d: {"train": str(write_jsonl(d / "a.jsonl", [{"question": "x", "label": "1"}]))},
+     "no answer column"),
+    (lambda d: {"train": str(write_jsonl(d / "a.jsonl", [{"question": "q", "answer": "1"},
+                                                         {"question": "q", "answer": " "}]))},
+     "a.jsonl row 2 key 'answer': the answer is empty"),
+    (lambda d: {"train": str(write_jsonl(d / "a.jsonl", [{"prompt": 3, "answer": "1"}]))},
+     "row 1 key 'prompt': the prompt is neither a string nor a list of {role, content} messages"),
+    (lambda d: {"train": str(write_jsonl(d / "a.jsonl", [
+        {"prompt": [{"role": "user", "content": "a"}], "answer": "1"},
+        {"prompt": [{"role": "wizard", "content": "b"}], "answer": "1"}]))},
+     "a.jsonl row 2 key 'prompt': unknown role 'wizard'"),
+    (lambda d: {"train": str(write_jsonl(d / "a.jsonl", [{"question": "q", "answer": "1"}])),
+                "reward": "mathh"}, "env.reward names an unknown reward 'mathh'"),
+    (lambda d: {"train": str(write_jsonl(d / "a.jsonl", [{"question": "q", "answer": "1"}])),
+                "answer_key": "reward_model.ground_truth"},
+     "no column for env.answer_key=reward_model.ground_truth"),
+    (lambda d: {"train": [{"path": "x.jsonl", "weight": -1}]}, "env.train[0].weight must be"),
+])
+def test_bad_input_is_one_line_naming_file_row_and_key(tmp_path: Path, make, message: str) -> None:
+    with pytest.raises(EnvConfigError) as info:
+        DatasetSpec(**make(tmp_path))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_run_from_a_file_end_to_end(tmp_path: Path) -> None:
+    """The real config, the tiny model and its warm start, the math reward in workers; one
+    prompt too long for the context is left out when the data is loaded."""
+    from orchestrator.main import run
+
+    rows = [{"question": f"{a:02d}+{b:02d}=", "answer": str(a + b)}
+            for a in range(0, 60, 7) for b in range(0, 60, 11)]
+    rows.append({"question": "9" * 400 + "+1=", "answer": "1"})
+    train = write_jsonl(tmp_path / "sums.jsonl", rows)
+    test = write_jsonl(tmp_path / "test.jsonl", [{"question": "12+13=", "answer": "25"}] * 4)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[  # helpers.quick_config, less its env sizes
+            "experiment=smoke", "logger=none", "progress=false", "model.device=cpu",
+            "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
+            "pipeline.num_steps=2", "pipeline.batch_size=8", "pipeline.num_workers=2",
+            "warmstart.steps=2", "warmstart.target_accuracy=null", "eval.num_tasks=4",
+            "env=dataset", f"env.train={train}", f"env.eval={test}", "rollout.max_tokens=4",
+            "env.reward={math: 1.0, format: 0.1}"])
+    result = run(cfg, tmp_path / "run")
+    assert len(result.reports) == 2 and result.eval_after is not None
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # episodes started from the file: two steps of 8, and those admitted ahead (k = 1)
+    assert 16 <= metrics[1]["data/samples/sums"] <= 32
+    assert metrics[1]["reward/timeouts"] == metrics[1]["reward/errors"] == 0
+    assert 0.0 <= metrics[1]["reward/mean"] <= 1.1
