@@ -42,8 +42,14 @@ CANDIDATES: list[tuple[str, tuple[str, ...], str, str | None, int]] = [
     ("all kinds, no instruction, 32 tokens", make_arith.KINDS, "ascii", None, 32),
     ("all kinds in words, boxed, 32 tokens", make_arith.KINDS, "words", BOXED, 32),
     ("all kinds in LaTeX, boxed, 32 tokens", make_arith.KINDS, "latex", BOXED, 32),
+    ("all kinds in LaTeX, boxed, 16 tokens", make_arith.KINDS, "latex", BOXED, 16),
+    ("all kinds in LaTeX, boxed, 48 tokens", make_arith.KINDS, "latex", BOXED, 48),
+    ("all kinds in LaTeX, just the number, 24 tokens", make_arith.KINDS, "latex",
+     "Answer with just the number.", 24),
+    ("all kinds in LaTeX, no instruction, 32 tokens", make_arith.KINDS, "latex", None, 32),
+    ("add, sub in LaTeX, boxed, 32 tokens", ("add", "sub"), "latex", BOXED, 32),
 ]
-CHOSEN = "all kinds, boxed, 32 tokens"
+CHOSEN = "all kinds in LaTeX, boxed, 32 tokens"
 
 
 async def rate(engine: TorchEngine, tokenizer: Any, spec: DatasetSpec, max_tokens: int,
@@ -76,7 +82,7 @@ async def main(args: argparse.Namespace) -> None:
     model = {"_target_": "orchestrator.models.policy.pretrained_policy", "gguf": args.model,
              "path": None, "dtype": "float32", "device": "cpu"}
     policy = build_policy(model)
-    only = set(args.only.split(",")) if args.only else None
+    only = set(args.only.split(";")) if args.only else None
     chosen = None
     async with TorchEngine(model, WeightUpdate.of_module(0, policy.model),
                            max_batch_size=args.eval) as engine:
@@ -102,7 +108,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--eval", type=int, default=100, help="held-out questions a candidate")
-    parser.add_argument("--only", default="", help="comma-separated labels (default: all)")
+    parser.add_argument("--only", default="", help="labels separated by ; (default: all)")
     parser.add_argument("--show", type=int, default=0, help="replies printed per kind")
     parser.add_argument("--model", default="smollm2", help="model.gguf: smollm2 or a .gguf path")
     parser.add_argument("--threads", type=int, default=2)

@@ -1,16 +1,18 @@
 """The real model's learning curve: held-out greedy accuracy against RL wall time for runs
-of ``experiment=rg_smol`` (one per seed), from their run directories alone.
+of ``experiment=rg_smol`` (one per seed), or of another experiment, from their run
+directories alone.
 
     python -m orchestrator experiment=rg_smol seed=0 hydra.run.dir=runs/rg_smol_s0
     python -m orchestrator experiment=rg_smol seed=1 hydra.run.dir=runs/rg_smol_s1
     python -m bench.rg_smol_curve runs/rg_smol_s0 runs/rg_smol_s1 [--budget-min 45]
+    python -m bench.rg_smol_curve runs/dataset_smol_s0 --experiment dataset_smol --budget-min 30
 
 Accuracy before RL is the run log's "eval before RL" line; the evaluations during RL are the
-``eval/accuracy`` metrics (``eval.every`` steps, 50 held-out questions, greedy), placed at
-the RL time (``time/step`` summed) of the step they were reported with (they run alongside
-rollout, so the time includes them). Writes ``docs/rg_smol.png``; the last line is
-``rg_smol_gain=``: over the runs, the smallest best gain in held-out accuracy within the
-budget (target >= 0.15 within 45 minutes).
+``eval/accuracy`` metrics (``eval.every`` steps, the experiment's held-out questions, greedy),
+placed at the RL time (``time/step`` summed) of the step they were reported with (they run
+alongside rollout, so the time includes them). Writes ``docs/<experiment>.png``; the last
+line is ``<experiment>_gain=``: over the runs, the smallest best gain in held-out accuracy
+within the budget (target >= 0.15 within 45 minutes for rg_smol, 30 for dataset_smol).
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--budget-min", type=float, default=45.0)
-    parser.add_argument("--plot", type=Path, default=Path("docs/rg_smol.png"))
+    parser.add_argument("--experiment", default="rg_smol",
+                        help="the runs' experiment: the plot's title and the last line's name")
+    parser.add_argument("--plot", type=Path, default=None, help="default: docs/<experiment>.png")
     args = parser.parse_args()
+    plot = args.plot or Path("docs") / f"{args.experiment}.png"
     gains = []
     curves = {}
     for run in args.runs:
@@ -67,13 +72,13 @@ def main() -> None:
     ax.axvline(args.budget_min, color="grey", linestyle=":", label=f"{args.budget_min:g} min")
     ax.set_xlabel("RL wall time (min), 2 CPU cores")
     ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title("SmolLM2-135M-Instruct, experiment=rg_smol")
+    ax.set_title(f"SmolLM2-135M-Instruct, experiment={args.experiment}")
     ax.legend()
     fig.tight_layout()
-    args.plot.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.plot, dpi=120)
-    print(f"plot: {args.plot}")
-    print(f"rg_smol_gain={min(gains):.3f}")
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(plot, dpi=120)
+    print(f"plot: {plot}")
+    print(f"{args.experiment}_gain={min(gains):.3f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The small dataset file that ``experiment=dataset_smol`` learns from, written in code.
 
-    python -m envs.data.make_arith [--out envs/data] [--train 400] [--eval 100] [--seed 0]
+    python -m envs.data.make_arith [--out envs/data] [--train 224] [--eval 100] [--seed 0]
 
 One-digit arithmetic in verl's Parquet schema: ``data_source``, ``prompt`` as a list of
 ``{role, content}`` messages, ``ability``, ``reward_model: {style: rule, ground_truth}`` and
@@ -87,7 +87,7 @@ def rows(kinds: Sequence[str], phrasing: str, train: int, eval: int, seed: int,
     return out
 
 
-def write(out_dir: Path, kinds: Sequence[str] = KINDS, phrasing: str = "ascii", train: int = 400,
+def write(out_dir: Path, kinds: Sequence[str] = KINDS, phrasing: str = "latex", train: int = 224,
           eval: int = 100, seed: int = 0, prefix: str = "arith") -> dict[str, Path]:
     """Write ``<prefix>_train.parquet`` and ``<prefix>_eval.parquet``; their paths by split."""
     import pandas as pd
@@ -104,8 +104,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)}")
-    parser.add_argument("--phrasing", choices=("ascii", "words", "latex"), default="ascii")
-    parser.add_argument("--train", type=int, default=400)
+    parser.add_argument("--phrasing", choices=("ascii", "words", "latex"), default="latex")
+    parser.add_argument("--train", type=int, default=224)
     parser.add_argument("--eval", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -67,7 +67,8 @@ def test_every_group_option_composes_and_instantiates(group: str, option: str,
         overrides += [f"env.train={tmp_path / 'train.jsonl'}"]
     if (group, option) == ("env", "agent"):  # env.program has no default: bench.gateway's
         overrides += ["env.program=bench.gateway:agent", "env.tasks=bench.gateway:noop_tasks"]
-    if group != "model" and (group, option) != ("experiment", "rg_smol"):  # rg_smol: the real model
+    if group != "model" and (group, option) not in {("experiment", "rg_smol"),
+                                                    ("experiment", "dataset_smol")}:  # the real model
         overrides += SMALL_MODEL
     cfg = composed(overrides)
     if group != "experiment":  # experiments are overlays on the global package

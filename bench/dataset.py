@@ -1,0 +1,146 @@
+"""``env=dataset`` at scale, and its reward off the critical path.
+
+1. **Start-up and memory** (``startup``): Parquet files of 1,000,000 and of 1,000 rows (plain
+   schema: ``question`` / ``answer``, two-digit sums, written by pyarrow into ``--out``), each
+   trained for one step by ``python -m orchestrator experiment=smoke env=dataset`` (no warm
+   start, no evaluation) in a subprocess: its wall time from start to exit and its peak
+   resident memory (``ru_maxrss`` of the child). The first read of a Parquet or JSONL file
+   converts it into ``datasets``' Arrow cache; that conversion is timed apart (a run of its
+   own before the timed one), since it happens once per file. Figures: seconds to the end of
+   the step for each size, and the 1M run's extra resident memory over the 1k run's
+   (target <= 200 MB).
+2. **Reward off the critical path** (``reward``): the same short run (``experiment=smoke``,
+   ``--steps`` steps on the 1,000-row file) with ``env.reward=exact`` (scored in the run's own
+   process), ``env.reward=math`` (math-verify in worker processes) and ``math`` plus a function
+   that never returns for one completion in 50 (``bench.dataset_rewards:hang_one_in_50``,
+   ``env.reward_timeout_s=1``): samples/s from each run's ``summary.json``, as ratios to
+   ``exact`` (targets: math >= 0.95, with hangs >= 0.9), and the hung run's
+   ``reward/timeouts``.
+
+On the tiny model the replies are short strings of characters, so verification costs what it
+costs on a parse of such text; the point is that the run does not wait on it.
+
+``--quick``: 3 steps a reward run (default 20). Last line: ``dataset_extra_rss_mb_1m=<value>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SIZES = (1_000, 1_000_000)
+
+
+def write_rows(path: Path, rows: int, seed: int = 0) -> Path:
+    """``rows`` two-digit sums as a Parquet file (plain schema), written in chunks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.exists():
+        return path
+    rng = random.Random(seed)
+    schema = pa.schema([("question", pa.string()), ("answer", pa.string())])
+    tmp = path.with_suffix(".tmp")
+    with pq.ParquetWriter(tmp, schema) as writer:
+        for start in range(0, rows, 100_000):
+            a = [rng.randrange(10, 100) for _ in range(min(100_000, rows - start))]
+            b = [rng.randrange(10, 100) for _ in a]
+            writer.write_table(pa.table({
+                "question": [f"{x}+{y}=" for x, y in zip(a, b, strict=True)],
+                "answer": [str(x + y) for x, y in zip(a, b, strict=True)]}, schema=schema))
+    tmp.rename(path)
+    return path
+
+
+def run(out: Path, name: str, *overrides: str) -> tuple[float, float, dict[str, float]]:
+    """One ``python -m orchestrator`` run: (wall seconds, peak RSS in MB, its summary.json)."""
+    run_dir = out / name
+    command = [sys.executable, "-m", "orchestrator", "experiment=smoke", "env=dataset",
+               "logger=none", "progress=false", "warmstart.steps=0", "eval.num_tasks=0",
+               f"hydra.run.dir={run_dir}", *overrides]
+    started = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:  # the child: exec the run, so its rusage is its own
+        os.chdir(REPO)
+        log = os.open(out / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.execv(sys.executable, command)
+    _, status, usage = os.wait4(pid, 0)
+    wall = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{name} failed; see {out / f'{name}.log'}:\n"
+                         f"{(out / f'{name}.log').read_text()[-2000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return wall, usage.ru_maxrss / 1024, summary
+
+
+def startup(out: Path) -> float:
+    print(f"{'rows':>10} {'convert s':>10} {'1 step s':>9} {'peak RSS MB':>12}", flush=True)
+    rss = {}
+    for rows in SIZES:
+        path = write_rows(out / f"sums_{rows}.parquet", rows)
+        train = f"env.train={path}"
+        convert, _, _ = run(out, f"convert_{rows}", train, "pipeline.num_steps=1")
+        wall, peak, _ = run(out, f"startup_{rows}", train, "pipeline.num_steps=1")
+        rss[rows] = peak
+        print(f"{rows:>10,} {convert:>10.1f} {wall:>9.1f} {peak:>12.0f}", flush=True)
+    return rss[SIZES[-1]] - rss[SIZES[0]]
+
+
+def rewards(out: Path, steps: int) -> None:
+    train = f"env.train={write_rows(out / 'sums_1000.parquet', 1_000)}"
+    variants = {
+        "exact": ["env.reward=exact"],
+        "math": ["env.reward=math"],
+        "math+hang": ["env.reward=[math,'bench.dataset_rewards:hang_one_in_50']",
+                      "env.reward_timeout_s=1"],
+    }
+    rates = {}
+    print(f"{'reward':<10} {'samples/s':>9} {'ratio':>6} {'timeouts':>9}", flush=True)
+    for name, overrides in variants.items():
+        _, _, summary = run(out, f"reward_{name}", train, f"pipeline.num_steps={steps}",
+                            *overrides)
+        rates[name] = summary["samples_per_s"]
+        metrics = [json.loads(line) for line in
+                   (out / f"reward_{name}" / "metrics.jsonl").read_text().splitlines()]
+        timeouts = max((m.get("reward/timeouts", 0.0) for m in metrics), default=0.0)
+        print(f"{name:<10} {rates[name]:>9.1f} {rates[name] / rates['exact']:>6.2f} "
+              f"{timeouts:>9.0f}", flush=True)
+    print(f"math_vs_exact={rates['math'] / rates['exact']:.3f}")
+    print(f"math_with_hangs_vs_exact={rates['math+hang'] / rates['exact']:.3f}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_dataset")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="3 steps a reward run")
+    parser.add_argument("--parts", default="reward,startup")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    parts = args.parts.split(",")
+    print(f"CPU: {_cpu()}, {os.cpu_count()} cores", flush=True)
+    if "reward" in parts:
+        rewards(args.out, 3 if args.quick else args.steps)
+    if "startup" in parts:
+        extra = startup(args.out)
+        print(f"dataset_extra_rss_mb_1m={extra:.1f}")
+
+
+def _cpu() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
