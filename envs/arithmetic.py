@@ -76,3 +76,7 @@ class ArithmeticSpec(EnvSpec):
 
     def make_env(self) -> Env:
         return ArithmeticEnv()
+
+    def extract_answer(self, reply: str) -> str | None:
+        """The reply itself, stripped: what the exact-match reward compares."""
+        return reply.strip() or None

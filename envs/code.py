@@ -194,6 +194,10 @@ class CodeSpec(EnvSpec):
         self._pool()
         return CodeEnv(self)
 
+    def extract_answer(self, reply: str) -> str | None:
+        """None: a reply is a program, not an answer to vote on (no maj@n)."""
+        return None
+
 
 class CodeToolSpec(CodeSpec):
     """The multi-turn variant: a ``python`` tool on the episode's own stateful session."""

@@ -205,3 +205,7 @@ class ReasoningGymSpec(EnvSpec):
 
     def make_env(self) -> Env:
         return ReasoningGymEnv(self._scorer, self.answer)
+
+    def extract_answer(self, reply: str) -> str | None:
+        """The answer as the reward takes it (``env.answer``: ``tagged`` or ``last_number``)."""
+        return extract_answer(reply, self.answer) or None

@@ -205,6 +205,10 @@ class SearchQASpec(EnvSpec):
         self.url  # noqa: B018 - raises unless the server runs: fail at the episode's start
         return self._env()
 
+    def extract_answer(self, reply: str) -> str | None:
+        """The final reply, normalised as the reward compares it."""
+        return normalize(reply) or None
+
     def _env(self) -> ToolEnv:
         topk = self.topk
         spec = self
