@@ -28,6 +28,8 @@ class ArithmeticEnv(SingleTurnEnv):
 
 
 class ArithmeticSpec(EnvSpec):
+    name = "arithmetic"  # its registry name, also its tasks' data source in evaluations
+
     def __init__(
         self,
         digits: int = 2,

@@ -121,6 +121,7 @@ class CodeEnv(SingleTurnEnv):
 
 
 class CodeSpec(EnvSpec):
+    name = "code"  # its registry name, also its tasks' data source in evaluations
     multi_turn = False
 
     def __init__(
@@ -201,6 +202,8 @@ class CodeSpec(EnvSpec):
 
 class CodeToolSpec(CodeSpec):
     """The multi-turn variant: a ``python`` tool on the episode's own stateful session."""
+
+    name = "code_tool"  # its registry name, also its tasks' data source in evaluations
 
     def __init__(self, *args: Any, max_calls_per_turn: int = 2, describe_tools: bool = False,
                  system_prompt: str | None = None, **kwargs: Any) -> None:

@@ -98,6 +98,8 @@ tool_call_text = HermesParser.format
 # -- the environment --------------------------------------------------------------------------
 
 class SearchQASpec(EnvSpec):
+    name = "search_qa"  # its registry name, also its tasks' data source in evaluations
+
     def __init__(
         self,
         train_size: int = 2000,

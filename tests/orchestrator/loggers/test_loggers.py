@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from orchestrator.errors import ConfigError
+from orchestrator.evaluate import EvalConfig, score
 from orchestrator.loggers.base import JsonlMetrics, NullLogger, step_metrics
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.loggers.wandb_logger import WandbLogger
-from orchestrator.types import StepReport
+from orchestrator.types import EvalSample, Evaluation, StepReport
 
 
 def report(step: int = 2) -> StepReport:
@@ -108,3 +110,46 @@ def test_progress_in_a_terminal_or_disabled_logs_nothing(caplog: pytest.LogCaptu
                 progress.update(report(0))
                 progress.update(report(1))
     assert not [r for r in caplog.records if r.name == "orchestrator.progress"]
+
+
+def evaluation() -> Evaluation:
+    samples = [EvalSample(task_id=t, sample_index=i, source="math", reward=float(i == 0),
+                          tokens=4, answer=str(i), prompt=f"q{t}", completion=f"{i}",
+                          reference="0") for t in range(2) for i in range(4)]
+    return score(samples, EvalConfig(n=4, temperature=1.0, k=[1, 4]))
+
+
+def test_the_progress_line_carries_the_last_periodic_evaluation(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="orchestrator.progress"), \
+            StepProgress(2, interactive=False, interval=0.0) as progress:
+        progress.update(report(0))
+        progress.update(replace(report(1), evaluation=evaluation()))
+    lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.progress"]
+    assert "eval" not in lines[0]
+    assert "eval 0.250 pass@4 1.000" in lines[-1]
+
+
+class FakeRun:
+    def __init__(self) -> None:
+        self.logged: list[tuple[dict, int]] = []
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.logged.append((metrics, step))
+
+
+def test_wandb_logs_an_evaluations_samples_as_a_table_and_its_figures() -> None:
+    import wandb
+
+    logger = WandbLogger(mode="disabled")
+    logger._run = run = FakeRun()
+    logger.log_evaluation("before", 0, evaluation())
+    logger.log_evaluation("during", 7, evaluation())
+    (before, step0), (during, step7) = run.logged
+    assert (step0, step7) == (0, 7)
+    table = before["eval/samples"]
+    assert isinstance(table, wandb.Table) and len(table.data) == 2  # two tasks' first samples
+    assert {"prompt", "completion", "reward", "answer"} <= set(table.columns)
+    assert before["eval/pass@4"] == 1.0 and before["eval/math/mean@4"] == 0.25
+    assert before["eval/accuracy"] == 0.25
+    assert set(during) == {"eval/samples"}  # during RL the figures came with the step's metrics
