@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 # (the run's episode runner) -> supervised steps taken; runs before RL on the run's one engine
 WarmStart = Callable[[EpisodeRunner], Awaitable[int]]
-# (when: "before" | "after" | "during", the steps trained before it began, the evaluation)
+# (when: "before" or "after" RL, the steps trained before it began, the evaluation)
 OnEval = Callable[[str, int, Evaluation], None]
 
 

@@ -74,11 +74,11 @@ def test_progress_tracks_a_reward_average() -> None:
 
 def test_progress_without_a_terminal_logs_a_line_every_interval(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
-    with caplog.at_level(logging.INFO, logger="orchestrator.progress"):
-        with StepProgress(10, interactive=False, interval=5.0, clock=lambda: now[0]) as progress:
-            for step in range(10):
-                now[0] += 2.0  # a step every 2 s: a line at 6 s, 12 s, 18 s and the last step
-                progress.update(report(step))
+    with caplog.at_level(logging.INFO, logger="orchestrator.progress"), \
+            StepProgress(10, interactive=False, interval=5.0, clock=lambda: now[0]) as progress:
+        for step in range(10):
+            now[0] += 2.0  # a step every 2 s: a line at 6 s, 12 s, 18 s and the last step
+            progress.update(report(step))
     lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.progress"]
     assert [line.split()[2] for line in lines] == ["3/10", "6/10", "9/10", "10/10"]
     assert "reward 0.500" in lines[0] and "ETA 0m14s" in lines[0]  # 7 steps left at 2 s each
@@ -91,14 +91,14 @@ def test_progress_without_a_terminal_logs_a_line_every_interval(caplog: pytest.L
 def test_the_progress_line_says_when_the_last_checkpoint_was_written(
         caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
-    with caplog.at_level(logging.INFO, logger="orchestrator.progress"):
-        with StepProgress(4, interactive=False, interval=5.0, clock=lambda: now[0]) as progress:
-            progress.checkpointed(0)  # the checkpoint after the warm start
-            for step in range(4):
-                now[0] += 20.0
-                progress.update(report(step))
-                if step == 1:
-                    progress.checkpointed(2)
+    with caplog.at_level(logging.INFO, logger="orchestrator.progress"), \
+            StepProgress(4, interactive=False, interval=5.0, clock=lambda: now[0]) as progress:
+        progress.checkpointed(0)  # the checkpoint after the warm start
+        for step in range(4):
+            now[0] += 20.0
+            progress.update(report(step))
+            if step == 1:
+                progress.checkpointed(2)
     lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.progress"]
     assert "checkpoint @0 0m20s ago" in lines[0] and "checkpoint @2 0m40s ago" in lines[-1]
 
