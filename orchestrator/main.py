@@ -210,16 +210,25 @@ def _first(tasks: Sequence[Task], n: int) -> list[Task]:
     return [tasks[i] for i in range(min(n, len(tasks)))]
 
 
+def prompt_budget(rollout: RolloutConfig, context: int | None) -> tuple[int, int] | None:
+    """The context a dataset row's prompt must fit in (``rollout.max_total_tokens``, else the
+    model's ``context``) and the most tokens the prompt may have (that less
+    ``rollout.max_tokens``, left for the answer); None when the context is unknown. The one
+    rule of :func:`_leave_out_long_prompts` and ``python -m orchestrator.data check``."""
+    limit = rollout.max_total_tokens or context
+    return None if limit is None else (limit, limit - rollout.max_tokens)
+
+
 def _leave_out_long_prompts(spec: DatasetSpec, tokenizer: Tokenizer, rollout: RolloutConfig,
                             context: int | None) -> None:
     """A file's rows whose prompt does not fit the model's context with ``rollout.max_tokens``
     left for the answer are left out now, counted in one line, never a failure mid-run."""
-    limit = rollout.max_total_tokens or context
-    if limit is None:
+    limits = prompt_budget(rollout, context)
+    if limits is None:
         log.info("env=dataset: the model's context is unknown (model.max_position_embeddings, "
                  "rollout.max_total_tokens): prompts are not checked for length")
         return
-    budget = limit - rollout.max_tokens
+    limit, budget = limits
     try:
         left_out = spec.keep(lambda messages: len(tokenizer.chat_prompt(messages)) <= budget)
     except EnvConfigError as e:

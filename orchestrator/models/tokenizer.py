@@ -72,6 +72,11 @@ class Tokenizer(ABC):
     def stop_ids(self) -> tuple[int, ...]:
         """Tokens that end an assistant turn."""
 
+    def render(self, ids: Sequence[int]) -> str:
+        """``ids`` as text with the special tokens written out (a chat prompt as the model
+        sees it); :meth:`decode` drops them."""
+        return self.decode(ids)
+
     def completion(self, text: str) -> list[int]:
         """Token ids of an assistant reply, stop token included (for supervised targets)."""
         return self.encode(text) + [self.stop_ids[0]]
@@ -101,6 +106,9 @@ class CharTokenizer(Tokenizer):
         return "".join(
             self._itos[i] for i in ids if 0 <= i < self.vocab_size and i >= len(self.SPECIALS)
         )
+
+    def render(self, ids: Sequence[int]) -> str:
+        return "".join(self._itos[i] for i in ids if 0 <= i < self.vocab_size)
 
     def chat_prompt(self, messages: Sequence[Message], continuation: bool = False,
                     tools: Sequence[ToolSchema] | None = None) -> list[int]:
@@ -175,6 +183,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def render(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
 
     @property
     def native_tools(self) -> bool:

@@ -256,7 +256,11 @@ class TorchTrainer(Trainer):
         self._packs = isinstance(getattr(self.model.config, "_attn_implementation", None), str)
         self._cache_argument = cache_argument(self.model)
         self._flops_cache: tuple[float, float] | None = None
-        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad], lr=lr,
+        # The parameters as the optimisers must hold them: under trainer ranks, FSDP2's sharded
+        # ones (while gathered, model.parameters() gives temporary unsharded tensors, and an
+        # optimiser built from those would step nothing that lasts).
+        self._parameters = list(self.model.parameters())
+        self.optimizer = adamw([p for p in self._parameters if p.requires_grad], lr=lr,
                                weight_decay=weight_decay, betas=tuple(betas))
         # Linear warm-up: Adam's first updates are sign-like and RL gradients are noisy.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -583,7 +587,7 @@ class TorchTrainer(Trainer):
             # Unfused, as before: the warm start stops at the first greedy check that reaches
             # its target, so rounding-level differences move where it stops (the default
             # experiment's held-out accuracy after it: 0.315 unfused, 0.195 fused).
-            self._warm_optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr,
+            self._warm_optimizer = torch.optim.AdamW(self._parameters, lr=lr,
                                                      weight_decay=0.0)
         return self._warm_optimizer
 
@@ -594,7 +598,7 @@ class TorchTrainer(Trainer):
         optimizer: torch.optim.Optimizer,
     ) -> float:
         """One cross-entropy step on the masked tokens with ``optimizer``."""
-        frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        frozen = [p for p in self._parameters if not p.requires_grad]
         for p in frozen:  # LoRA's base weights: trained by the warm start alone
             p.requires_grad_(True)
         try:

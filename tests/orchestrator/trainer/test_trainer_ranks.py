@@ -214,3 +214,27 @@ def test_lora_on_two_ranks_matches_one_process() -> None:
         assert all("::lora_" in k for k in adapters)
     finally:
         group.close()
+
+
+@pytest.mark.slow  # left out of scripts/test.sh --quick
+def test_a_warm_start_after_the_weights_were_gathered_trains_the_shards() -> None:
+    """A run gathers the weights for its engines before its warm start. The warm start's
+    optimiser, built then, must hold the shards: built from the gathered copies, it stepped
+    tensors nothing kept, and two ranks' warm start changed no weight at all."""
+    sequences = [t.token_ids for g in make_groups(seed=3) for t in g.trajectories]
+    masks = [[True] * len(s) for s in sequences]
+    single = recipe().build()
+    for _ in range(2):
+        anyio.run(single.supervised_step, sequences, masks, 1e-3)
+    warm = {k: v.clone() for k, v in single.model.state_dict().items()}
+
+    group = process_group(recipe(world_size=2), 2)
+    try:
+        before = gathered(group)  # what the engines are built from, first
+        for _ in range(2):
+            anyio.run(group.supervised_step, sequences, masks, 1e-3)
+        after = gathered(group)
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+        assert_same(after, warm)
+    finally:
+        group.close()
