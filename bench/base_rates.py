@@ -51,7 +51,7 @@ async def rate(engine: TorchEngine, tokenizer: Any, spec: ReasoningGymSpec, task
                max_tokens: int) -> float:
     rollout = RolloutConfig(group_size=1, max_tokens=max_tokens, temperature=0.0)
     runner = EpisodeRunner(engine, tokenizer, spec, rollout, Recorder())
-    return await evaluate(runner, spec.tasks("eval")[:tasks])
+    return (await evaluate(runner, spec.tasks("eval")[:tasks])).mean
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -267,8 +267,8 @@ def evaluate_runs(runs: Sequence[Run], cfg: DictConfig) -> float:
             version += 1
             load_weights(policy.model, path)
             await sync_weights(engine, WeightUpdate.of_module(version, policy.model))
-        return await evaluate(EpisodeRunner(engine, policy.tokenizer, spec, rollout, Recorder()),
-                              tasks)
+        return (await evaluate(EpisodeRunner(engine, policy.tokenizer, spec, rollout, Recorder()),
+                               tasks)).mean
 
     async def go() -> float:
         async with engine:

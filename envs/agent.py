@@ -142,6 +142,8 @@ class AgentProgram:
 
 
 class AgentSpec(EnvSpec):
+    name = "agent"  # its registry name, also its tasks' data source in evaluations
+
     def __init__(
         self,
         program: str,

@@ -28,6 +28,8 @@ class ArithmeticEnv(SingleTurnEnv):
 
 
 class ArithmeticSpec(EnvSpec):
+    name = "arithmetic"  # its registry name, also its tasks' data source in evaluations
+
     def __init__(
         self,
         digits: int = 2,
@@ -76,3 +78,7 @@ class ArithmeticSpec(EnvSpec):
 
     def make_env(self) -> Env:
         return ArithmeticEnv()
+
+    def extract_answer(self, reply: str) -> str | None:
+        """The reply itself, stripped: what the exact-match reward compares."""
+        return reply.strip() or None

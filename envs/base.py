@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Protocol, Self
 
+from envs.answers import extract_math
+
 Message = dict[str, str]
 Clock = Callable[[], float]  # seconds; the run's one clock (its recorder's), handed to envs
 
@@ -148,6 +150,15 @@ class EnvSpec(ABC):
         messages, such as tool results, are context). A single-turn environment answers with
         the reference answer; a tool environment shows the calls and their results too."""
         return (*task.messages, {"role": "assistant", "content": task.answer})
+
+    def extract_answer(self, reply: str) -> str | None:
+        """The final answer in ``reply`` (the episode's last assistant turn), for an
+        evaluation's majority vote (maj@n); None when it gives none. The default reads it as
+        ``math`` does (:func:`envs.answers.extract_math`: the last ``\\boxed{}``, else the
+        last ``<answer>`` tags, else the last number); an environment with its own answer
+        format overrides it, and one whose replies are not answers to vote on (``code``)
+        returns None, so no maj@n is reported for it."""
+        return extract_math(reply)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

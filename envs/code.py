@@ -121,6 +121,7 @@ class CodeEnv(SingleTurnEnv):
 
 
 class CodeSpec(EnvSpec):
+    name = "code"  # its registry name, also its tasks' data source in evaluations
     multi_turn = False
 
     def __init__(
@@ -194,9 +195,15 @@ class CodeSpec(EnvSpec):
         self._pool()
         return CodeEnv(self)
 
+    def extract_answer(self, reply: str) -> str | None:
+        """None: a reply is a program, not an answer to vote on (no maj@n)."""
+        return None
+
 
 class CodeToolSpec(CodeSpec):
     """The multi-turn variant: a ``python`` tool on the episode's own stateful session."""
+
+    name = "code_tool"  # its registry name, also its tasks' data source in evaluations
 
     def __init__(self, *args: Any, max_calls_per_turn: int = 2, describe_tools: bool = False,
                  system_prompt: str | None = None, **kwargs: Any) -> None:

@@ -411,6 +411,8 @@ class DatasetSpec(EnvSpec):
     list or ``{name: weight}`` (:mod:`envs.rewards`); ``reward_timeout_s`` per item;
     ``reward_processes``: verification workers."""
 
+    name = "dataset"  # its registry name, also its tasks' data source in evaluations
+
     def __init__(
         self,
         train: Any = None,

@@ -115,6 +115,8 @@ class ReasoningGymSpec(EnvSpec):
     ``instruction`` follows each question, after an optional ``system_prompt``; ``answer``
     says how the answer is taken from a completion (``tagged`` or ``last_number``)."""
 
+    name = "reasoning_gym"  # its registry name, also its tasks' data source in evaluations
+
     def __init__(
         self,
         dataset: str = "basic_arithmetic",
@@ -192,7 +194,8 @@ class ReasoningGymSpec(EnvSpec):
                     messages=(*self._system, {"role": "user",
                                               "content": entry["question"] + self._instruction}),
                     answer=str(entry["answer"]),
-                    metadata={"dataset": self.dataset, "entry": entry},
+                    metadata={"dataset": self.dataset, "entry": entry,
+                              "data_source": self.dataset},  # per-source eval figures
                 ))
             if len(tasks) == size:
                 return tasks
@@ -205,3 +208,7 @@ class ReasoningGymSpec(EnvSpec):
 
     def make_env(self) -> Env:
         return ReasoningGymEnv(self._scorer, self.answer)
+
+    def extract_answer(self, reply: str) -> str | None:
+        """The answer as the reward takes it (``env.answer``: ``tagged`` or ``last_number``)."""
+        return extract_answer(reply, self.answer) or None

@@ -98,6 +98,8 @@ tool_call_text = HermesParser.format
 # -- the environment --------------------------------------------------------------------------
 
 class SearchQASpec(EnvSpec):
+    name = "search_qa"  # its registry name, also its tasks' data source in evaluations
+
     def __init__(
         self,
         train_size: int = 2000,
@@ -204,6 +206,10 @@ class SearchQASpec(EnvSpec):
     def make_env(self) -> Env:
         self.url  # noqa: B018 - raises unless the server runs: fail at the episode's start
         return self._env()
+
+    def extract_answer(self, reply: str) -> str | None:
+        """The final reply, normalised as the reward compares it."""
+        return normalize(reply) or None
 
     def _env(self) -> ToolEnv:
         topk = self.topk

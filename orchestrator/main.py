@@ -5,7 +5,7 @@ A training run builds the policy, environment, algorithm and trainer the config 
 (:func:`orchestrator.replay.replay_parts`). Either way the parts go through the one run loop
 (:func:`orchestrator.runloop.run_session`) and the one run-directory writer
 (:class:`orchestrator.rundir.RunDir`): ``config.yaml``, ``metrics.jsonl``, the PolyTrace
-files, ``samples.jsonl``, ``spans/``, ``timeline.json``, ``summary.json``, periodic
+files, ``samples.jsonl``, ``eval_samples.jsonl``, ``spans/``, ``timeline.json``, ``summary.json``, periodic
 checkpoints ``checkpoints/step-<N>/`` to resume from (at the end of the first step a minute,
 ``checkpoint.every_s``, after the last one began, or every ``checkpoint.every`` steps; when a
 signal stops the run; after a crash when the trainer still holds the last step's weights)
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import build_env, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.errors import ConfigError
-from orchestrator.evaluate import evaluate
+from orchestrator.evaluate import EvalConfig, evaluate
 from orchestrator.faults import resumed_faults
 from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRecipe
 from orchestrator.loggers.base import Logger
@@ -60,18 +60,6 @@ from orchestrator.warmstart import WarmStartConfig, warm_start
 from orchestrator.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    num_tasks: int = 200  # greedy episodes on the eval split before and after RL (0: skip)
-    every: int = 0  # also every this many RL steps, alongside rollout (0: never)
-
-    def __post_init__(self) -> None:
-        if self.num_tasks < 0:
-            raise ConfigError(f"eval.num_tasks must be >= 0, got {self.num_tasks}")
-        if self.every < 0:
-            raise ConfigError(f"eval.every must be >= 0, got {self.every}")
 
 
 def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> RunResult:
@@ -128,7 +116,7 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path,
         try:
             anyio.run(partial(run_session, parts, result,
                               lambda report: out.write_step(report, parts.tokenizer), checkpointer,
-                              out.open_recorder, resume, faults),
+                              out.open_recorder, resume, faults, out.write_evaluation),
                       backend=parts.anyio_backend, backend_options=dict(parts.backend_options))
         except BaseException:
             if checkpointer is not None:
@@ -159,6 +147,9 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     rollout_cfg = typed(RolloutConfig, cfg, "rollout")
     warm = typed(WarmStartConfig, cfg, "warmstart")
     eval_cfg = typed(EvalConfig, cfg, "eval")
+    if eval_cfg.n > 1 and eval_cfg.temperature == 0:
+        log.warning("eval.n=%d at eval.temperature=0: greedy samples of a task are alike; set "
+                    "eval.temperature for pass@k and maj@n to mean anything", eval_cfg.n)
     checkpoint_cfg = typed(CheckpointConfig, cfg, "checkpoint")
     for key in ("model", "engine", "algo", "trainer"):
         check_target(cfg, key)
@@ -188,7 +179,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
 
         async def accuracy() -> float:  # on the run's engine, with the trainer's weights
             await sync_weights(runner.engine, await trainer.weights())
-            checks.append(await evaluate(unrecorded, check_tasks))
+            checks.append((await evaluate(unrecorded, check_tasks)).mean)  # greedy, one each
             await runner.engine.sleep()  # colocated: the GPU back to the warm start's steps
             log.info("warm start: greedy accuracy %.3f on %d train tasks", checks[-1], len(check_tasks))
             return checks[-1]
@@ -208,7 +199,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         checkpoint=checkpoint_cfg,
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
         eval_tasks=_first(spec.tasks("eval"), eval_cfg.num_tasks),
-        eval_every=eval_cfg.every,
+        evaluation=eval_cfg,
         progress=scalar(cfg, "progress", bool),
         progress_every=scalar(cfg, "progress_every", float),
     )

@@ -68,7 +68,7 @@ from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.rollout import EpisodeRunner
 from orchestrator.staleness import StalenessController, admission_budget
 from orchestrator.trainer.base import Trainer
-from orchestrator.types import FinishReason, StepReport, TimedGroup
+from orchestrator.types import Evaluation, FinishReason, StepReport, TimedGroup
 from orchestrator.weights import WeightUpdate
 
 
@@ -183,12 +183,14 @@ OnStep = Callable[[StepReport], Awaitable[None] | None]
 @dataclass(frozen=True)
 class PeriodicEval:
     """A held-out evaluation every ``every`` train steps, run alongside rollout on the same
-    engine (its greedy episodes join the engine's batch; weights may update while it runs).
-    Its accuracy goes into the metrics of the step during which it finished, as
-    ``eval/accuracy`` with ``eval/step``, the step after which it started."""
+    engine (its episodes join the engine's batch; weights may update while it runs). It goes
+    into the step report during which it finished (:attr:`StepReport.evaluation`) and into its
+    metrics: every figure (:meth:`Evaluation.metrics`: ``eval/pass@1``,
+    ``eval/<source>/mean@4``, …), the headline mean@n as ``eval/accuracy``, and ``eval/step``,
+    the step after which it started."""
 
     every: int
-    run: Callable[[], Awaitable[float]]
+    run: Callable[[], Awaitable[Evaluation]]
 
 
 class Pipeline:
@@ -224,7 +226,8 @@ class Pipeline:
         self._waiting: anyio.CancelScope | None = None  # the trainer waiting for a batch
         self.gateway: Gateway | None = None  # an agent env's, while the pipeline runs
         self.evaluation = evaluation
-        self._evaluated: dict[str, float] = {}  # a finished periodic eval, for the next report
+        self._evaluated: tuple[int, Evaluation] | None = None  # a finished periodic eval (and
+        #                                                        its step), for the next report
         self._evaluating = False  # one periodic eval at a time: a due one is skipped
         self.faults_before: dict[str, float] = {}  # the run's earlier processes' fault counters
         self.faults: dict[str, float] = {}  # the whole run's, as of the last report
@@ -339,14 +342,18 @@ class Pipeline:
                     metrics = await self.trainer.step(groups)
                     attrs["samples"] = sum(len(g) for g in groups)
                 await send_weights.send(await self.trainer.weights())
-                metrics = {**metrics, **self._evaluated}
-                self._evaluated = {}
+                evaluated, self._evaluated = self._evaluated, None
+                if evaluated is not None:
+                    metrics = {**metrics, **evaluated[1].metrics("eval"),
+                               "eval/accuracy": evaluated[1].mean, "eval/step": float(evaluated[0])}
                 if (self.evaluation is not None and (step + 1) % self.evaluation.every == 0
                         and not self._evaluating):
                     self._evaluating = True
                     tg.start_soon(self._evaluate, step + 1, name="periodic-eval")
                 now = self.recorder.now()
                 report = self._report(step, version, batch, metrics, last_report, now)
+                if evaluated is not None:
+                    report = replace(report, evaluation=evaluated[1])
                 last_report = now
                 # Kept without its batch: a long run must not hold every trajectory it trained.
                 self.reports.append(replace(report, groups=(), timings=()))
@@ -359,10 +366,10 @@ class Pipeline:
     async def _evaluate(self, step: int) -> None:
         assert self.evaluation is not None
         try:
-            accuracy = await self.evaluation.run()
+            evaluation = await self.evaluation.run()
         finally:
             self._evaluating = False
-        self._evaluated = {"eval/accuracy": accuracy, "eval/step": float(step)}
+        self._evaluated = (step, evaluation)
 
     async def _next_batch(
         self,

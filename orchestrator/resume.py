@@ -44,6 +44,7 @@ import torch
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import CONF
 from orchestrator.errors import ConfigError
+from orchestrator.types import Evaluation
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -61,13 +62,15 @@ class RunState:
     pipeline: dict[str, Any]  # Pipeline.state_dict(): the next step, dropped count, sampler
     version: int
     warm_start_steps: int = 0
-    eval_before: float | None = None
+    eval_before: Evaluation | None = None  # the evaluation before RL (not run again)
     logger_run_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def write(self, directory: Path, rng: dict[str, Any]) -> None:
         """``run_state.json``, and ``rng.pt`` from ``rng`` (:func:`capture_rng`)."""
-        (directory / RUN_STATE).write_text(json.dumps(asdict(self)) + "\n")
+        state = {**asdict(self), "eval_before": None if self.eval_before is None
+                 else self.eval_before.to_dict()}
+        (directory / RUN_STATE).write_text(json.dumps(state) + "\n")
         torch.save(rng, directory / RNG)
 
     @property
@@ -81,6 +84,11 @@ class RunState:
         if "sampler" in state:  # a checkpoint of the earlier layout, the pipeline's keys at the top
             state["pipeline"] = {"step": state.pop("step"), "dropped": state.pop("dropped", 0),
                                  "sampler": state.pop("sampler")}
+        before = state.get("eval_before")
+        if isinstance(before, int | float):  # the earlier layout: the mean alone
+            state["eval_before"] = Evaluation.of_mean(float(before))
+        elif before is not None:
+            state["eval_before"] = Evaluation.from_dict(before)
         return cls(**state)
 
 

@@ -40,6 +40,7 @@ from orchestrator.trace.episode import EpisodeTrace
 from orchestrator.trajectory import TrajectoryBuilder
 from orchestrator.types import (
     EpisodeTiming,
+    EvalSample,
     Group,
     GroupTiming,
     SamplingParams,
@@ -81,7 +82,35 @@ class EpisodeRunner:
 
     def greedy(self) -> EpisodeRunner:
         """This runner at temperature 0 (evaluations)."""
-        return replace(self, config=replace(self.config, temperature=0.0))
+        return self.at_temperature(0.0)
+
+    def at_temperature(self, temperature: float) -> EpisodeRunner:
+        """This runner sampling at ``temperature`` (an evaluation's ``eval.temperature``)."""
+        return replace(self, config=replace(self.config, temperature=temperature))
+
+    def eval_sample(self, task: Task, index: int, trajectories: Sequence[Trajectory],
+                    reward: float) -> EvalSample:
+        """Sample ``index`` of ``task`` in an evaluation, from its episode's trajectories (one;
+        an agent episode's segments, the answer read from the last), as text: the prompt, the
+        completion (everything after the prompt), the final reply's answer
+        (:meth:`~envs.base.EnvSpec.extract_answer`)."""
+        tokenizer, first, last = self.tokenizer, trajectories[0], trajectories[-1]
+        stops = tokenizer.stop_ids
+        ids = last.token_ids
+        end = len(last.loss_mask)  # the final reply: the last run of generated tokens
+        while end > 0 and not last.loss_mask[end - 1]:
+            end -= 1
+        start = end
+        while start > 0 and last.loss_mask[start - 1]:
+            start -= 1
+        reply = tokenizer.decode(_without(ids[start:end], stops))
+        return EvalSample(
+            task_id=task.id, sample_index=index, source=data_source(task, self.spec),
+            reward=reward, tokens=sum(t.num_generated for t in trajectories),
+            answer=self.spec.extract_answer(reply),
+            prompt=tokenizer.decode(list(first.token_ids[:first.prompt_tokens])),
+            completion=tokenizer.decode(_without(ids[last.prompt_tokens:], stops)),
+            reference=task.answer)
 
     async def episode(self, task: Task, worker: str,
                       sample_index: int = 0) -> tuple[Trajectory, EpisodeTiming]:
@@ -145,6 +174,13 @@ class EpisodeRunner:
             GroupTiming(started_at=started, finished_at=self.recorder.now(),
                         episodes=tuple(timing for _, timing in done), queue_wait=queue_wait),
         )
+
+
+def data_source(task: Task, spec: EnvSpec) -> str:
+    """Where ``task`` comes from, for per-source figures: its ``metadata["data_source"]``
+    (``env=dataset`` rows have one), else the environment's name."""
+    source = task.metadata.get("data_source")
+    return str(source) if source else str(getattr(spec, "name", type(spec).__name__))
 
 
 def _check_context(engine: InferenceEngine, spec: EnvSpec, prompt: int) -> None:

@@ -4,7 +4,8 @@ Every file of a run is written through :class:`RunDir`: ``config.yaml`` (the res
 ``metrics.jsonl`` (one line per step, :func:`~orchestrator.loggers.base.step_metrics`), the
 PolyTrace records of every trained step in ``trace/`` (compressed and rolled, see
 :mod:`orchestrator.trace.writer`), ``samples.jsonl`` (a few trained episodes per step as
-text), ``spans/`` (the run's recorder, :meth:`RunDir.open_recorder`, streams its spans there
+text), ``eval_samples.jsonl`` (a few samples per data source of each evaluation: prompt,
+completion, reward, answer), ``spans/`` (the run's recorder, :meth:`RunDir.open_recorder`, streams its spans there
 in compressed segments, flushed with every step) and at the end ``timeline.json`` (Perfetto,
 built from the spans of the last :data:`TIMELINE_STEPS` steps; ``python -m orchestrator.trace
 timeline <run_dir> --steps A:B`` builds any other window) and ``summary.json``; checkpoints go
@@ -36,9 +37,10 @@ from orchestrator.recorder import PLAIN_SPANS, SPANS_DIR, Recorder, spans_path
 from orchestrator.trace.reader import RUN_TRACE
 from orchestrator.trace.timeline import write_timeline
 from orchestrator.trace.writer import TraceWriter
-from orchestrator.types import StepReport
+from orchestrator.types import Evaluation, StepReport
 
 SAMPLES_PER_STEP = 4
+EVAL_SAMPLES = "eval_samples.jsonl"
 TIMELINE = "timeline.json"
 TIMELINE_STEPS = 50  # the steps timeline.json shows at the end of a run (the last ones)
 
@@ -71,6 +73,7 @@ class RunDir:
         self.timeline_steps = timeline_steps  # None: the whole run
         self._trace = TraceWriter(self.path / RUN_TRACE, max_model_len, codec)
         self._samples = (self.path / "samples.jsonl").open("a")
+        self._eval_samples = (self.path / EVAL_SAMPLES).open("a")
         self.recorder: Recorder | None = None
         self.steps = 0
 
@@ -99,12 +102,34 @@ class RunDir:
         self._samples.flush()
         for sink in self._sinks:
             sink.log_step(report)
+        if report.evaluation is not None:  # a periodic one, its figures in the step's metrics
+            began = int(report.metrics.get("eval/step", report.step))
+            self._write_examples("during", began, report.evaluation)
+            for sink in self._sinks:
+                sink.log_evaluation("during", report.step, report.evaluation)
         if self.recorder is not None:
             self.recorder.flush()  # after the step's report, which read its spans
         self.steps += 1
 
+    def write_evaluation(self, when: str, step: int, evaluation: Evaluation) -> None:
+        """The evaluation ``before`` or ``after`` RL (``step``: the steps trained before it):
+        its samples to ``eval_samples.jsonl``, and to the loggers (its figures go into
+        ``summary.json`` and the summary line of ``metrics.jsonl`` at the end)."""
+        self._write_examples(when, step, evaluation)
+        for sink in self._sinks:
+            sink.log_evaluation(when, step, evaluation)
+
+    def _write_examples(self, when: str, step: int, evaluation: Evaluation) -> None:
+        for s in evaluation.examples:
+            self._eval_samples.write(json.dumps({
+                "when": when, "step": step, "source": s.source, "task_id": s.task_id,
+                "sample": s.sample_index, "prompt": s.prompt, "completion": s.completion,
+                "reward": s.reward, "answer": s.answer, "reference": s.reference}) + "\n")
+        self._eval_samples.flush()
+
     def close(self, summary: Mapping[str, Any], failed: bool) -> None:
         self._samples.close()
+        self._eval_samples.close()
         self._trace.close()
         if self.recorder is not None:
             self.recorder.close()
@@ -114,6 +139,11 @@ class RunDir:
         (self.path / "summary.json").write_text(json.dumps(dict(summary), indent=2) + "\n")
         scalars = {f"summary/{k}": v for k, v in summary.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        for when in ("eval_before", "eval_after"):  # every figure: summary/eval_after/pass@1, …
+            detail = summary.get(f"{when}_detail")
+            if isinstance(detail, Mapping):
+                scalars.update({f"summary/{k}": v for k, v
+                                in Evaluation.from_dict(detail).metrics(when).items()})
         for sink in self._sinks:
             if scalars:
                 sink.log(scalars, self.steps)
@@ -128,7 +158,8 @@ def truncate_after(run_dir: Path, step: int) -> None:
     A line cut short by a crash is dropped too."""
     from orchestrator.trace.writer import drop_steps_from
 
-    for name, keep in (("metrics.jsonl", _metrics_line_kept), ("samples.jsonl", _sample_line_kept)):
+    for name, keep in (("metrics.jsonl", _metrics_line_kept), ("samples.jsonl", _sample_line_kept),
+                       (EVAL_SAMPLES, _eval_sample_line_kept)):
         path = run_dir / name
         if path.is_file():
             lines = [line for line in path.read_text().splitlines() if keep(line, step)]
@@ -188,6 +219,13 @@ def _metrics_line_kept_record(record: dict[str, Any], step: int) -> bool:
 def _sample_line_kept(line: str, step: int) -> bool:
     record = _parse(line)
     return record is not None and record.get("step", step) < step
+
+
+def _eval_sample_line_kept(line: str, step: int) -> bool:
+    """The evaluation before RL is not run again by a resumed run: its samples stay."""
+    record = _parse(line)
+    return record is not None and (record.get("when") == "before"
+                                   or record.get("step", step) < step)
 
 
 def _yaml(config: Mapping[str, Any]) -> str:

@@ -6,7 +6,8 @@ turns a config into :class:`RunParts`; :func:`run_session` runs them in one even
 1. enter the environment's run-long resources (a sandbox pool, a search service);
 2. build the engine once, from the trainer's current weights;
 3. the warm start, if the parts have one (it checks greedy accuracy on that same engine);
-4. a greedy evaluation, the RL pipeline with its progress bar, a second evaluation.
+4. an evaluation (``eval.n`` samples per task; greedy by default), the RL pipeline with its
+   progress bar, a second evaluation.
 
 Every trained step goes to ``on_step`` (the run directory's writer) as it is reported, and
 periodically to a checkpoint (:class:`Checkpointer`: the trainer's own snapshot, the
@@ -35,7 +36,7 @@ from envs.base import Clock, EnvSpec, Task
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.errors import ConfigError, RunAborted
-from orchestrator.evaluate import evaluate
+from orchestrator.evaluate import EvalConfig, evaluate
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import PeriodicEval, Pipeline, PipelineConfig, TaskSampler
@@ -43,13 +44,15 @@ from orchestrator.recorder import Recorder
 from orchestrator.resume import RunState, capture_rng
 from orchestrator.rollout import EpisodeRunner, RolloutConfig
 from orchestrator.trainer.base import Snapshot, Trainer
-from orchestrator.types import StepReport
+from orchestrator.types import Evaluation, StepReport
 from orchestrator.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
 
 # (the run's episode runner) -> supervised steps taken; runs before RL on the run's one engine
 WarmStart = Callable[[EpisodeRunner], Awaitable[int]]
+# (when: "before" or "after" RL, the steps trained before it began, the evaluation)
+OnEval = Callable[[str, int, Evaluation], None]
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,9 @@ class RunParts:
     clock: Clock = time.perf_counter  # the recorder's, handed to the environment
     warm_start: WarmStart | None = None
     eval_tasks: Sequence[Task] = ()
-    eval_every: int = 0  # steps between evaluations during RL (0: before and after only)
+    # samples per task, temperature, pass@k's k; eval.every: steps between evaluations during
+    # RL (0: before and after only)
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
     progress: bool = False
     progress_every: float = 10.0  # seconds between progress lines when stdout is not a TTY
     anyio_backend: str = "asyncio"
@@ -246,8 +251,8 @@ class RunResult:
     run_dir: Path | None
     reports: list[StepReport] = field(default_factory=list)
     warm_start_steps: int = 0
-    eval_before: float | None = None
-    eval_after: float | None = None
+    eval_before: Evaluation | None = None
+    eval_after: Evaluation | None = None
     recorder: Recorder | None = None
     wall: float = 0.0  # seconds on the run's clock, engine start to the last step
     summary: dict[str, Any] = field(default_factory=dict)
@@ -275,11 +280,13 @@ async def run_session(parts: RunParts, result: RunResult,
                       checkpointer: Checkpointer | None = None,
                       make_recorder: Callable[[Clock], Recorder] = Recorder,
                       resume: RunState | None = None,
-                      faults: Mapping[str, float] | None = None) -> None:
+                      faults: Mapping[str, float] | None = None,
+                      on_eval: OnEval | None = None) -> None:
     """Run ``parts``, filling ``result`` as it goes (so a failed run still reports); the
     recorder is ``make_recorder(parts.clock)`` (a run directory's streams to its spans file).
     ``resume``: the state of the checkpoint a resumed run goes on from; ``faults``: the fault
-    counters a run started again from the beginning goes on from."""
+    counters a run started again from the beginning goes on from; ``on_eval``: the evaluations
+    before and after RL as they finish (those during RL travel in their step's report)."""
     recorder = make_recorder(parts.clock)
     result.recorder = recorder
     async with parts.spec.running(), _checkpoints(checkpointer, recorder):
@@ -289,10 +296,11 @@ async def run_session(parts: RunParts, result: RunResult,
         started = recorder.now()
         async with engine:
             runner = EpisodeRunner(engine, parts.tokenizer, parts.spec, parts.rollout, recorder)
+            every = parts.evaluation.every
+            evaluation = partial(evaluate, runner, parts.eval_tasks, parts.evaluation)
             pipeline = Pipeline(parts.pipeline, runner, parts.trainer, parts.sampler,
-                                evaluation=PeriodicEval(
-                                    parts.eval_every, partial(evaluate, runner, parts.eval_tasks),
-                                ) if parts.eval_every and parts.eval_tasks else None)
+                                evaluation=PeriodicEval(every, evaluation)
+                                if every and parts.eval_tasks else None)
             if resume is not None:
                 pipeline.load_state_dict(resume.pipeline)
                 result.warm_start_steps, result.eval_before = resume.warm_start_steps, resume.eval_before
@@ -303,8 +311,11 @@ async def run_session(parts: RunParts, result: RunResult,
                     result.warm_start_steps = await parts.warm_start(runner)
                     await sync_weights(engine, await parts.trainer.weights())
                 if parts.eval_tasks:
-                    result.eval_before = await evaluate(runner, parts.eval_tasks)
-                    log.info("eval before RL: %.3f", result.eval_before)
+                    result.eval_before = await evaluation()
+                    log.info("eval before RL: %.3f  %s", result.eval_before.mean,
+                             result.eval_before.describe())
+                    if on_eval is not None:
+                        on_eval("before", 0, result.eval_before)
                 if checkpointer is not None:  # a long warm start is work worth keeping too
                     await _checkpoint(checkpointer, pipeline, result)
 
@@ -337,8 +348,11 @@ async def run_session(parts: RunParts, result: RunResult,
                 raise RunAborted(f"stopped by {result.stopped_by} after "
                                  f"{start + len(result.reports)} steps; {where}")
             if parts.eval_tasks:
-                result.eval_after = await evaluate(runner, parts.eval_tasks)
-                log.info("eval after RL: %.3f", result.eval_after)
+                result.eval_after = await evaluation()
+                log.info("eval after RL: %.3f  %s", result.eval_after.mean,
+                         result.eval_after.describe())
+                if on_eval is not None:
+                    on_eval("after", pipeline.step, result.eval_after)
 
 
 async def _checkpoint(checkpointer: Checkpointer, pipeline: Pipeline, result: RunResult) -> None:
@@ -391,13 +405,17 @@ def summarise(result: RunResult, earlier: Sequence[Mapping[str, Any]] = (),
     samples = sum(n for _, _, n in steps)
     dropped = (result.reports[-1].dropped_total if result.reports
                else int(earlier[-1]["staleness/dropped_total"]))
+    before, after = result.eval_before, result.eval_after
     summary = {
         "steps": len(steps),
         "warm_start_steps": result.warm_start_steps,
         "reward_first_10pct": first,
         "reward_last_10pct": last,
-        "eval_before": result.eval_before,
-        "eval_after": result.eval_after,
+        # the headline (mean@n; greedy accuracy by default), and every figure beside it
+        "eval_before": None if before is None else before.mean,
+        "eval_after": None if after is None else after.mean,
+        "eval_before_detail": None if before is None else before.to_dict(),
+        "eval_after_detail": None if after is None else after.to_dict(),
         "dropped_stale": dropped,
         "samples_per_s": samples / max(wall, 1e-9),
         "rl_seconds": wall,

@@ -7,8 +7,10 @@ stream, a thread or a process without aliasing a tensor someone else mutates.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class FinishReason(StrEnum):
@@ -200,7 +202,122 @@ class StepReport:
     length_capped: int = 0  # samples that ran into rollout.max_tokens
     groups: tuple[Group, ...] = ()  # the trained batch, for trace writers
     timings: tuple[GroupTiming, ...] = ()  # and when its groups ran (groups' order)
+    # a periodic evaluation that finished during the step (it began after metrics["eval/step"])
+    evaluation: Evaluation | None = None
 
     @property
     def reward_mean(self) -> float:
         return sum(self.rewards) / max(len(self.rewards), 1)
+
+
+# -- evaluations -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalSample:
+    """One evaluation episode of a held-out task: what the scores are computed from, and what
+    the run directory's ``eval_samples.jsonl`` shows of a few."""
+
+    task_id: int
+    sample_index: int  # 0 .. n - 1 among the task's samples
+    source: str  # the task's data source (``metadata["data_source"]``, else the env's name)
+    reward: float
+    tokens: int  # generated tokens, every turn (or agent segment) together
+    answer: str | None  # the final reply's answer (EnvSpec.extract_answer); None: none given
+    prompt: str = ""
+    completion: str = ""  # everything after the prompt: every turn and observation
+    reference: str = ""  # the task's reference answer
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The figures of a set of tasks (one data source's, or all), each sampled ``n`` times:
+    ``mean`` (mean@n), ``std`` (std@n), ``pass_at`` (k → pass@k), ``maj`` (maj@n; None where
+    no sample gave an answer to vote on) and the mean response length in tokens.
+    :mod:`orchestrator.evaluate` defines them."""
+
+    tasks: int
+    samples: int
+    mean: float
+    std: float
+    pass_at: dict[int, float]
+    maj: float | None
+    response_tokens: float
+
+    def metrics(self, n: int) -> dict[str, float]:
+        """The figures under the names they are logged with: ``mean@4``, ``pass@1``, …"""
+        out = {f"mean@{n}": self.mean, f"std@{n}": self.std,
+               **{f"pass@{k}": v for k, v in sorted(self.pass_at.items())}}
+        if self.maj is not None:
+            out[f"maj@{n}"] = self.maj
+        out["response_tokens"] = self.response_tokens
+        return out
+
+    def to_dict(self, n: int) -> dict[str, Any]:
+        return {"tasks": self.tasks, "samples": self.samples, **self.metrics(n)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], n: int) -> Scores:
+        pass_at = {int(key[5:]): float(v) for key, v in data.items() if key.startswith("pass@")}
+        maj = data.get(f"maj@{n}")
+        return cls(tasks=int(data["tasks"]), samples=int(data["samples"]),
+                   mean=float(data[f"mean@{n}"]), std=float(data[f"std@{n}"]), pass_at=pass_at,
+                   maj=None if maj is None else float(maj),
+                   response_tokens=float(data["response_tokens"]))
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """An evaluation of held-out tasks, ``n`` samples each at ``temperature``: the figures
+    over all tasks (``overall``) and per data source (``sources``), and a few samples per
+    source (``examples``; not part of :meth:`to_dict`). Its headline is :attr:`mean`, the
+    overall mean@n (with ``n = 1`` at temperature 0: greedy accuracy)."""
+
+    n: int
+    temperature: float
+    success_threshold: float  # a sample counts as correct (pass@k) at this reward or more
+    overall: Scores
+    sources: dict[str, Scores] = field(default_factory=dict)
+    examples: tuple[EvalSample, ...] = ()
+
+    @property
+    def mean(self) -> float:
+        return self.overall.mean
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        """Every figure as ``<prefix>/pass@4`` (all tasks) and ``<prefix>/<source>/pass@4``."""
+        out = {f"{prefix}/{k}": v for k, v in self.overall.metrics(self.n).items()}
+        for source, scores in sorted(self.sources.items()):
+            out.update({f"{prefix}/{source}/{k}": v for k, v in scores.metrics(self.n).items()})
+        return out
+
+    def describe(self) -> str:
+        """The overall figures in one line: ``mean@4 0.520  pass@1 0.520  pass@4 0.800 …``."""
+        figures = self.overall.metrics(self.n)
+        figures.pop(f"std@{self.n}")
+        tokens = figures.pop("response_tokens")
+        return ("  ".join(f"{k} {v:.3f}" for k, v in figures.items())
+                + f"  {tokens:.1f} tokens ({self.overall.tasks} tasks)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """For ``summary.json`` and checkpoints (:meth:`from_dict` reads it back)."""
+        return {"n": self.n, "temperature": self.temperature,
+                "success_threshold": self.success_threshold,
+                "overall": self.overall.to_dict(self.n),
+                "sources": {s: v.to_dict(self.n) for s, v in sorted(self.sources.items())}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Evaluation:
+        n = int(data["n"])
+        return cls(n=n, temperature=float(data["temperature"]),
+                   success_threshold=float(data["success_threshold"]),
+                   overall=Scores.from_dict(data["overall"], n),
+                   sources={s: Scores.from_dict(v, n) for s, v in data["sources"].items()})
+
+    @classmethod
+    def of_mean(cls, mean: float) -> Evaluation:
+        """An evaluation known only by its mean (a checkpoint of the earlier layout, which kept
+        one float): greedy, one sample, no per-source figures."""
+        return cls(n=1, temperature=0.0, success_threshold=1.0,
+                   overall=Scores(tasks=0, samples=0, mean=mean, std=0.0, pass_at={},
+                                  maj=None, response_tokens=0.0))

@@ -20,8 +20,8 @@ import anyio
 from envs.agent import AgentOutcome, AgentSpec
 from envs.base import Reward, Task
 from orchestrator.gateway.server import Gateway, GatewayConfig
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
-from orchestrator.types import EpisodeTiming, Group, GroupTiming, TimedGroup, Trajectory
+from orchestrator.rollout import EpisodeRunner, RolloutConfig, data_source
+from orchestrator.types import EpisodeTiming, EvalSample, Group, GroupTiming, TimedGroup, Trajectory
 
 Segments = list[tuple[Trajectory, EpisodeTiming]]
 
@@ -90,17 +90,28 @@ async def run_agent_group(gateway: Gateway, runner: EpisodeRunner, task: Task, w
     )
 
 
-async def evaluate_agents(gateway: Gateway, runner: EpisodeRunner, tasks: Sequence[Task]) -> float:
-    """Mean reward of one episode per task (``runner`` as the evaluation sets it: greedy)."""
+async def evaluate_agents(gateway: Gateway, runner: EpisodeRunner, tasks: Sequence[Task],
+                          n: int = 1) -> list[EvalSample]:
+    """``n`` episodes of each task (``runner`` as the evaluation sets it: its temperature), each
+    an evaluation sample with the episode's reward, its segments' tokens and the answer in its
+    last segment's final reply. An episode whose program never called the model is a sample
+    with its reward (0 when it failed), no tokens and no answer."""
     assert isinstance(runner.spec, AgentSpec)
     spec, rollout = runner.spec, runner.config
-    rewards: list[float] = []
+    samples: list[EvalSample] = []
 
-    async def one(task: Task) -> None:
-        _, outcome = await run_agent_episode(gateway, spec, task, rollout, "eval", 0)
-        rewards.append(outcome.reward.total)
+    async def one(task: Task, index: int) -> None:
+        segments, outcome = await run_agent_episode(gateway, spec, task, rollout, "eval", index)
+        reward = outcome.reward.total
+        if segments:
+            samples.append(runner.eval_sample(task, index, [t for t, _ in segments], reward))
+        else:
+            samples.append(EvalSample(task_id=task.id, sample_index=index,
+                                      source=data_source(task, spec), reward=reward, tokens=0,
+                                      answer=None, reference=task.answer))
 
     async with anyio.create_task_group() as tg:
         for task in tasks:
-            tg.start_soon(one, task)
-    return sum(rewards) / max(len(rewards), 1)
+            for index in range(n):
+                tg.start_soon(one, task, index)
+    return samples

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.types import StepReport, Trajectory
+from orchestrator.types import Evaluation, StepReport, Trajectory
 
 
 def step_metrics(report: StepReport) -> dict[str, float]:
@@ -66,6 +66,12 @@ class Logger(ABC):
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         pass
+
+    def log_evaluation(self, when: str, step: int, evaluation: Evaluation) -> None:
+        """An evaluation ``before`` RL, ``during`` it (its figures came with the metrics of
+        step ``step``, the one it finished in) or ``after`` it, logged at ``step``: its few
+        samples per source (:attr:`Evaluation.examples`) and, before and after RL, its
+        figures."""
 
     def finish(self, failed: bool = False) -> None:
         pass

@@ -3,7 +3,8 @@
 When stdout is a terminal the bar shows the step, reward (an exponential average),
 throughput and the time left. When it is not (CI logs, ``nohup``, a pipe into a file) a bar
 would print nothing readable, so every ``interval`` seconds one line is logged instead —
-step, reward, samples/s over the interval, ETA, how long ago the last checkpoint was written
+step, reward, samples/s over the interval, the last periodic evaluation's headline (mean@n,
+and pass@k for the largest k when n > 1), ETA, how long ago the last checkpoint was written
 (:meth:`StepProgress.checkpointed`; checkpoints log nothing of their own at INFO) — and the
 last step always gets its line.
 """
@@ -26,7 +27,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from orchestrator.types import StepReport
+from orchestrator.types import Evaluation, StepReport
 
 log = logging.getLogger("orchestrator.progress")
 
@@ -36,6 +37,15 @@ def _duration(seconds: float) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def headline(evaluation: Evaluation) -> str:
+    """``eval 0.520`` (mean@n), with ``pass@8 0.800`` for the largest k when n > 1."""
+    text = f"eval {evaluation.mean:.3f}"
+    k = max(evaluation.overall.pass_at, default=1)
+    if k > 1:
+        text += f" pass@{k} {evaluation.overall.pass_at[k]:.3f}"
+    return text
 
 
 class StepProgress:
@@ -59,6 +69,7 @@ class StepProgress:
             TextColumn("{task.fields[samples_per_s]:.0f} samples/s"),
             TextColumn("{task.fields[tokens_per_s]:.0f} tok/s"),
             TextColumn("stale-dropped {task.fields[dropped]}"),
+            TextColumn("{task.fields[evaluation]}"),
             TextColumn("{task.fields[checkpoint]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
@@ -66,7 +77,7 @@ class StepProgress:
         )
         self._task = self._progress.add_task(
             description, total=total, completed=completed, reward=0.0, samples_per_s=0.0, tokens_per_s=0.0, dropped=0,
-            checkpoint=""
+            checkpoint="", evaluation=""
         )
         self._reward_ema: float | None = None
         self._samples_since_line = 0
@@ -104,6 +115,8 @@ class StepProgress:
             tokens_per_s=report.tokens / elapsed,
             dropped=report.dropped_total,
         )
+        if report.evaluation is not None:
+            self._progress.update(self._task, evaluation=headline(report.evaluation))
         self._samples_since_line += report.samples
         if self._lines:
             now = self._clock()
@@ -113,10 +126,13 @@ class StepProgress:
     def _log_line(self, now: float) -> None:
         window = max(now - self._last_line, 1e-9)
         per_step = (now - self._started) / max(self._done - self._done_at_start, 1)
-        log.info("%s step %d/%d (%d%%)  reward %.3f  %.0f samples/s  stale-dropped %d  %s  ETA %s",
+        fields = self._progress.tasks[0].fields
+        evaluation = f"  {fields['evaluation']}" if fields["evaluation"] else ""
+        log.info("%s step %d/%d (%d%%)  reward %.3f  %.0f samples/s  stale-dropped %d%s  %s  "
+                 "ETA %s",
                  self.description, self._done, self.total, 100 * self._done // max(self.total, 1),
                  self._reward_ema or 0.0, self._samples_since_line / window,
-                 self._progress.tasks[0].fields["dropped"], self._checkpoint_age(now),
+                 fields["dropped"], evaluation, self._checkpoint_age(now),
                  _duration(per_step * (self.total - self._done)))
         self._last_line = now
         self._samples_since_line = 0

@@ -14,9 +14,11 @@ from typing import Any
 
 from orchestrator.errors import ConfigError
 from orchestrator.loggers.base import Logger, step_metrics
-from orchestrator.types import StepReport
+from orchestrator.types import Evaluation, StepReport
 
 _MODES = ("auto", "online", "offline", "disabled")
+EVAL_COLUMNS = ("when", "source", "task_id", "sample", "prompt", "completion", "reward", "answer",
+                "reference")
 
 
 def _has_api_key() -> bool:
@@ -78,6 +80,21 @@ class WandbLogger(Logger):
         self._run.log(metrics, step=report.step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        self._run.log(metrics, step=step)
+
+    def log_evaluation(self, when: str, step: int, evaluation: Evaluation) -> None:
+        """``eval/samples``: a table of the evaluation's few samples per source; before and
+        after RL also its figures under the names a periodic evaluation's have (``eval/…``)."""
+        import wandb
+
+        table = wandb.Table(columns=list(EVAL_COLUMNS))
+        for s in evaluation.examples:
+            table.add_data(when, s.source, s.task_id, s.sample_index, s.prompt, s.completion,
+                           s.reward, s.answer, s.reference)
+        metrics: dict[str, Any] = {"eval/samples": table}
+        if when != "during":
+            metrics.update(evaluation.metrics("eval"))
+            metrics["eval/accuracy"] = evaluation.mean
         self._run.log(metrics, step=step)
 
     def finish(self, failed: bool = False) -> None:

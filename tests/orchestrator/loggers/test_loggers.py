@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from orchestrator.errors import ConfigError
+from orchestrator.evaluate import EvalConfig, score
 from orchestrator.loggers.base import JsonlMetrics, NullLogger, step_metrics
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.loggers.wandb_logger import WandbLogger
-from orchestrator.types import StepReport
+from orchestrator.types import EvalSample, Evaluation, StepReport
 
 
 def report(step: int = 2) -> StepReport:
@@ -72,11 +74,11 @@ def test_progress_tracks_a_reward_average() -> None:
 
 def test_progress_without_a_terminal_logs_a_line_every_interval(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
-    with caplog.at_level(logging.INFO, logger="orchestrator.progress"):
-        with StepProgress(10, interactive=False, interval=5.0, clock=lambda: now[0]) as progress:
-            for step in range(10):
-                now[0] += 2.0  # a step every 2 s: a line at 6 s, 12 s, 18 s and the last step
-                progress.update(report(step))
+    with caplog.at_level(logging.INFO, logger="orchestrator.progress"), \
+            StepProgress(10, interactive=False, interval=5.0, clock=lambda: now[0]) as progress:
+        for step in range(10):
+            now[0] += 2.0  # a step every 2 s: a line at 6 s, 12 s, 18 s and the last step
+            progress.update(report(step))
     lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.progress"]
     assert [line.split()[2] for line in lines] == ["3/10", "6/10", "9/10", "10/10"]
     assert "reward 0.500" in lines[0] and "ETA 0m14s" in lines[0]  # 7 steps left at 2 s each
@@ -89,14 +91,14 @@ def test_progress_without_a_terminal_logs_a_line_every_interval(caplog: pytest.L
 def test_the_progress_line_says_when_the_last_checkpoint_was_written(
         caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
-    with caplog.at_level(logging.INFO, logger="orchestrator.progress"):
-        with StepProgress(4, interactive=False, interval=5.0, clock=lambda: now[0]) as progress:
-            progress.checkpointed(0)  # the checkpoint after the warm start
-            for step in range(4):
-                now[0] += 20.0
-                progress.update(report(step))
-                if step == 1:
-                    progress.checkpointed(2)
+    with caplog.at_level(logging.INFO, logger="orchestrator.progress"), \
+            StepProgress(4, interactive=False, interval=5.0, clock=lambda: now[0]) as progress:
+        progress.checkpointed(0)  # the checkpoint after the warm start
+        for step in range(4):
+            now[0] += 20.0
+            progress.update(report(step))
+            if step == 1:
+                progress.checkpointed(2)
     lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.progress"]
     assert "checkpoint @0 0m20s ago" in lines[0] and "checkpoint @2 0m40s ago" in lines[-1]
 
@@ -108,3 +110,46 @@ def test_progress_in_a_terminal_or_disabled_logs_nothing(caplog: pytest.LogCaptu
                 progress.update(report(0))
                 progress.update(report(1))
     assert not [r for r in caplog.records if r.name == "orchestrator.progress"]
+
+
+def evaluation() -> Evaluation:
+    samples = [EvalSample(task_id=t, sample_index=i, source="math", reward=float(i == 0),
+                          tokens=4, answer=str(i), prompt=f"q{t}", completion=f"{i}",
+                          reference="0") for t in range(2) for i in range(4)]
+    return score(samples, EvalConfig(n=4, temperature=1.0, k=[1, 4]))
+
+
+def test_the_progress_line_carries_the_last_periodic_evaluation(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="orchestrator.progress"), \
+            StepProgress(2, interactive=False, interval=0.0) as progress:
+        progress.update(report(0))
+        progress.update(replace(report(1), evaluation=evaluation()))
+    lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.progress"]
+    assert "eval" not in lines[0]
+    assert "eval 0.250 pass@4 1.000" in lines[-1]
+
+
+class FakeRun:
+    def __init__(self) -> None:
+        self.logged: list[tuple[dict, int]] = []
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.logged.append((metrics, step))
+
+
+def test_wandb_logs_an_evaluations_samples_as_a_table_and_its_figures() -> None:
+    import wandb
+
+    logger = WandbLogger(mode="disabled")
+    logger._run = run = FakeRun()
+    logger.log_evaluation("before", 0, evaluation())
+    logger.log_evaluation("during", 7, evaluation())
+    (before, step0), (during, step7) = run.logged
+    assert (step0, step7) == (0, 7)
+    table = before["eval/samples"]
+    assert isinstance(table, wandb.Table) and len(table.data) == 2  # two tasks' first samples
+    assert {"prompt", "completion", "reward", "answer"} <= set(table.columns)
+    assert before["eval/pass@4"] == 1.0 and before["eval/math/mean@4"] == 0.25
+    assert before["eval/accuracy"] == 0.25
+    assert set(during) == {"eval/samples"}  # during RL the figures came with the step's metrics

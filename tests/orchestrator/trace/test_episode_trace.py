@@ -95,7 +95,8 @@ ROLLOUT = RolloutConfig(group_size=1, max_tokens=200, max_turns=3)
 async def test_tool_calls_and_spans_are_read_from_the_recorders_clock() -> None:
     clock = ManualClock()
     recorder, spec = Recorder(clock=clock), LookupSpec(clock)
-    assert await evaluate(EpisodeRunner(engine(clock), TOK, spec, ROLLOUT, recorder), [TASK]) == 1.0
+    evaluation = await evaluate(EpisodeRunner(engine(clock), TOK, spec, ROLLOUT, recorder), [TASK])
+    assert evaluation.mean == 1.0
     assert spec.clock is recorder.clock  # evaluate handed the recorder's clock to the spec
     (record,) = spec.envs[0].episode.tool_calls  # type: ignore[union-attr]
     (span,) = recorder.of("tool_call")

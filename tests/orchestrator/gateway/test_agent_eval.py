@@ -1,0 +1,34 @@
+"""An agent program's evaluation (orchestrator.gateway.evaluate_agents through
+orchestrator.evaluate): ``eval.n`` episodes per task at the evaluation's temperature, each a
+sample with the episode's reward, its segments' tokens and the answer in its final reply; a
+program that fails before calling the model is a sample with reward 0 and no answer."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from envs.agent import AgentSpec
+from orchestrator.engines.simulated import SimulatedEngine
+from orchestrator.evaluate import EvalConfig, evaluate
+from orchestrator.models.tokenizer import CharTokenizer
+from orchestrator.recorder import Recorder
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_an_agent_programs_evaluation_has_n_samples_per_task() -> None:
+    spec = AgentSpec(program="toy_agents:flaky", timeout_s=2.0, max_context=4096)
+    tasks = [spec.tasks("eval")[i] for i in (0, 3)]  # ids 0 (two calls) and 3 (raises at once)
+    engine = SimulatedEngine(median_tokens=6, sigma=0.3, seconds_per_token=1e-5, seed=1)
+    runner = EpisodeRunner(engine, CharTokenizer(), spec, RolloutConfig(max_tokens=8), Recorder())
+    with anyio.fail_after(30):
+        async with engine:
+            evaluation = await evaluate(runner, tasks, EvalConfig(n=3, temperature=0.5, k=[1, 3]))
+    agent = evaluation.sources["agent"]
+    assert agent.tasks == 2 and agent.samples == 6
+    assert agent.response_tokens > 0 and set(agent.pass_at) == {1, 3}
+    examples = {e.task_id: e for e in evaluation.examples}
+    assert examples[3].reward == 0.0 and examples[3].tokens == 0 and examples[3].answer is None
+    assert examples[0].tokens > 0 and examples[0].completion

@@ -1,0 +1,194 @@
+"""Evaluation as the field reports it (orchestrator/evaluate.py): pass@k against exhaustive
+enumeration, maj@n, per-source figures, ``eval.n`` samples per task, bad ``eval.k`` in one
+line, and the typed record through a checkpoint, a resume and ``summary.json``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import anyio
+import pytest
+from helpers import TOK, quick_config, scripted_engine
+from omegaconf import OmegaConf
+
+from envs.arithmetic import ArithmeticSpec
+from envs.base import EnvSpec, Task
+from envs.code import CodeSpec
+from orchestrator.checkpoint import CheckpointStore
+from orchestrator.config import typed
+from orchestrator.errors import ConfigError
+from orchestrator.evaluate import EvalConfig, evaluate, majority, pass_at_k, score
+from orchestrator.main import run
+from orchestrator.recorder import Recorder
+from orchestrator.resume import RunState
+from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.types import EvalSample, Evaluation
+
+
+def sample(task: int, index: int, reward: float, answer: str | None = None,
+           source: str = "a", tokens: int = 3) -> EvalSample:
+    return EvalSample(task_id=task, sample_index=index, source=source, reward=reward,
+                      tokens=tokens, answer=answer, prompt=f"q{task}", completion=f"c{index}")
+
+
+@pytest.mark.parametrize("n", range(1, 7))
+def test_pass_at_k_is_the_share_of_k_subsets_holding_a_correct_sample(n: int) -> None:
+    for c in range(n + 1):
+        correct = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(range(n), k))
+            exact = sum(any(correct[i] for i in s) for s in subsets) / len(subsets)
+            assert pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_is_not_a_with_replacement_bootstrap() -> None:
+    # verl#7240: one correct answer in four; every draw of all four holds it
+    assert pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 1, 1) == 0.25
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3, 2) / C(5, 2)
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(2, 1, 3)
+
+
+def test_majority_votes_over_extracted_answers() -> None:
+    # "7" twice, "5" once: the vote is 7, scored by the samples that gave it
+    assert majority([sample(0, 0, 0.0, "5"), sample(0, 1, 1.0, "7"),
+                     sample(0, 2, 1.0, "7")]) == 1.0
+    # a tie goes to the answer given first (by sample index, whatever the order handed in)
+    assert majority([sample(0, 1, 1.0, "7"), sample(0, 0, 0.0, "5")]) == 0.0
+    # samples without an answer do not vote; none at all: 0
+    assert majority([sample(0, 0, 1.0, None), sample(0, 1, 0.0, "3"),
+                     sample(0, 2, 1.0, None)]) == 0.0
+    assert majority([sample(0, 0, 1.0, None)]) == 0.0
+    # partial credit: the mean reward of the samples that gave the voted answer
+    assert majority([sample(0, 0, 0.5, "x"), sample(0, 1, 1.0, "x")]) == 0.75
+
+
+def test_figures_per_source_and_over_all_tasks() -> None:
+    config = EvalConfig(n=4, temperature=1.0, k=[1, 2, 4])
+    rewards = {("a", 0): [1, 0, 0, 0], ("a", 1): [1, 1, 1, 1], ("b", 2): [0, 0, 0, 0]}
+    samples = [sample(task, i, float(r), answer=str(r), source=source, tokens=i + 1)
+               for (source, task), rs in rewards.items() for i, r in enumerate(rs)]
+    random.Random(0).shuffle(samples)  # they finish in any order
+    evaluation = score(samples, config, examples=1)
+    a, b, overall = evaluation.sources["a"], evaluation.sources["b"], evaluation.overall
+    assert (a.tasks, a.samples, b.tasks, overall.tasks, overall.samples) == (2, 8, 1, 3, 12)
+    assert a.mean == pytest.approx(5 / 8) and b.mean == 0.0 and overall.mean == pytest.approx(5 / 12)
+    assert a.std == pytest.approx((0.4330127 + 0.0) / 2)  # a task's own spread, averaged
+    assert a.pass_at == pytest.approx({1: (0.25 + 1) / 2, 2: (0.5 + 1) / 2, 4: 1.0})
+    assert overall.pass_at[4] == pytest.approx(2 / 3)
+    assert a.maj == 0.5 and b.maj == 0.0  # task 0 votes "0" (three of four)
+    assert overall.response_tokens == pytest.approx(2.5)
+    assert evaluation.mean == overall.mean
+    metrics = evaluation.metrics("eval")
+    assert metrics["eval/a/pass@2"] == pytest.approx(0.75) and metrics["eval/b/mean@4"] == 0.0
+    assert {"eval/mean@4", "eval/std@4", "eval/pass@1", "eval/maj@4",
+            "eval/response_tokens"} <= set(metrics)
+    assert [(s.source, s.task_id, s.sample_index) for s in evaluation.examples] == [
+        ("a", 0, 0), ("b", 2, 0)]
+    assert "mean@4 0.417" in evaluation.describe()
+    assert Evaluation.from_dict(json.loads(json.dumps(evaluation.to_dict()))) == \
+        Evaluation(**{**evaluation.__dict__, "examples": ()})
+
+
+def test_no_maj_where_no_sample_gives_an_answer() -> None:
+    evaluation = score([sample(0, 0, 1.0, None, source="code")], EvalConfig())
+    assert evaluation.overall.maj is None and "eval/maj@1" not in evaluation.metrics()
+    assert Evaluation.from_dict(evaluation.to_dict()).overall.maj is None
+
+
+def test_eval_k_larger_than_n_is_one_line_naming_it() -> None:
+    cfg = OmegaConf.create({"eval": {"n": 4, "k": [1, 8]}})
+    with pytest.raises(ConfigError) as error:
+        typed(EvalConfig, cfg, "eval")
+    message = str(error.value)
+    assert "\n" not in message and "eval.k=[1, 8]" in message and "eval.n=4" in message
+    with pytest.raises(ConfigError, match="eval.k=0"):
+        EvalConfig(k=0)
+    with pytest.raises(ConfigError, match="eval.n must be >= 1"):
+        EvalConfig(n=0)
+    assert EvalConfig().ks == (1,) and EvalConfig(n=8).ks == (1, 8)
+    assert typed(EvalConfig, OmegaConf.create({"eval": {"n": 8, "k": 4}}), "eval").ks == (4,)
+
+
+@pytest.mark.anyio
+async def test_n_samples_per_task_at_the_eval_temperature() -> None:
+    spec = ArithmeticSpec(digits=2, train_size=8, eval_size=3, seed=0)
+    tasks = list(spec.tasks("eval")) + [Task(id=9, messages=spec.tasks("eval")[0].messages,
+                                             answer="x", metadata={"data_source": "other"})]
+    calls = iter(range(1 << 20))
+    answers = {tuple(TOK.chat_prompt(t.messages)): t.answer for t in tasks[:3]}
+    # every other call right: each task gets some right, some wrong
+    engine = scripted_engine(lambda p: answers.get(tuple(p), "1") if next(calls) % 2 else "1")
+    runner = EpisodeRunner(engine, TOK, spec, RolloutConfig(temperature=1.0), Recorder())
+    with anyio.fail_after(10):
+        evaluation = await evaluate(runner, tasks, EvalConfig(n=4, temperature=0.6, k=[1, 4]))
+    assert len(engine.replies.sampling) == 16
+    assert {s.temperature for s in engine.replies.sampling} == {0.6}
+    assert set(evaluation.sources) == {"arithmetic", "other"}
+    assert evaluation.sources["arithmetic"].samples == 12 and evaluation.overall.samples == 16
+    assert evaluation.sources["other"].mean == 0.0
+    assert 0 < evaluation.sources["arithmetic"].mean < 1
+    assert evaluation.sources["arithmetic"].pass_at[4] >= evaluation.sources["arithmetic"].pass_at[1]
+    example = evaluation.examples[0]
+    assert example.prompt and example.answer in (example.reference, "1") and example.tokens >= 1
+
+
+def test_run_state_keeps_the_evaluation_and_reads_the_earlier_float(tmp_path: Path) -> None:
+    evaluation = score([sample(0, 0, 1.0, "1"), sample(0, 1, 0.0, "2")], EvalConfig(n=2))
+    state = RunState(pipeline={"step": 1, "dropped": 0, "sampler": {}}, version=1,
+                     eval_before=evaluation)
+    state.write(tmp_path, {})
+    assert RunState.read(tmp_path).eval_before == Evaluation(**{**evaluation.__dict__,
+                                                               "examples": ()})
+    raw = json.loads((tmp_path / "run_state.json").read_text())
+    (tmp_path / "run_state.json").write_text(json.dumps({**raw, "eval_before": 0.375}))
+    assert RunState.read(tmp_path).eval_before.mean == 0.375  # type: ignore[union-attr]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_record_through_a_run_its_resume_and_summary_json(tmp_path: Path) -> None:
+    cfg = quick_config("smoke", "eval.n=2", "eval.temperature=1.0", "eval.k=[1,2]",
+                       "eval.every=1", "checkpoint.every=1")
+    first = run(cfg, tmp_path)
+    assert first.eval_before is not None and first.eval_before.n == 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    before = summary["eval_before_detail"]
+    assert summary["eval_before"] == before["overall"]["mean@2"]  # the headline, as before
+    assert before["n"] == 2 and set(before["sources"]) == {"arithmetic"}
+    assert before["overall"]["samples"] == 8 and "pass@2" in before["overall"]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert records[-1]["summary/eval_after/arithmetic/pass@2"] == \
+        summary["eval_after_detail"]["sources"]["arithmetic"]["pass@2"]
+    evaluated = [m for m in records[:-1] if "eval/accuracy" in m]
+    for m in evaluated:  # periodic evaluations: every figure in the step's line
+        assert m["eval/accuracy"] == m["eval/mean@2"] and "eval/arithmetic/pass@2" in m
+    written = read_jsonl(tmp_path / "eval_samples.jsonl")
+    assert {w["when"] for w in written} >= {"before", "after"}
+    assert all({"prompt", "completion", "reward", "answer"} <= set(w) for w in written)
+
+    # resumed from the first step's checkpoint: the evaluation before RL comes back whole
+    checkpoint = CheckpointStore(tmp_path / "checkpoints").path(1)
+    resumed = run(cfg, tmp_path, resume_from=checkpoint)
+    assert resumed.eval_before == Evaluation.from_dict(before)
+    again = json.loads((tmp_path / "summary.json").read_text())
+    assert again["eval_before_detail"] == before and again["eval_before"] == summary["eval_before"]
+    assert again["eval_after_detail"]["n"] == 2
+    written = read_jsonl(tmp_path / "eval_samples.jsonl")
+    assert [w["when"] for w in written].count("before") == len(first.eval_before.examples)
+
+
+def test_which_environments_extract_an_answer_to_vote_on() -> None:
+    spec = ArithmeticSpec(digits=2, train_size=8, eval_size=3, seed=0)
+    assert spec.extract_answer(" 42\n") == "42" and spec.extract_answer("  ") is None
+    default = EnvSpec.extract_answer  # boxed, then <answer> tags, then the last number
+    assert default(spec, r"so \boxed{7}, not 8") == "7"
+    assert default(spec, "<answer>Paris</answer>") == "Paris"
+    assert default(spec, "it is 12 or 13") == "13" and default(spec, "no idea") is None
+    assert CodeSpec.extract_answer(spec, "def f(x): return 1") is None  # type: ignore[arg-type]
