@@ -58,6 +58,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -150,20 +151,45 @@ def format_reward(completion: str, answer: str, metadata: Mapping[str, Any]) -> 
     return 1.0 if last_boxed(completion) or last_tagged(completion) else 0.0
 
 
+_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _plain_number(text: str) -> float | None:
+    text = text.strip().strip("$").strip()
+    return float(text) if _PLAIN_NUMBER.fullmatch(text) else None
+
+
+def math_quick(completion: str, answer: str) -> float | None:
+    """``math``'s score where it needs no parser (so cannot hang): nothing extractable (0),
+    the same text (1), two plain decimal numbers (compared as numbers); else None."""
+    extracted = extract_math(completion)
+    if extracted is None:
+        return 0.0
+    if normalise(extracted) == normalise(answer):
+        return 1.0
+    guess, gold = _plain_number(extracted), _plain_number(answer)
+    if guess is None or gold is None:
+        return None
+    return 1.0 if math.isclose(guess, gold, rel_tol=1e-9, abs_tol=1e-12) else 0.0
+
+
 @dataclass(frozen=True)
 class Builtin:
     fn: Callable[[str, str, Mapping[str, Any]], float]
     isolated: bool  # may hang or crash on a model's output: runs in a worker process
+    # an isolated built-in's score in the caller where it is certain without the risky part
+    quick: Callable[[str, str], float | None] | None = None
 
 
 BUILTINS: dict[str, Builtin] = {
-    "math": Builtin(math_reward, isolated=True),
+    "math": Builtin(math_reward, isolated=True, quick=math_quick),
     "exact": Builtin(exact_reward, isolated=False),
     "choice": Builtin(choice_reward, isolated=False),
     "regex": Builtin(regex_reward, isolated=True),
     "format": Builtin(format_reward, isolated=False),
 }
 _MATH_VERIFY_TIMEOUT = 5  # seconds, math-verify's own alarm in a worker (set by the pool)
+CACHE_ITEMS = 8192  # scores kept per Scorer (built-ins only)
 
 
 # --- names, weights, functions ----------------------------------------------------------------
@@ -434,6 +460,12 @@ class Scorer:
         self._isolated = tuple(t.name for t in self.terms if isolated(t.name))
         self._pool: WorkerPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
+        # Built-ins are functions of (completion, answer) alone: their scores are decided in
+        # the caller where that is certain, or kept for the same reply to the same answer (a
+        # group's samples often repeat one). A user's function is always asked.
+        self._cacheable = all(name in BUILTINS for name in self._isolated)
+        self._cache: OrderedDict[tuple[str, str], dict[str, Reward]] = OrderedDict()
+        self._spared = 0  # items scored without a worker
         self._errors = 0  # raised in the caller (local terms) or in a worker
         self._timeouts = 0  # of pools closed already
         self._scored = 0
@@ -470,16 +502,25 @@ class Scorer:
             if self._pool is None or self._limiter is None:
                 raise RuntimeError("Scorer.score() outside `async with scorer:` (the worker "
                                    "pool runs there)")
-            pool = self._pool
-            try:
-                outcome = await anyio.to_thread.run_sync(
-                    pool.run, completion, answer, metadata,
-                    limiter=self._limiter, abandon_on_cancel=True)
-                parts.update(outcome.parts)
-                for message in outcome.errors:
-                    self._error(message)
-            except VerificationLost as e:
-                self._warn(f"reward verification scored 0: {e}")
+            key = (completion, answer)
+            known = self._quick(completion, answer) if self._cacheable else None
+            if known is None and self._cacheable:
+                known = self._cache.get(key)
+            if known is not None:  # decided here, or scored before: no worker round trip
+                parts.update(known)
+                self._spared += 1
+            else:
+                try:
+                    outcome = await anyio.to_thread.run_sync(
+                        self._pool.run, completion, answer, metadata,
+                        limiter=self._limiter, abandon_on_cancel=True)
+                    parts.update(outcome.parts)
+                    for message in outcome.errors:
+                        self._error(message)
+                    if self._cacheable and not outcome.errors:
+                        self._remember(key, dict(outcome.parts))
+                except VerificationLost as e:
+                    self._warn(f"reward verification scored 0: {e}")
         self._scored += 1
         components: dict[str, float] = {}
         total = 0.0
@@ -490,6 +531,22 @@ class Scorer:
             for sub, value in part.components.items():
                 components[f"{term.name}/{sub}"] = value
         return Reward(total=total, components=components)
+
+    def _quick(self, completion: str, answer: str) -> dict[str, Reward] | None:
+        """Every isolated term's score decided in the caller (``Builtin.quick``), or None."""
+        parts = {}
+        for name in self._isolated:
+            quick = BUILTINS[name].quick
+            value = quick(completion, answer) if quick is not None else None
+            if value is None:
+                return None
+            parts[name] = Reward(value)
+        return parts
+
+    def _remember(self, key: tuple[str, str], parts: dict[str, Reward]) -> None:
+        self._cache[key] = parts
+        if len(self._cache) > CACHE_ITEMS:
+            self._cache.popitem(last=False)
 
     def _error(self, message: str) -> None:
         self._errors += 1
@@ -506,4 +563,5 @@ class Scorer:
         return {
             "reward/timeouts": float(self._timeouts + (pool.timeouts if pool else 0)),
             "reward/errors": float(self._errors + (pool.errors if pool else 0)),
+            "reward/spared": float(self._spared),  # isolated scores found without a worker
         }

@@ -97,7 +97,8 @@ async def test_hang_crash_and_raise_score_zero_counted_and_scoring_goes_on() -> 
         assert hung.components == {"dataset_reward_fns:picky": 0.0, "exact": 1.0}
         assert (await scorer.score("crash", "x")).total == 0.0
         assert (await scorer.score("raise", "x")).total == 0.0
-        assert scorer.metrics() == {"reward/timeouts": 1.0, "reward/errors": 2.0}
+        assert scorer.metrics() == {"reward/timeouts": 1.0, "reward/errors": 2.0,
+                                    "reward/spared": 0.0}  # a user's function: always asked
         # the replaced workers score again, several items at once
         results = []
 
@@ -108,7 +109,7 @@ async def test_hang_crash_and_raise_score_zero_counted_and_scoring_goes_on() -> 
             for i in range(6):
                 tg.start_soon(one, i)
         assert results == [2.0] * 6
-    assert scorer.metrics() == {"reward/timeouts": 1.0, "reward/errors": 2.0}
+    assert scorer.metrics() == {"reward/timeouts": 1.0, "reward/errors": 2.0, "reward/spared": 0.0}
 
 
 @pytest.mark.anyio
@@ -127,3 +128,24 @@ async def test_the_event_loop_runs_while_a_verification_hangs() -> None:
         assert (await scorer.score("hang", "")).total == 0.0
         tg.cancel_scope.cancel()
     assert ticks >= 10
+
+
+def test_math_decides_in_the_caller_only_where_no_parser_is_needed() -> None:
+    from envs.rewards import math_quick
+
+    assert math_quick("so \\boxed{16}", "16") == 1.0
+    assert math_quick("it is 0.50", "0.5") == 1.0  # plain numbers, as numbers
+    assert math_quick("it is -3", "3") == 0.0
+    assert math_quick("no answer here", "3") == 0.0  # nothing extractable
+    assert math_quick("\\boxed{\\frac{3}{4}}", "0.75") is None  # math-verify's job
+    assert math_quick("\\boxed{1,000}", "1000") is None
+
+
+@pytest.mark.anyio
+async def test_math_spares_the_workers_what_it_knows_and_what_it_scored_before() -> None:
+    async with Scorer("math", timeout_s=5.0, processes=1) as scorer:
+        assert (await scorer.score("\\boxed{16}", "16")).total == 1.0  # decided here
+        assert (await scorer.score("\\boxed{\\frac{3}{4}}", "0.75")).total == 1.0  # a worker
+        assert (await scorer.score("\\boxed{\\frac{3}{4}}", "0.75")).total == 1.0  # kept
+        assert (await scorer.score("\\boxed{\\frac{1}{4}}", "0.75")).total == 0.0  # a worker
+        assert scorer.metrics()["reward/spared"] == 2.0
