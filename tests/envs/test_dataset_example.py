@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
-import pandas as pd
 import pytest
+
+pd = pytest.importorskip("pandas", reason="the data extra (scripts/setup.sh installs it)")
 from helpers import REPO
 from hydra import compose, initialize_config_dir
 

@@ -10,8 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
+
+pd = pytest.importorskip("pandas", reason="the data extra (scripts/setup.sh installs it)")
 from helpers import REPO
 
 from orchestrator.data import main
