@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import quick_config
 
+from orchestrator.engines.vllm_engine import _close_zmq
 from orchestrator.export import export
 from orchestrator.main import run
 from orchestrator.models.tokenizer import CharTokenizer
@@ -52,3 +53,4 @@ def test_vllm_serves_the_export_as_transformers_does(tmp_path: Path) -> None:
             assert list(output.outputs[0].token_ids) == expected[0, len(ids):].tolist()
     finally:
         llm.llm_engine.engine_core.shutdown()  # its engine process, before the interpreter ends
+        _close_zmq(llm.llm_engine)  # and its ZMQ context, which warns when collected
