@@ -62,9 +62,10 @@ class EngineActorLost(RunAborted):
 class RayEngine(InferenceEngine):
     """The driver's proxy for one engine actor (the router starts and stops its engine)."""
 
-    def __init__(self, actor: Any, name: str) -> None:
+    def __init__(self, actor: Any, name: str, colocated: bool = False) -> None:
         self.actor = actor
         self.name = name
+        self.colocated = colocated  # launcher.colocate: only then does sleep() reach the actor
         self.version = 0
         self.info: ActorInfo | None = None
         self.pid: int | None = None
@@ -93,7 +94,8 @@ class RayEngine(InferenceEngine):
         await self._call(self.actor.resume.remote())
 
     async def sleep(self) -> None:
-        await self._call(self.actor.sleep.remote())
+        if self.colocated:  # else nothing to give back: no round trip to the actor every step
+            await self._call(self.actor.sleep.remote())
 
     async def start(self, weights: WeightUpdate) -> Any:
         """Start the actor's engine from ``weights`` (or find it running); returns the ref of

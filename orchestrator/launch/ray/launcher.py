@@ -309,7 +309,7 @@ class RayLauncher(Launcher):
                 scheduling_strategy=self._bundle(self.ranks + i), **spec.options(),
             ).remote(_seeded(recipe, i), name, spec.threads)
             self._actors.append(actor)
-            engines.append(RayEngine(actor, name))
+            engines.append(RayEngine(actor, name, colocated=self.colocate))
         if weights.transport != "object_store":
             weights = weights.to_object_store()
         return ray_router(engines, weights, self.spans,
