@@ -1,28 +1,62 @@
 """What an RL algorithm is to the trainer: advantages per sample and a per-token loss.
 
-One algorithm per module; ``conf/algo/<name>.yaml`` names its class with ``_target_``, so
-the trainer never branches on an algorithm's name.
+An algorithm is composed from small pieces (:class:`~orchestrator.algo.composed.PolicyGradient`:
+an advantage estimator, a policy loss, an aggregation, off-policy corrections, KL and entropy
+terms, reward shaping), each chosen by ``_target_`` in ``conf/algo/<preset>.yaml``; the trainer
+never branches on an algorithm's name. It asks the algorithm what it needs instead:
+:attr:`Algorithm.needs_proximal`, :attr:`Algorithm.needs_reference`,
+:attr:`Algorithm.needs_entropy_grad`.
+
+The trainer's batch has one sequence (one trajectory) per row, so a row's trained tokens are
+its sequence: sequence-level pieces reduce over rows (:meth:`LossInputs.sequence_mean`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from orchestrator.types import Group
 
 
 @dataclass(frozen=True)
 class LossInputs:
-    """Per-token tensors of shape (batch, time); ``mask`` marks the tokens that are trained."""
+    """Per-token tensors of shape (sequences, time); ``mask`` marks the tokens that are trained."""
 
     logprobs: torch.Tensor  # current policy, with grad
     proximal_logprobs: torch.Tensor  # policy at the start of this train step, no grad
     behaviour_logprobs: torch.Tensor  # the engine's, at generation time
     advantages: torch.Tensor
     mask: torch.Tensor  # float, 1.0 where trained
-    num_tokens: float  # loss normaliser: trained tokens in the whole (mini)batch
+    num_tokens: float  # trained tokens in the whole (mini)batch, over every micro-batch and rank
+    # sequences with a trained token in the whole (mini)batch (0: count this micro-batch's)
+    num_sequences: float = 0.0
+    reference_logprobs: torch.Tensor | None = None  # the frozen reference policy's, no grad
+    entropy: torch.Tensor | None = None  # the policy's entropy per token (with grad if asked)
+
+    @property
+    def sequence_tokens(self) -> torch.Tensor:
+        """Trained tokens per sequence, ``[sequences]``."""
+        return self.mask.sum(1)
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        """1.0 for each sequence with a trained token, ``[sequences]``."""
+        return (self.sequence_tokens > 0).to(self.mask.dtype)
+
+    @property
+    def total_sequences(self) -> float | torch.Tensor:
+        return self.num_sequences if self.num_sequences > 0 else self.sequences.sum().clamp(min=1.0)
+
+    def sequence_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return (values * self.mask).sum(1)
+
+    def sequence_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Each sequence's mean of ``values`` over its trained tokens (0 for none)."""
+        return self.sequence_sum(values) / self.sequence_tokens.clamp(min=1.0)
 
 
 @dataclass(frozen=True)
@@ -31,12 +65,36 @@ class LossOutput:
     # per trained token, averaged over the micro-batch: numbers or 0-d tensors (detached),
     # which the trainer sums on the device and reads once a step
     metrics: dict[str, float | torch.Tensor]
+    # per sequence with a trained token, averaged over the micro-batch's sequences
+    sequence_metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """One advantage per sample, per group; ``trained[g][i]`` False leaves a sample out of the
+    loss altogether (its tokens are not counted either); ``metrics`` are the step's."""
+
+    values: list[list[float]]
+    trained: list[list[bool]] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Algorithm(ABC):
+    needs_proximal: bool = True  # several minibatches: recompute pi_prox before the first update
+    needs_reference: bool = False  # reference_logprobs in LossInputs
+    needs_entropy_grad: bool = False  # LossInputs.entropy differentiable
+    penalises_reward: bool = False  # reward_penalty() needs the current and reference log-probs
+
     @abstractmethod
-    def advantages(self, rewards: Sequence[Sequence[float]]) -> list[list[float]]:
-        """One advantage per sample, given the rewards of each group."""
+    def advantages(self, groups: Sequence[Group],
+                   penalties: Sequence[Sequence[float]] | None = None) -> Advantages:
+        """One advantage per sample of each group; ``penalties`` (per sample, from
+        :meth:`reward_penalty`) are subtracted from the rewards first."""
 
     @abstractmethod
     def loss(self, inputs: LossInputs) -> LossOutput: ...
+
+    def reward_penalty(self, inputs: LossInputs) -> torch.Tensor | None:
+        """Per sequence, what to subtract from its reward before the advantages (a KL penalty
+        in the reward), from detached ``inputs`` with ``reference_logprobs``; None: nothing."""
+        return None

@@ -161,7 +161,8 @@ class RankTrainer(TorchTrainer):
 
     # -- sharding --------------------------------------------------------------------------
 
-    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+    def _shard(self, model: torch.nn.Module) -> list[Any]:
+        """``model``'s decoder layers and itself sharded over the ranks (FSDP2)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         options: dict[str, Any] = {"reshard_after_forward": False}
@@ -171,9 +172,11 @@ class RankTrainer(TorchTrainer):
             self._autocasts = False
         # Resharding after forward would make the collectives depend on each rank's data (see
         # the module docstring): the parameters are gathered once per minibatch instead.
-        for layer in decoder_layers(model):
-            self._sharded.append(fully_shard(layer, **options))
-        self._sharded.append(fully_shard(model, **options))
+        return [fully_shard(layer, **options) for layer in decoder_layers(model)] + \
+            [fully_shard(model, **options)]
+
+    def _prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        self._sharded.extend(self._shard(model))
         for module in self._sharded:
             module.set_gradient_divide_factor(1.0)  # sum the ranks' shares of the gradient
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
@@ -182,6 +185,26 @@ class RankTrainer(TorchTrainer):
     def _full_weights(self) -> None:
         for module in self._sharded:
             module.unshard()
+
+    def _prepare_reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        self._reference_sharded = self._shard(model)
+        return model
+
+    @contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The frozen copy gathered by every rank at once (a rank without rows too, so the
+        collectives match), and sharded again after."""
+        with super()._reference() as model:
+            if model is not self._reference_model:
+                yield model
+                return
+            for module in self._reference_sharded:
+                module.unshard()
+            try:
+                yield model
+            finally:
+                for module in self._reference_sharded:
+                    module.reshard()
 
     @contextmanager
     def _accumulating(self) -> Iterator[None]:
@@ -268,12 +291,15 @@ class RankTrainer(TorchTrainer):
     # -- checkpoints --------------------------------------------------------------------------
 
     def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         rest = {"version": self.version, "scheduler": self.scheduler.state_dict(),
                 "world_size": self.spec.world_size}
-        return {"model": model_state, "optimizer": optim_state}, rest
+        shards = {"model": model_state, "optimizer": optim_state}
+        if self._reference_model is not None and self._reference_started:
+            shards["reference"] = get_model_state_dict(self._reference_model)
+        return shards, rest
 
     def stage(self) -> None:
         """Copy this rank's shards of the weights and optimiser state (and the schedule) now,

@@ -131,7 +131,12 @@ def load_shards(trainer: Trained, directory: Path) -> None:
     rank of a group (every rank calls it), or the one in-process trainer."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     directory = Path(directory)
     if not (directory / SHARDS).is_dir():
@@ -139,12 +144,19 @@ def load_shards(trainer: Trained, directory: Path) -> None:
                           f"trainer.world_size unset): resume it with trainer.world_size unset")
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer)
     state = {"model": model_state, "optimizer": optim_state}
+    reference = getattr(trainer, "_reference_model", None)
+    saved = dcp.FileSystemReader(str(directory / SHARDS)).read_metadata().state_dict_metadata
+    if reference is not None and any(k.startswith("reference.") for k in saved):
+        state["reference"] = get_model_state_dict(reference)
     with warnings.catch_warnings():  # one process, no group: what is meant, said as a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled",
                                 category=UserWarning)
         dcp.load(state, checkpoint_id=str(directory / SHARDS), no_dist=not dist.is_initialized())
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
+    if "reference" in state:
+        set_model_state_dict(reference, state["reference"])
+        trainer._reference_started = True
     rest = torch.load(directory / TRAINER_STATE, weights_only=True)
     trainer.scheduler.load_state_dict(rest["scheduler"])
     trainer.version = int(rest["version"])

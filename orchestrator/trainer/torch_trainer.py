@@ -26,11 +26,12 @@ cache).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # torch's fused AdamW kernels
+PER_SEQUENCE = "per_sequence:"  # a step's sums weighted by sequences, not tokens
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +74,19 @@ class PackedBatch:
         return self.inputs.shape[0]
 
     def slice(self, rows: slice) -> PackedBatch:
-        return PackedBatch(*(t[rows] for t in (
-            self.inputs, self.targets, self.attention, self.mask,
-            self.behaviour_logprobs, self.advantages, self.fresh, self.group, self.prefix,
-        )))
+        """These rows of every field (fields travel by name: a new one needs no edit here)."""
+        return PackedBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    def with_advantages(self, advantages: Sequence[float],
+                        trained: Sequence[bool] | None = None) -> PackedBatch:
+        """One advantage per row; rows not ``trained`` lose their mask (and are not counted)."""
+        width = self.mask.shape[1]
+        adv = torch.tensor(list(advantages), dtype=torch.float32)[:, None].expand(-1, width)
+        if trained is None:
+            return replace(self, advantages=adv.contiguous())
+        keep = torch.tensor(list(trained), dtype=torch.float32)[:, None]
+        return replace(self, advantages=adv.contiguous(), mask=self.mask * keep,
+                       fresh=self.fresh * keep)
 
 
 def shared_prefix(sequences: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]]) -> int:
@@ -250,7 +261,11 @@ class TorchTrainer(Trainer):
         self.lora = LoraConfig.of(lora)
         if self.lora is not None:  # only the adapters train (orchestrator.trainer.lora)
             self.model = self.lora.wrap(self.model)
+        # The reference policy (a KL term): a frozen copy, sharded like the policy.
+        reference = self._reference_copy(self.model)
         self.model = self._prepare(self.model)
+        self._reference_model = None if reference is None else self._prepare_reference(reference)
+        self._reference_started = False
         self._keeps_logits = keeps_logits(self.model)
         # Groups pack into one row through transformers' attention interface.
         self._packs = isinstance(getattr(self.model.config, "_attn_implementation", None), str)
@@ -273,14 +288,15 @@ class TorchTrainer(Trainer):
 
     # -- forward ---------------------------------------------------------------------
 
-    def _logits(self, keep: torch.Tensor, **inputs: Any) -> tuple[torch.Tensor, Any]:
-        """The model's logits at the positions ``keep`` (bool, ``[rows, width]``) marks, in row
-        order (``[kept, vocab]``), and the model's output (its cache)."""
+    def _logits(self, model: torch.nn.Module, keep: torch.Tensor,
+                **inputs: Any) -> tuple[torch.Tensor, Any]:
+        """``model``'s logits at the positions ``keep`` (bool, ``[rows, width]``) marks, in row
+        order (``[kept, vocab]``), and its output (its cache)."""
         with self.precision.autocast(self.device) if self._autocasts else nullcontext():
             if self._keeps_logits:
-                out = self.model(**inputs, logits_to_keep=self._on(keep))
+                out = model(**inputs, logits_to_keep=self._on(keep))
                 return out.logits, out
-            out = self.model(**inputs)
+            out = model(**inputs)
         if keep.device.type == "cpu":  # found on the host: indexing does not wait for the GPU
             return out.logits.flatten(0, 1)[self._on(keep.flatten().nonzero().squeeze(1))], out
         return out.logits[keep], out
@@ -289,25 +305,31 @@ class TorchTrainer(Trainer):
         """A host tensor on the trainer's device, copied without waiting for the GPU."""
         return t.to(self.device, non_blocking=True)
 
-    def _logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs of the targets and the policy's entropy at each trained position
-        (``[rows, width]``, zero where no target is trained)."""
+    def _logprobs(self, batch: PackedBatch, model: torch.nn.Module | None = None,
+                  entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs of the targets and the entropy at each trained position
+        (``[rows, width]``, zero where no target is trained) under ``model`` (default: the
+        policy; the reference policy too), whatever layout computes them."""
+        model = self.model if model is None else model
         if self.share_prefix and int(batch.prefix.max()) > 1:
-            return self._shared_prefix_logprobs(batch)
+            return self._shared_prefix_logprobs(batch, model, entropy_grad)
         keep = batch.mask > 0
-        logits, _ = self._logits(keep, input_ids=self._on(batch.inputs),
+        logits, _ = self._logits(model, keep, input_ids=self._on(batch.inputs),
                                  attention_mask=self._on(batch.attention))
-        logp, entropy = self._score(logits, self._on(batch.targets[keep]))
+        logp, entropy = self._score(logits, self._on(batch.targets[keep]),
+                                    entropy_grad=entropy_grad)
         keep = self._on(keep)
         return _placed(keep, logp), _placed(keep, entropy)
 
     def _score(self, logits: torch.Tensor, targets: torch.Tensor,
-               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each target's log-prob and the entropy of its distribution; ``rows``: the row of
-        ``logits`` each target reads (default: one row per target, in order)."""
+               rows: torch.Tensor | None = None,
+               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each target's log-prob and the entropy of its distribution (differentiable with
+        ``entropy_grad``); ``rows``: the row of ``logits`` each target reads (default: one row
+        per target, in order)."""
         scaled = logits.float() if self.temperature == 1 else logits.float() / self.temperature
         logp_all = torch.log_softmax(scaled, dim=-1)
-        with torch.no_grad():
+        with nullcontext() if entropy_grad else torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
         if rows is None:
             return logp_all.gather(-1, targets[..., None]).squeeze(-1), entropy
@@ -334,7 +356,8 @@ class TorchTrainer(Trainer):
     def _dtype(self) -> torch.dtype:
         return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
 
-    def _shared_prefix_logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _shared_prefix_logprobs(self, batch: PackedBatch, model: torch.nn.Module,
+                                entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_logprobs` with each group's shared prefix run once, not once per sample:
         the groups packed into one row, a block each, where that computes less
         (:mod:`~orchestrator.trainer.packing`), else in two passes."""
@@ -342,29 +365,32 @@ class TorchTrainer(Trainer):
         group, prefix = batch.group.tolist(), batch.prefix.tolist()
         token_flops, pair_flops = self._flops
         if self._packs and packing_pays(lengths, group, prefix, token_flops, pair_flops):
-            return self._packed_logprobs(batch, lengths, group, prefix)
-        return self._two_pass_logprobs(batch)
+            return self._packed_logprobs(batch, lengths, group, prefix, model, entropy_grad)
+        return self._two_pass_logprobs(batch, model, entropy_grad)
 
     def _packed_logprobs(self, batch: PackedBatch, lengths: list[int], group: list[int],
-                         prefix: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                         prefix: list[int], model: torch.nn.Module,
+                         entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Every group in one row, each a block of its prefix then its samples' own tokens,
         attending within its block and kept apart by its mask
         (:func:`~orchestrator.trainer.packing.pack_by_group`)."""
         dev = self.device
         trained = batch.mask > 0
         packing = pack_by_group(batch.inputs, lengths, trained, group, prefix)
-        with attending_by_group(self.model) as inner:
+        with attending_by_group(model) as inner:
             logits, _ = self._logits(
-                packing.keep, input_ids=self._on(packing.input_ids),
+                model, packing.keep, input_ids=self._on(packing.input_ids),
                 position_ids=self._on(packing.position_ids), use_cache=False,
                 attention_mask=self._on(PASSTHROUGH_MASK),
                 group_blocks=packing.blocks(self._dtype, dev, inner),
             )
-        logp, entropy = self._score(logits, self._on(batch.targets[trained]), self._on(packing.rows))
+        logp, entropy = self._score(logits, self._on(batch.targets[trained]), self._on(packing.rows),
+                                    entropy_grad)
         trained = self._on(trained)
         return _placed(trained, logp), _placed(trained, entropy)
 
-    def _two_pass_logprobs(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _two_pass_logprobs(self, batch: PackedBatch, model: torch.nn.Module,
+                           entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefixes in one pass, then every row's own tokens on top of their keys and values.
 
         The prefixes go through the model once (batch ``[groups, longest prefix]``, right
@@ -389,7 +415,7 @@ class TorchTrainer(Trainer):
         columns = torch.arange(longest, device=dev)
         prefix_attention = (columns < group_prefix[:, None]).long()
         last = columns == group_prefix[:, None] - 1  # predicts each row's token `prefix`
-        head_logits, head = self._logits(last, input_ids=inputs[first_row, :longest],
+        head_logits, head = self._logits(model, last, input_ids=inputs[first_row, :longest],
                                          attention_mask=prefix_attention, use_cache=True)
         cache = getattr(head, self._cache_argument)
         for layer in cache.layers:  # each row sees its group's prefix (gradients flow back)
@@ -403,7 +429,8 @@ class TorchTrainer(Trainer):
         first = trained & (position == prefix[:, None] - 1)
         rest = trained & (position >= prefix[:, None])
         targets = self._on(batch.targets)
-        logp, entropy = self._score(head_logits[row_group[first.any(1)]], targets[first])
+        logp, entropy = self._score(head_logits[row_group[first.any(1)]], targets[first],
+                                    entropy_grad=entropy_grad)
         logp_full, entropy_full = _placed(first, logp), _placed(first, entropy)
 
         own = self._on(batch.attention).sum(1) - prefix  # each row's inputs after its prefix
@@ -414,13 +441,13 @@ class TorchTrainer(Trainer):
             valid = offsets < own[:, None]
             at = positions.clamp(max=full - 1)
             logits, _ = self._logits(
-                valid & rest.gather(1, at),
+                model, valid & rest.gather(1, at),
                 input_ids=inputs.gather(1, at),
                 attention_mask=torch.cat([prefix_attention[row_group], valid.long()], dim=1),
                 position_ids=positions,
                 **{self._cache_argument: cache},
             )
-            logp, entropy = self._score(logits, targets[rest])
+            logp, entropy = self._score(logits, targets[rest], entropy_grad=entropy_grad)
             logp_full = logp_full.masked_scatter(rest, logp)
             entropy_full = entropy_full.masked_scatter(rest, entropy)
         return logp_full, entropy_full
@@ -443,62 +470,78 @@ class TorchTrainer(Trainer):
 
     def train_step(self, groups: Sequence[Group]) -> TrainStats:
         """The blocking optimiser step (:meth:`step` runs it in a worker thread)."""
-        advantages = self.algorithm.advantages([g.rewards for g in groups])
+        algorithm = self.algorithm
         mine = self._share(groups)  # all of them here; a rank's part in a group of ranks
-        batch = self._pack_groups([groups[i] for i in mine], [advantages[i] for i in mine])
+        batch = self._pack_groups([groups[i] for i in mine])
         # Eval mode (no dropout): the engine samples without it, and the importance weight and
         # the clip ratio compare log-probs that must be deterministic. Gradients still flow.
         self.model.eval()
-        proximal = None
+        self._start_reference()
         agreement = LogprobAgreement()
-        if self.num_minibatches > 1:
-            self._full_weights()
-        if self.num_minibatches > 1 and batch is not None:
-            with torch.no_grad():
-                proximal = torch.cat([self._logprobs(mb)[0] for mb in self._micro_batches(batch)])
-            agreement.add(proximal, batch)
+        before = self._before_updates(batch, agreement)
+        advantages = algorithm.advantages(groups, self._penalties(groups, mine, batch, before))
+        if batch is not None:
+            rows = [i for g in mine for i in range(len(groups[g]))]
+            batch = batch.with_advantages(
+                [advantages.values[g][i] for g, i in zip(self._row_groups(groups, mine), rows,
+                                                          strict=True)],
+                None if advantages.trained is None else
+                [advantages.trained[g][i] for g, i in zip(self._row_groups(groups, mine), rows,
+                                                           strict=True)])
+        proximal = before.get("proximal")
+        reference = before.get("reference")
 
         sums: dict[str, Any] = {}  # tensors on the device until the step's end
         grad_norm = 0.0
-        rows = len(batch) if batch is not None else 0
-        size = math.ceil(rows / self.num_minibatches)
+        rows_total = len(batch) if batch is not None else 0
+        size = math.ceil(rows_total / self.num_minibatches)
         for index in range(self.num_minibatches):
             start = index * size
             part = batch.slice(slice(start, start + size)) if batch is not None else None
-            # The loss is normalised by the trained tokens of the whole minibatch, over every
-            # rank: each rank's gradient is its share of the one the whole batch gives.
+            # The loss is normalised by the trained tokens (and sequences) of the whole
+            # minibatch, over every rank: each rank's gradient is its share of the one the
+            # whole batch gives.
             local_rows = len(part) if part is not None else 0
-            total_rows, num_tokens = self._all_sum([local_rows, float(part.mask.sum()) if local_rows else 0.0])
+            total_rows, num_tokens, num_sequences = self._all_sum([
+                local_rows, float(part.mask.sum()) if local_rows else 0.0,
+                float((part.mask.sum(1) > 0).sum()) if local_rows else 0.0])
             if not total_rows:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             offset = 0
             with self._accumulating():
                 for mb in self._micro_batches(part) if local_rows else ():
-                    logp, entropy = self._logprobs(mb)
+                    logp, entropy = self._logprobs(mb, entropy_grad=algorithm.needs_entropy_grad)
                     mask = self._on(mb.mask)
+                    rows = slice(start + offset, start + offset + len(mb))
+                    offset += len(mb)
                     if proximal is None:
                         prox = logp.detach()
                         if start == 0:  # before any update: the weights that sampled fresh tokens
                             agreement.add(prox, mb)
                     else:
-                        prox = proximal[start + offset : start + offset + len(mb)]
-                    offset += len(mb)
-                    out = self.algorithm.loss(LossInputs(
+                        prox = proximal[rows]
+                    out = algorithm.loss(LossInputs(
                         logprobs=logp,
                         proximal_logprobs=prox,
                         behaviour_logprobs=self._on(mb.behaviour_logprobs),
                         advantages=self._on(mb.advantages),
                         mask=mask,
                         num_tokens=num_tokens,
+                        num_sequences=num_sequences,
+                        reference_logprobs=None if reference is None else reference[rows],
+                        entropy=entropy,
                     ))
                     out.loss.backward()
                     tokens = mask.sum()  # sums stay on the device until the step's end
-                    weighted = {"loss": out.loss.detach() * num_tokens, **{
-                        k: v * tokens for k, v in out.metrics.items()
-                    }}
-                    weighted["entropy"] = (entropy * mask).sum()
+                    sequences = (mask.sum(1) > 0).sum()
+                    weighted = {"loss": out.loss.detach() * num_tokens,
+                                **{k: v * tokens for k, v in out.metrics.items()},
+                                **{PER_SEQUENCE + k: v * sequences
+                                   for k, v in out.sequence_metrics.items()}}
+                    weighted["entropy"] = (entropy.detach() * mask).sum()
                     weighted["trained_tokens"] = tokens
+                    weighted["trained_sequences"] = sequences
                     for k, v in weighted.items():
                         sums[k] = sums.get(k, 0.0) + v
             grad_norm = self._clip_gradients()
@@ -508,15 +551,102 @@ class TorchTrainer(Trainer):
         self.version += 1
         sums = self._all_sum_named(_numbers(sums))
         counts = sums.pop("trained_tokens", 0.0)
-        metrics = {k: v / max(counts, 1.0) for k, v in sums.items()}
+        sequences = sums.pop("trained_sequences", 0.0)
+        metrics = {k.removeprefix(PER_SEQUENCE): v / max(
+            sequences if k.startswith(PER_SEQUENCE) else counts, 1.0) for k, v in sums.items()}
+        metrics.update(advantages.metrics)
         metrics["grad_norm"] = grad_norm
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         metrics["trained_tokens"] = float(counts)
+        metrics["trained_sequences"] = float(sequences)
         metrics.update(self._agreement(agreement).metrics(self.logprob_diff_warn))
         return metrics
 
-    def _pack_groups(self, groups: Sequence[Group],
-                     advantages: Sequence[Sequence[float]]) -> PackedBatch | None:
+    @staticmethod
+    def _row_groups(groups: Sequence[Group], mine: Sequence[int]) -> list[int]:
+        """The group of each row of this process's batch."""
+        return [g for g in mine for _ in range(len(groups[g]))]
+
+    def _before_updates(self, batch: PackedBatch | None,
+                        agreement: LogprobAgreement) -> dict[str, torch.Tensor]:
+        """What must be computed before the first update, for every row (no gradients): the
+        proximal log-probs when a step makes several updates (or the reward needs the current
+        policy's), the reference policy's when the algorithm uses them."""
+        algorithm = self.algorithm
+        wants_proximal = (self.num_minibatches > 1 and algorithm.needs_proximal) or \
+            algorithm.penalises_reward
+        if self.num_minibatches > 1 or wants_proximal:
+            self._full_weights()
+        out: dict[str, torch.Tensor] = {}
+        if batch is None:
+            return out
+        with torch.no_grad():
+            if wants_proximal:
+                out["proximal"] = torch.cat([self._logprobs(mb)[0]
+                                             for mb in self._micro_batches(batch)])
+                agreement.add(out["proximal"], batch)
+            if algorithm.needs_reference:
+                with self._reference() as reference:
+                    out["reference"] = torch.cat([self._logprobs(mb, reference)[0]
+                                                  for mb in self._micro_batches(batch)])
+        return out
+
+    def _penalties(self, groups: Sequence[Group], mine: Sequence[int], batch: PackedBatch | None,
+                   before: Mapping[str, torch.Tensor]) -> list[list[float]] | None:
+        """Per sample of every group, what the algorithm subtracts from its reward (a KL
+        penalty), summed over the ranks (each fills its own groups' samples)."""
+        if not self.algorithm.penalises_reward:
+            return None
+        starts = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
+        values = [0.0] * sum(len(g) for g in groups)
+        if batch is not None and "proximal" in before:
+            penalty = self.algorithm.reward_penalty(LossInputs(
+                logprobs=before["proximal"], proximal_logprobs=before["proximal"],
+                behaviour_logprobs=self._on(batch.behaviour_logprobs),
+                advantages=torch.zeros_like(before["proximal"]), mask=self._on(batch.mask),
+                num_tokens=float(batch.mask.sum()), reference_logprobs=before.get("reference")))
+            if penalty is not None:
+                at = [starts[g] + i for g in mine for i in range(len(groups[g]))]
+                for index, value in zip(at, penalty.tolist(), strict=True):
+                    values[index] = value
+        values = self._all_sum(values)
+        return [values[s:s + len(g)] for s, g in zip(starts, groups, strict=True)]
+
+    # -- the reference policy ---------------------------------------------------------------
+
+    def _reference_copy(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """A frozen copy of ``model`` for the reference policy, if the algorithm needs one
+        (under LoRA the base model is the reference: no copy)."""
+        if not self.algorithm.needs_reference or self.lora is not None:
+            return None
+        reference = copy.deepcopy(model)
+        reference.requires_grad_(False)
+        reference.eval()
+        return reference
+
+    def _start_reference(self) -> None:
+        """At the first RL step (after any warm start), the reference takes the policy's
+        weights; a resumed run has them from its checkpoint."""
+        if self._reference_model is None or self._reference_started:
+            return
+        with torch.no_grad():
+            for ref, param in zip(self._reference_model.parameters(), self._parameters,
+                                  strict=True):
+                ref.copy_(param.detach())
+        self._reference_started = True
+
+    @contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The reference policy's model: the frozen copy, or under LoRA the policy with its
+        adapters disabled."""
+        if self._reference_model is not None:
+            yield self._reference_model
+        else:
+            with self.model.disable_adapter():
+                yield self.model
+
+    def _pack_groups(self, groups: Sequence[Group]) -> PackedBatch | None:
+        """The groups' samples, one per row (their advantages are set later)."""
         trajectories = [t for g in groups for t in g.trajectories]
         if not trajectories:
             return None
@@ -525,7 +655,6 @@ class TorchTrainer(Trainer):
             [t.loss_mask for t in trajectories],
             self.policy.tokenizer.pad_id,
             behaviour=[t.logprobs for t in trajectories],
-            advantages=[a for group in advantages for a in group],
             fresh=[[v == self.version for v in t.versions] for t in trajectories],
             group=[i for i, g in enumerate(groups) for _ in g.trajectories],
             prefix=[p for g in groups for p in [shared_prefix(
@@ -559,6 +688,10 @@ class TorchTrainer(Trainer):
 
     def _full_weights(self) -> None:
         """Before forward passes outside :meth:`_accumulating` (a rank gathers its shards)."""
+
+    def _prepare_reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The reference policy's frozen copy as this process holds it (a rank shards it)."""
+        return model
 
     @contextmanager
     def _accumulating(self) -> Iterator[None]:
@@ -625,7 +758,7 @@ class TorchTrainer(Trainer):
         with self._accumulating():
             for mb in self._micro_batches(batch) if batch is not None else ():
                 keep = mb.mask > 0  # the head runs at the trained tokens only
-                logits, _ = self._logits(keep, input_ids=self._on(mb.inputs),
+                logits, _ = self._logits(self.model, keep, input_ids=self._on(mb.inputs),
                                          attention_mask=self._on(mb.attention))
                 nll = torch.nn.functional.cross_entropy(
                     logits.float(), self._on(mb.targets[keep]), reduction="sum")
@@ -670,8 +803,11 @@ class TorchTrainer(Trainer):
         self.load_state_dict({**snapshot.state, "model": self.model.state_dict()})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state = {"version": self.version, "model": self.model.state_dict(),
+                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self._reference_model is not None and self._reference_started:
+            state["reference"] = self._reference_model.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.model.load_state_dict(state["model"], strict=True)
@@ -679,3 +815,9 @@ class TorchTrainer(Trainer):
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
+        if self._reference_model is not None and "reference" in state:
+            self._reference_model.load_state_dict(state["reference"])
+            self._reference_started = True
+        elif self._reference_model is not None and self.version > 0:
+            log.warning("the checkpoint has no reference policy (it was trained without a KL "
+                        "term): the reference is the policy at version %d", self.version)

@@ -9,6 +9,7 @@ import torch
 
 from orchestrator.algo.base import LossInputs, LossOutput
 from orchestrator.algo.grpo import GRPO, decoupled_ppo_loss, group_advantages
+from orchestrator.types import FinishReason, Group, Trajectory
 
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 5.0
 
@@ -32,6 +33,12 @@ def inputs(
                      dtype=torch.float64)
     n = float(m.sum()) if num_tokens is None else num_tokens
     return LossInputs(logp, prox, behav, adv, m, n), logp
+
+
+def groups(rewards: list[list[float]]) -> list[Group]:
+    return [Group(g, tuple(Trajectory(g, i, (1, 2), (False, True), (0.0, -1.0), (0, 0), r, 0,
+                                      FinishReason.STOP) for i, r in enumerate(rs)), 0)
+            for g, rs in enumerate(rewards)]
 
 
 def loss_of(li: LossInputs) -> LossOutput:
@@ -190,7 +197,7 @@ def test_group_advantages_without_std_normalisation_are_centred_rewards() -> Non
 
 def test_grpo_advantages_are_per_group() -> None:
     algo = GRPO()
-    adv = algo.advantages([[1.0, 0.0], [5.0, 5.0, 5.0]])
+    adv = algo.advantages(groups([[1.0, 0.0], [5.0, 5.0, 5.0]])).values
     assert len(adv) == 2 and len(adv[0]) == 2 and len(adv[1]) == 3
     assert adv[0][0] > 0 > adv[0][1]
     assert adv[1] == [0.0, 0.0, 0.0]

@@ -1,0 +1,146 @@
+"""Policy losses (``algo.loss``): a loss per trained token, before aggregation.
+
+Each is a callable ``(inputs, old) -> PerToken``: ``old`` is the log-prob the ratio is taken
+against, ``r_t = exp(log pi_theta - old)`` — the proximal policy's in the decoupled mode, the
+engine's behaviour policy's in the bypass mode (:mod:`~orchestrator.algo.corrections`).
+
+==========  ===========================================================  ===================
+class       per-token loss (A: the advantage)                            source
+==========  ===========================================================  ===================
+``PPOClip``  max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); with       PPO; clip-higher
+            ``dual_clip`` c, for A < 0 at most -A c                       (DAPO); dual-clip
+                                                                          (arXiv 1912.09729)
+``GSPO``    PPOClip on the sequence ratio s = exp(mean_t log r_t), each   arXiv 2507.18071
+            token's gradient that of sg(s) * pi_theta / sg(pi_theta)
+``CISPO``   -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta        arXiv 2506.13585
+``SAPO``    -A (4 / tau) sigmoid(tau (r - 1)), tau by the sign of A       arXiv 2511.20347
+==========  ===========================================================  ===================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from orchestrator.algo.base import LossInputs
+from orchestrator.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PerToken:
+    loss: torch.Tensor  # (sequences, time), zero where not trained
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # per trained token
+    sequence_metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # per sequence
+
+
+def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _check_clip(eps_low: float, eps_high: float, key: str = "algo.loss") -> None:
+    if eps_low < 0 or eps_high < 0:
+        raise ConfigError(f"{key}.eps_low and {key}.eps_high must be >= 0, got {eps_low} and "
+                          f"{eps_high}")
+
+
+class PPOClip:
+    """PPO's clipped surrogate with asymmetric bounds (clip-higher) and optional dual clip."""
+
+    def __init__(self, eps_low: float = 0.2, eps_high: float = 0.28,
+                 dual_clip: float | None = None) -> None:
+        _check_clip(eps_low, eps_high)
+        if dual_clip is not None and dual_clip <= 1.0:
+            raise ConfigError(f"algo.loss.dual_clip must be > 1 (a bound on -A r for A < 0) "
+                              f"or null, got {dual_clip}")
+        self.eps_low, self.eps_high, self.dual_clip = eps_low, eps_high, dual_clip
+
+    def __call__(self, inputs: LossInputs, old: torch.Tensor) -> PerToken:
+        ratio = torch.exp(inputs.logprobs - old)
+        return clipped_surrogate(ratio, inputs, self.eps_low, self.eps_high, self.dual_clip)
+
+
+def clipped_surrogate(ratio: torch.Tensor, inputs: LossInputs, eps_low: float, eps_high: float,
+                      dual_clip: float | None = None) -> PerToken:
+    adv, mask = inputs.advantages, inputs.mask
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    with torch.no_grad():
+        metrics = {"clip_fraction": _token_mean((clipped > unclipped).to(mask.dtype), mask),
+                   "ratio": _token_mean(ratio.detach(), mask)}
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        metrics["dual_clip_fraction"] = _token_mean(dual.to(mask.dtype), mask)
+    return PerToken(loss * mask, metrics)
+
+
+class GSPO:
+    """Group Sequence Policy Optimisation: the clip acts on each sequence's length-normalised
+    ratio, so all of a sequence's tokens are kept or clipped together (the paper's bounds are
+    3e-4 and 4e-4: a sequence ratio moves far less than a token's). Aggregate by sequence."""
+
+    def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4) -> None:
+        _check_clip(eps_low, eps_high)
+        self.eps_low, self.eps_high = eps_low, eps_high
+
+    def __call__(self, inputs: LossInputs, old: torch.Tensor) -> PerToken:
+        log_ratio = (inputs.logprobs - old) * inputs.mask
+        sequence = inputs.sequence_mean(log_ratio).detach()  # log s_i
+        # value s_i at every token, gradient d log pi_theta(t) * s_i (GSPO-token's form)
+        ratio = torch.exp(sequence[:, None] + inputs.logprobs - inputs.logprobs.detach())
+        out = clipped_surrogate(ratio, inputs, self.eps_low, self.eps_high)
+        with torch.no_grad():
+            s = torch.exp(sequence)
+            live = inputs.sequences
+            clipped = ((s < 1 - self.eps_low) | (s > 1 + self.eps_high)).to(live.dtype)
+            n = live.sum().clamp(min=1.0)
+            seq = {"sequence_clip_fraction": (clipped * live).sum() / n,
+                   "sequence_ratio": (s * live).sum() / n}
+        return PerToken(out.loss, {"ratio": out.metrics["ratio"]}, seq)
+
+
+class CISPO:
+    """Clipped IS-weight Policy Optimisation: every token keeps a gradient, ``log pi_theta``
+    weighted by its clipped, stop-gradient ratio (MiniMax-M1 bounds the weight from above
+    only: ``eps_low`` of 1 or more leaves it unbounded below)."""
+
+    def __init__(self, eps_low: float = 1.0, eps_high: float = 0.28) -> None:
+        _check_clip(eps_low, eps_high)
+        self.eps_low, self.eps_high = eps_low, eps_high
+
+    def __call__(self, inputs: LossInputs, old: torch.Tensor) -> PerToken:
+        mask = inputs.mask
+        with torch.no_grad():
+            ratio = torch.exp(inputs.logprobs - old)
+            low = max(1.0 - self.eps_low, 0.0)
+            weight = ratio.clamp(low, 1.0 + self.eps_high)
+            metrics = {"clip_fraction": _token_mean((weight != ratio).to(mask.dtype), mask),
+                       "ratio": _token_mean(ratio, mask)}
+        return PerToken(-weight * inputs.advantages * inputs.logprobs * mask, metrics)
+
+
+class SAPO:
+    """Soft Adaptive Policy Optimisation: a smooth gate instead of a hard clip,
+    ``f(r) = 4 / tau * sigmoid(tau (r - 1))`` (its gradient is 1 at r = 1 and fades as r moves
+    away), with a sharper ``tau_neg`` for negative advantages."""
+
+    def __init__(self, tau_pos: float = 1.0, tau_neg: float = 1.05) -> None:
+        if tau_pos <= 0 or tau_neg <= 0:
+            raise ConfigError(f"algo.loss.tau_pos and tau_neg must be > 0, got {tau_pos} and "
+                              f"{tau_neg}")
+        self.tau_pos, self.tau_neg = tau_pos, tau_neg
+
+    def __call__(self, inputs: LossInputs, old: torch.Tensor) -> PerToken:
+        adv, mask = inputs.advantages, inputs.mask
+        ratio = torch.exp(inputs.logprobs - old)
+        tau = torch.where(adv >= 0, torch.full_like(adv, self.tau_pos),
+                          torch.full_like(adv, self.tau_neg))
+        gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+        with torch.no_grad():
+            g = torch.sigmoid(tau * (ratio - 1.0))
+            metrics = {"gate_weight": _token_mean(4.0 * g * (1.0 - g) * ratio, mask),
+                       "ratio": _token_mean(ratio, mask)}
+        return PerToken(-adv * gate * mask, metrics)
