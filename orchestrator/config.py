@@ -102,13 +102,26 @@ def check_arguments(fn: Callable[..., Any], values: dict[str, Any], key: str) ->
         if name not in params and not takes_any:
             known = ", ".join(p for p in params if p != "self")
             raise ConfigError(f"unknown config key '{key}.{name}'; known: {known}")
+        if isinstance(value, dict) and isinstance(value.get("_target_"), str):
+            check_node(value, f"{key}.{name}")  # a nested piece, built by Hydra too
+            continue
+        if isinstance(value, dict) and value and all(
+                isinstance(v, dict) and "_target_" in v or v is None for v in value.values()):
+            for piece, node in value.items():  # pieces by name (algo.corrections.tis)
+                if node is not None:
+                    check_node(node, f"{key}.{name}.{piece}")
+            continue
         if name in hints:
             _check(f"{key}.{name}", value, hints[name])
 
 
 def check_target(cfg: DictConfig, key: str) -> None:
-    """Type-check the keys of a ``_target_`` node before Hydra instantiates it."""
-    values = section(cfg, key)
+    """Type-check the keys of a ``_target_`` node (and of the nodes nested in it) before Hydra
+    instantiates it."""
+    check_node(section(cfg, key), key)
+
+
+def check_node(values: dict[str, Any], key: str) -> None:
     target = values.get("_target_")
     if not isinstance(target, str):
         raise ConfigError(f"{key}._target_ is missing: name the class or function to build")

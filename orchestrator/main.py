@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from envs.base import EnvSpec, Task
 from envs.dataset import DatasetSpec
 from envs.errors import EnvConfigError
+from orchestrator.algo.build import build_algorithm
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import build_env, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine, sync_weights
@@ -153,6 +154,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     checkpoint_cfg = typed(CheckpointConfig, cfg, "checkpoint")
     for key in ("model", "engine", "algo", "trainer"):
         check_target(cfg, key)
+    build_algorithm(section(cfg, "algo"))  # its pieces' own checks, before anything starts
     spec = build_env(cfg)
     check_sizes(pipeline_cfg, rollout_cfg, spec)
     if threads:

@@ -4,19 +4,14 @@ Each is a callable ``(groups, rewards) -> advantages``, ``rewards[g][i]`` being 
 reward of sample ``i`` of group ``g``; every one gives exactly 0 to a group whose rewards are
 all equal (no signal, and no float residue either).
 
-==================  =========================================  ============================
-class               advantage of sample i in group g            source
-==================  =========================================  ============================
-``GroupNorm``       (r - mean_g) / (std_g + eps)                GRPO (arXiv 2402.03300)
-``GroupNorm(std=    r - mean_g                                  Dr.GRPO (arXiv 2503.20783)
-"none")``
-``GroupNorm(std=    (r - mean_g) / (std over the whole batch)   LitePPO (arXiv 2508.08221)
-"batch")``
-``LeaveOneOut``     r - mean of the group's other samples       RLOO (arXiv 2402.14740)
-``BatchWhitened``   (r - mean_g), whitened over the batch       REINFORCE++ (arXiv 2501.03262)
-``NormalizeThenSum``  each reward part group-normalised, then   GDPO; TRL's
-                    summed with weights (and whitened)          ``normalize_then_sum``
-==================  =========================================  ============================
+| class | advantage of sample i in group g | source |
+| --- | --- | --- |
+| `GroupNorm` | (r - mean_g) / (std_g + eps) | GRPO (arXiv 2402.03300) |
+| `GroupNorm(std="none")` | r - mean_g | Dr.GRPO (arXiv 2503.20783) |
+| `GroupNorm(std="batch")` | (r - mean_g) / (std over the whole batch) | LitePPO (arXiv 2508.08221) |
+| `LeaveOneOut` | r - mean of the group's other samples | RLOO (arXiv 2402.14740) |
+| `BatchWhitened` | (r - mean_g), whitened over the batch | REINFORCE++ (arXiv 2501.03262) |
+| `NormalizeThenSum` | each reward part group-normalised, summed with weights, whitened | GDPO; TRL's `normalize_then_sum` |
 """
 
 from __future__ import annotations

@@ -16,26 +16,15 @@ loss's ratio is taken against:
 Each correction gives a per-token weight (detached) and/or a per-token keep mask, and logs what
 it truncated or masked:
 
-================  ============================================  ============================
-class             what it does                                  logs
-================  ============================================  ============================
-``TokenTIS``      weight min(exp(delta_t), cap)                 importance_weight,
-                  (truncated IS; Yao et al. 2025)               truncated_fraction
-``SequenceTIS``   weight min(exp(sum_t delta_t), cap) for       sequence_importance_weight,
-                  every token of the sequence                   sequence_truncated_fraction
-``TokenMask``     drops tokens with exp(delta_t) outside        token_masked_fraction
-                  [lo, hi] (IcePop)
-``SequenceMask``  drops sequences with exp(sum delta) outside   sequence_masked_fraction
-                  [lo, hi]
-``GeometricMask`` drops sequences with exp(mean delta) outside  geometric_masked_fraction
-                  [lo, hi]
-``OPSM``          drops a negative-advantage sequence whose     opsm_masked_fraction
-                  mean (mu - log pi_theta) exceeds ``delta``
-                  (arXiv 2512.02556)
-``M2PO``          drops the tokens with the largest delta^2     m2po_masked_fraction,
-                  until the rest's mean delta^2 <= ``tau``      m2po_second_moment
-                  (arXiv 2510.01161)
-================  ============================================  ============================
+| class | what it does | logs |
+| --- | --- | --- |
+| `TokenTIS` | weight min(exp(delta_t), cap) (truncated IS; Yao et al. 2025) | importance_weight, truncated_fraction |
+| `SequenceTIS` | weight min(exp(sum_t delta_t), cap) on every token of the sequence | sequence_importance_weight, sequence_truncated_fraction |
+| `TokenMask` | drops tokens with exp(delta_t) outside [lo, hi] (IcePop) | token_masked_fraction |
+| `SequenceMask` | drops sequences with exp(sum delta) outside [lo, hi] | sequence_masked_fraction |
+| `GeometricMask` | drops sequences with exp(mean delta) outside [lo, hi] | geometric_masked_fraction |
+| `OPSM` | drops a negative-advantage sequence whose mean (mu - log pi_theta) exceeds `delta` (arXiv 2512.02556) | opsm_masked_fraction |
+| `M2PO` | drops the tokens with the largest delta^2 until the rest's mean delta^2 <= `tau` (arXiv 2510.01161) | m2po_masked_fraction, m2po_second_moment |
 """
 
 from __future__ import annotations

@@ -4,17 +4,12 @@ Each is a callable ``(inputs, old) -> PerToken``: ``old`` is the log-prob the ra
 against, ``r_t = exp(log pi_theta - old)`` — the proximal policy's in the decoupled mode, the
 engine's behaviour policy's in the bypass mode (:mod:`~orchestrator.algo.corrections`).
 
-==========  ===========================================================  ===================
-class       per-token loss (A: the advantage)                            source
-==========  ===========================================================  ===================
-``PPOClip``  max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); with       PPO; clip-higher
-            ``dual_clip`` c, for A < 0 at most -A c                       (DAPO); dual-clip
-                                                                          (arXiv 1912.09729)
-``GSPO``    PPOClip on the sequence ratio s = exp(mean_t log r_t), each   arXiv 2507.18071
-            token's gradient that of sg(s) * pi_theta / sg(pi_theta)
-``CISPO``   -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta        arXiv 2506.13585
-``SAPO``    -A (4 / tau) sigmoid(tau (r - 1)), tau by the sign of A       arXiv 2511.20347
-==========  ===========================================================  ===================
+| class | per-token loss (A: the advantage) | source |
+| --- | --- | --- |
+| `PPOClip` | max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); with `dual_clip` c, for A < 0 at most -A c | PPO; clip-higher (DAPO); dual-clip (arXiv 1912.09729) |
+| `GSPO` | PPOClip on the sequence ratio s = exp(mean_t log r_t), each token's gradient that of sg(s) pi_theta / sg(pi_theta) | arXiv 2507.18071 |
+| `CISPO` | -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta | arXiv 2506.13585 |
+| `SAPO` | -A (4 / tau) sigmoid(tau (r - 1)), tau by the sign of A | arXiv 2511.20347 |
 """
 
 from __future__ import annotations

@@ -59,15 +59,16 @@ class TrainerRecipe:
 
     def build(self) -> Trainer:
         import torch
-        from hydra.utils import get_object, instantiate
+        from hydra.utils import get_object
 
+        from orchestrator.algo.build import build_algorithm
         from orchestrator.models.policy import build_policy
 
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         torch.manual_seed(self.seed)
         policy = build_policy(self.model)
-        algorithm = instantiate(dict(self.algo))
+        algorithm = build_algorithm(self.algo)
         values = dict(self.trainer)
         cls = get_object(values.pop("_target_"))
         return cls(policy=policy, algorithm=algorithm, temperature=self.temperature, **values)

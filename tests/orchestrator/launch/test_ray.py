@@ -150,7 +150,10 @@ def test_weights_travel_through_the_object_store_in_any_dtype(cluster: Cluster) 
 @pytest.fixture(scope="module")
 def smoke_run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[RunResult, Path]:
     run_dir = tmp_path_factory.mktemp("smoke")
-    return run(ray_config(cluster, unique_run()), run_dir), run_dir
+    # a preset with a reference policy (KL in the reward) and sequence-level aggregation: the
+    # trainer actor builds every piece
+    return run(ray_config(cluster, unique_run(), "algo=reinforce_pp",
+                          "algo.aggregation=sequence_mean"), run_dir), run_dir
 
 
 def test_a_run_spreads_engines_over_worker_nodes_and_the_trainer_on_the_head(
@@ -161,6 +164,8 @@ def test_a_run_spreads_engines_over_worker_nodes_and_the_trainer_on_the_head(
     assert all(m["faults/engine_restarts"] == 0 and m["faults/episodes_rerun"] == 0
                for m in metrics[:2])
     assert "train/loss" in metrics[0]
+    assert metrics[0]["train/kl_penalty"] == 0.0  # the reference is the policy at step 1
+    assert "train/kl_penalty" in metrics[1]
 
 
 def test_spans_come_from_every_node_onto_the_driver_timeline(

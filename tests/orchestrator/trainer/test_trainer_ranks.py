@@ -238,3 +238,37 @@ def test_a_warm_start_after_the_weights_were_gathered_trains_the_shards() -> Non
         assert_same(after, warm)
     finally:
         group.close()
+
+
+KL_ALGO = {"_target_": "orchestrator.algo.composed.PolicyGradient",
+           "kl": {"_target_": "orchestrator.algo.regularizers.KL", "coef": 0.5, "estimator": "k3"},
+           "aggregation": "sequence_mean"}
+
+
+@pytest.mark.slow  # left out of scripts/test.sh --quick
+def test_the_reference_policy_is_sharded_like_the_policy_and_resumes(tmp_path: Path) -> None:
+    """A KL term under two ranks gives the one-process KL and weights, and its reference comes
+    back from a sharded checkpoint."""
+    steps = [make_groups(seed=s) for s in range(3)]
+    single = replace(recipe(), algo=KL_ALGO).build()
+    expected = [anyio.run(single.step, g) for g in steps]
+    assert expected[0]["kl_to_reference"] == pytest.approx(0.0, abs=1e-9)
+    assert expected[2]["kl_to_reference"] > 0
+    final = {k: v.clone() for k, v in anyio.run(single.weights).tensors().items()}
+
+    two = process_group(replace(recipe(world_size=2), algo=KL_ALGO), 2)
+    try:
+        got = [anyio.run(two.step, g) for g in steps[:2]]
+        two.snapshot().write(tmp_path / "ckpt")
+    finally:
+        two.close()
+    again = process_group(replace(recipe(world_size=2), algo=KL_ALGO), 2)
+    try:
+        again.load(tmp_path / "ckpt")
+        got.append(anyio.run(again.step, steps[2]))
+        assert_same(gathered(again), final)
+    finally:
+        again.close()
+    for mine, theirs in zip(got, expected, strict=True):
+        for key in ("loss", "kl_to_reference", "trained_sequences"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), key

@@ -1,0 +1,205 @@
+"""The algorithm family side by side on a real model: every ``conf/algo`` preset, and a
+staleness sweep of three off-policy corrections.
+
+    python -m bench.algos                      # both parts (about 2 hours on 2 cores)
+    python -m bench.algos --parts presets      # or: staleness
+    python -m bench.algos --quick              # within 10 minutes: the machinery, not a result
+
+Every run is ``python -m orchestrator experiment=dataset_smol`` (SmolLM2-135M-Instruct, the
+shipped arithmetic Parquet files, math-verify; its base model's greedy held-out accuracy is
+about 0.14) in its own process, as a user would start it, one after the other on the same
+cores, with the same seed, batch (4 prompts x 8 samples), learning rate and evaluation
+(``eval.every`` steps, the held-out file, greedy). Periodic checkpoints are off (the same
+for every run). Curves are read back from each run directory by
+:func:`bench.rg_smol_curve.curve`: held-out accuracy against RL wall time.
+
+1. **Presets** (``presets``): each preset at k = 1 for ``--steps`` steps. The table gives the
+   accuracy before RL, the best within the budget, the last, and the RL minutes to reach
+   ``+--gain`` (0.15) over the run's own accuracy before RL. The plot (``--png``) has every
+   preset's curve.
+2. **Staleness** (``staleness``): k in ``--ks`` (0, 1, 4, 8) for the default decoupled loss
+   (``algo=grpo``), the bypass mode with token TIS (``algo=grpo algo.mode=bypass``) and M2PO
+   (``algo=stale``), each for ``--sweep-steps`` steps with ``(k + 1) x 4`` rollout workers (so
+   the pipeline can run k versions ahead): held-out accuracy at equal train steps, the mean
+   staleness reached, and seconds per step.
+
+Last line: ``presets_learning=<n>/<total>``, the presets whose curve reached ``+--gain``
+within the budget (with ``--parts staleness`` alone: ``stale_k8_gap=``, k = 1's final accuracy
+minus the best correction's at the largest k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.rg_smol_curve import curve
+
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "stale")
+CORRECTIONS = {"decoupled": ("algo=grpo",), "bypass_tis": ("algo=grpo", "algo.mode=bypass"),
+               "m2po": ("algo=stale",)}
+PROMPTS_PER_STEP = 4  # dataset_smol: 32 samples a step, 8 a prompt
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    points: list[tuple[float, int, float]]  # (RL minutes, step, held-out accuracy)
+    seconds_per_step: float
+    staleness: float  # mean over the steps
+
+    @property
+    def before(self) -> float:
+        return self.points[0][2]
+
+    def minutes_to(self, gain: float) -> float | None:
+        return next((m for m, _, a in self.points if a >= self.before + gain - 1e-9), None)
+
+    def best_within(self, minutes: float) -> float:
+        return max(a for m, _, a in self.points if m <= minutes + 1e-9)
+
+
+def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: int,
+           eval_tasks: int | None) -> Result:
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = [sys.executable, "-m", "orchestrator", "experiment=dataset_smol", *overrides,
+            f"pipeline.num_steps={steps}", f"eval.every={every}", "checkpoint.every=0",
+            "checkpoint.every_s=0", "logger=none", "progress=false", f"hydra.run.dir={run_dir}"]
+    if eval_tasks is not None:
+        args.append(f"eval.num_tasks={eval_tasks}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    log = out / f"{name}.log"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"[bench.algos] {name}: {' '.join(args[3:])}", flush=True)
+    with log.open("w") as f:
+        done = subprocess.run(args, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                              check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed (exit {done.returncode}); see {log}:\n"
+                         f"{log.read_text()[-2000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    points = curve(run_dir)
+    if summary.get("eval_after") is not None and points[-1][1] != steps:
+        points.append((summary["rl_seconds"] / 60, steps, float(summary["eval_after"])))
+    staleness = sum(r.get("staleness/mean", 0.0) for r in rows) / max(len(rows), 1)
+    return Result(name, points, summary["rl_seconds"] / max(summary["steps"], 1), staleness)
+
+
+def presets(names: Sequence[str], out: Path, steps: int, every: int, gain: float,
+            eval_tasks: int | None) -> list[Result]:
+    results = [launch(n, [f"algo={n}"], out / "presets", steps, every, eval_tasks) for n in names]
+    budget = max(r.points[-1][0] for r in results)
+    print(f"\npresets at k = 1, {steps} steps (budget: {budget:.1f} RL minutes, the slowest run)")
+    print("| preset | before | best | last | RL min to +%.2f | s/step |" % gain)
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        reach = r.minutes_to(gain)
+        print(f"| {r.name} | {r.before:.2f} | {r.best_within(budget):.2f} | "
+              f"{r.points[-1][2]:.2f} | {'—' if reach is None else f'{reach:.1f}'} | "
+              f"{r.seconds_per_step:.1f} |")
+    return results
+
+
+def staleness(ks: Sequence[int], out: Path, steps: int, every: int,
+              eval_tasks: int | None) -> dict[tuple[str, int], Result]:
+    results = {}
+    for k in ks:
+        for name, overrides in CORRECTIONS.items():
+            results[name, k] = launch(
+                f"{name}_k{k}", [*overrides, f"pipeline.max_staleness={k}",
+                                 f"pipeline.num_workers={(k + 1) * PROMPTS_PER_STEP}"],
+                out / "staleness", steps, every, eval_tasks)
+    print(f"\nstaleness sweep: held-out accuracy after {steps} steps (mean staleness, s/step)")
+    print("| correction | " + " | ".join(f"k = {k}" for k in ks) + " |")
+    print("| --- |" + " --- |" * len(ks))
+    for name in CORRECTIONS:
+        cells = [results[name, k] for k in ks]
+        print(f"| {name} | " + " | ".join(
+            f"{r.points[-1][2]:.2f} ({r.staleness:.1f}, {r.seconds_per_step:.1f} s)"
+            for r in cells) + " |")
+    return results
+
+
+def plot(results: Sequence[Result], gain: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        ax.plot([m for m, _, _ in r.points], [a for _, _, a in r.points], marker="o",
+                markersize=3, label=r.name)
+    before = min(r.before for r in results)
+    ax.axhline(before + gain, color="grey", linestyle=":", label=f"+{gain:g} over base")
+    ax.set_xlabel("RL wall time (min), 2 CPU cores")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title("SmolLM2-135M-Instruct, experiment=dataset_smol, k = 1")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="presets,staleness")
+    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--steps", type=int, default=20, help="RL steps per preset")
+    parser.add_argument("--every", type=int, default=5, help="eval.every")
+    parser.add_argument("--sweep-steps", type=int, default=20)
+    parser.add_argument("--ks", default="0,1,4,8")
+    parser.add_argument("--gain", type=float, default=0.15)
+    parser.add_argument("--eval-tasks", type=int, default=None,
+                        help="eval.num_tasks (default: the experiment's, the whole file)")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_algos")
+    parser.add_argument("--png", type=Path, default=None,
+                        help="the presets' plot (default: docs/algos.png; none with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="two presets and a two-point sweep, a few steps each")
+    args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
+    names = args.presets.split(",")
+    ks = [int(k) for k in args.ks.split(",")]
+    unknown = set(names) - set(PRESETS)
+    if unknown:
+        raise SystemExit(f"--presets: no preset {sorted(unknown)}; known: {', '.join(PRESETS)}")
+    if args.quick:
+        names, ks = names[:2], [1, 4]
+        args.steps = args.sweep_steps = args.every = 2
+        args.eval_tasks = args.eval_tasks or 12
+    results = []
+    if "presets" in parts:
+        results = presets(names, args.out, args.steps, args.every, args.gain, args.eval_tasks)
+        if not args.quick:
+            plot(results, args.gain, args.png or REPO / "docs" / "algos.png")
+    sweep = {}
+    if "staleness" in parts:
+        sweep = staleness(ks, args.out, args.sweep_steps, args.every, args.eval_tasks)
+        base = next((k for k in (1, *ks) if ("decoupled", k) in sweep), ks[0])
+        top = max(ks)
+        gap = sweep["decoupled", base].points[-1][2] - max(
+            sweep[name, top].points[-1][2] for name in CORRECTIONS)
+        print(f"k = {top}: the best correction is {gap:+.2f} below k = {base}'s decoupled run "
+              f"at {args.sweep_steps} steps (target: within 0.05)")
+    if results:
+        learning = sum(r.minutes_to(args.gain) is not None for r in results)
+        print(f"presets_learning={learning}/{len(results)}")
+    elif sweep:
+        print(f"stale_k{max(ks)}_gap={gap:.3f}")
+
+
+if __name__ == "__main__":
+    main()
