@@ -272,3 +272,40 @@ def test_the_reference_policy_is_sharded_like_the_policy_and_resumes(tmp_path: P
     for mine, theirs in zip(got, expected, strict=True):
         for key in ("loss", "kl_to_reference", "trained_sequences"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), key
+
+
+def piece(name: str, **settings: Any) -> dict[str, Any]:
+    return {"_target_": f"orchestrator.algo.{name}", **settings}
+
+
+EVERY_PIECE = {
+    "_target_": "orchestrator.algo.composed.PolicyGradient",
+    "advantage": piece("advantages.NormalizeThenSum"),
+    "loss": piece("losses.SAPO"),
+    "aggregation": "sequence_sum",
+    "mode": "bypass",
+    "corrections": {"seq": piece("corrections.SequenceTIS"),
+                    "icepop": piece("corrections.TokenMask"),
+                    "geo": piece("corrections.GeometricMask"),
+                    "opsm": piece("corrections.OPSM"),
+                    "m2po": piece("corrections.M2PO")},
+    "kl": piece("regularizers.KL", coef=0.01, in_reward=True),
+    "entropy_coef": 0.01,
+    "shaping": {"overlong": piece("shaping.OverlongPenalty", buffer=2, max_length=6),
+                "truncated": piece("shaping.MaskTruncated")},
+}
+
+
+@pytest.mark.slow  # left out of scripts/test.sh --quick
+def test_every_piece_trains_under_two_ranks() -> None:
+    two = process_group(replace(recipe(world_size=2, num_minibatches=2), algo=EVERY_PIECE), 2)
+    try:
+        for seed in range(2):
+            metrics = anyio.run(two.step, make_groups(seed=seed))
+            assert all(v == v for v in metrics.values()), metrics  # no NaN
+            for key in ("m2po_masked_fraction", "opsm_masked_fraction", "kl_penalty",
+                        "shaping/overlong_penalty", "gate_weight", "geometric_masked_fraction"):
+                assert key in metrics, key
+        assert two.version == 2
+    finally:
+        two.close()
