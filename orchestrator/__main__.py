@@ -6,6 +6,7 @@ from orchestrator.allocator import keep_freed_memory
 
 keep_freed_memory()  # before any other thread allocates (see orchestrator.allocator)
 
+import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -23,8 +24,23 @@ def _entry(cfg: DictConfig) -> float | None:
     return _run_and_report(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
+# Third-party clients that log every request at INFO (an agent program's openai client makes
+# one line per gateway call): kept at WARNING, so the run's own lines stay readable, unless
+# their level is set (hydra.job_logging.loggers.<name>.level=INFO).
+QUIET_LOGGERS = ("httpx", "httpcore", "openai", "urllib3", "filelock")
+
+
+def _quiet_third_party() -> None:
+    for name in QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
+
+
 def _run_and_report(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> float | None:
     from orchestrator.main import run
+
+    _quiet_third_party()
 
     try:  # exit from inside the job: Hydra would otherwise print its own line first
         result = run(cfg, run_dir, resume_from)

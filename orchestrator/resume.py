@@ -133,7 +133,8 @@ def find_checkpoint(run_dir: Path) -> Path:
     found = CheckpointStore(run_dir / "checkpoints").latest_valid()
     if found is None:
         raise ConfigError(f"resume={run_dir}: the run directory has no complete checkpoint to "
-                          "resume from")
+                          f"resume from (it stopped before its first); to start it again there, "
+                          f"run the same command with resume=auto hydra.run.dir={run_dir}")
     return found
 
 

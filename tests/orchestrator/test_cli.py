@@ -90,3 +90,19 @@ def test_help_lists_the_config_groups(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     for group in ("model", "engine", "env", "algo", "trainer", "logger", "experiment"):
         assert f"{group}:" in result.stdout
+
+
+def test_third_party_request_logs_stay_at_warning_unless_asked() -> None:
+    import logging
+
+    from orchestrator.__main__ import QUIET_LOGGERS, _quiet_third_party
+
+    logging.getLogger("httpcore").setLevel(logging.DEBUG)  # asked for: kept
+    try:
+        _quiet_third_party()
+        assert logging.getLogger("httpx").getEffectiveLevel() == logging.WARNING
+        assert logging.getLogger("httpcore").level == logging.DEBUG
+        assert "openai" in QUIET_LOGGERS
+    finally:
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)

@@ -143,7 +143,9 @@ def test_resume_refuses_a_directory_without_a_checkpoint_in_one_line(tmp_path: P
     result = orchestrator(f"resume={tmp_path}")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: resume={tmp_path}: the run directory has no complete checkpoint to resume from")
+        f"error: resume={tmp_path}: the run directory has no complete checkpoint to resume from "
+        f"(it stopped before its first); to start it again there, run the same command with "
+        f"resume=auto hydra.run.dir={tmp_path}")
 
 
 def test_resume_allows_only_keys_that_cannot_change_the_maths(tmp_path: Path) -> None:
