@@ -44,7 +44,7 @@ from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRe
 from orchestrator.loggers.base import Logger
 from orchestrator.models.policy import build_tokenizer, model_context
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.pipeline import PipelineConfig, TaskSampler
+from orchestrator.pipeline import PipelineConfig
 from orchestrator.recorder import Recorder
 from orchestrator.resume import restore
 from orchestrator.rollout import EpisodeRunner, RolloutConfig
@@ -57,6 +57,7 @@ from orchestrator.runloop import (
     run_session,
     summarise,
 )
+from orchestrator.sampler import TaskSampler
 from orchestrator.warmstart import WarmStartConfig, warm_start
 from orchestrator.weights import WeightUpdate
 

@@ -39,10 +39,11 @@ from orchestrator.errors import ConfigError, RunAborted
 from orchestrator.evaluate import EvalConfig, evaluate
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.pipeline import PeriodicEval, Pipeline, PipelineConfig, TaskSampler
+from orchestrator.pipeline import PeriodicEval, Pipeline, PipelineConfig
 from orchestrator.recorder import Recorder
 from orchestrator.resume import RunState, capture_rng
 from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.sampler import TaskSampler
 from orchestrator.trainer.base import Snapshot, Trainer
 from orchestrator.types import Evaluation, StepReport
 from orchestrator.weights import WeightUpdate
