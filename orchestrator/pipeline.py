@@ -323,7 +323,7 @@ class Pipeline:
                 batch = await self._mask(batch, step)
                 groups = [g.group for g in batch]  # the trainer gets no timings
                 for group in groups:
-                    await self.ledger.retire(group.prompt_id, Outcome.TRAINED)
+                    await self.ledger.retire(group.prompt_id, Outcome.TRAINED, group.rewards)
                 await self.engine.sleep()  # colocated: the GPU is the trainer's until the sync
                 with self.recorder.span("train_step", "trainer", version, step=step) as attrs:
                     metrics = await self.trainer.step(groups)
@@ -429,9 +429,11 @@ class Pipeline:
         left_out = (Outcome.FILTERED, Outcome.MASKED)
         metrics["filter/filtered_groups"] = float(sum(retired.groups[o] for o in left_out))
         metrics["filter/refills"] = float(retired.groups[Outcome.FILTERED])
-        mean = retired.reward_mean(*left_out)
-        if mean is not None:
-            metrics["filter/filtered_reward_mean"] = mean
+        for name, outcomes in (("filtered_reward_mean", left_out),
+                               ("unfiltered_reward_mean", (Outcome.TRAINED, *left_out))):
+            mean = retired.reward_mean(*outcomes)
+            if mean is not None:
+                metrics[f"filter/{name}"] = mean
         if self.group_filter.refill:
             metrics["filter/capped"] = float(capped)
             if capped and not self._warned_cap:

@@ -5,7 +5,8 @@ signal for a group-relative advantage: GRPO's is exactly zero for each of its sa
 anyway, it costs the step its forward and backward passes and, under token-mean aggregation,
 dilutes the gradient of the groups that do carry signal, the more so as the policy gets better
 (more all-correct groups). Two ways to leave such groups out, chosen with
-``algo/filter=<name>`` (default: none):
+``algo/filter=<name>`` (default: none; ``algo=dapo`` chooses ``dynamic_sampling``, and
+``~algo/filter`` or ``algo.filter=null`` switches a preset's off):
 
 * :class:`DynamicSampling` (``algo/filter=dynamic_sampling``; DAPO, arXiv 2503.14476): the group
   is not trained and another prompt is rolled out in its place, so every step trains a full
@@ -42,11 +43,13 @@ What each logs with the step (the pipeline's report): ``filter/filtered_groups``
 out since the previous step), ``filter/refills`` (of those, replaced by another prompt),
 ``filter/capped`` (dynamic sampling's cap was reached), ``filter/filtered_reward_mean`` (their
 mean reward: near the top, the policy solves those prompts; near the bottom, it cannot yet),
-and ``groups/<outcome>`` for every way a group left the pipeline.
+``filter/unfiltered_reward_mean`` (the mean reward of every group judged since the previous
+step, left out or trained: what ``reward/mean``, the trained batch's, would be without the
+filter) and ``groups/<outcome>`` for every way a group left the pipeline.
 
 The key lives in the ``algo`` node, so a preset can choose a filter, but it is the pipeline's:
-:func:`split_filter` takes it out before the algorithm is built, :func:`build_filter` builds
-it. The filters here only decide; the pipeline applies them and retires the groups they leave
+the algorithm is built without it (:mod:`orchestrator.algo.build`), :func:`build_filter`
+builds it. The filters here only decide; the pipeline applies them and retires the groups they leave
 out (:mod:`orchestrator.pipeline`).
 """
 
@@ -132,13 +135,6 @@ class ZeroVarianceMask(_EqualRewards):
 
 
 # -- from the config ---------------------------------------------------------------------------
-
-
-def split_filter(algo: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
-    """The ``algo`` node without ``filter`` (the algorithm's arguments), and ``filter``'s
-    value (None when absent)."""
-    values = dict(algo)
-    return values, values.pop(FILTER_KEY, None)
 
 
 def filter_options() -> list[str]:
