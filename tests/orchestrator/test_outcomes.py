@@ -146,9 +146,10 @@ async def test_each_outcome_settles_the_task_and_frees_the_slot_as_its_table_say
 # -- dynamic sampling ------------------------------------------------------------------------------
 
 
-async def test_dynamic_sampling_at_k1_refills_without_stalling_admission() -> None:
+@pytest.mark.parametrize("k", [1, 0, 3])
+async def test_dynamic_sampling_refills_without_stalling_admission(k: int) -> None:
     trained = trainer()
-    pipeline = make_pipeline(trained, engine(), DynamicSampling())
+    pipeline = make_pipeline(trained, engine(), DynamicSampling(), k=k)
     with anyio.fail_after(120):
         reports = await pipeline.run()
 
@@ -159,12 +160,12 @@ async def test_dynamic_sampling_at_k1_refills_without_stalling_admission() -> No
         assert all(informative(SPEC.tasks("train")[g.prompt_id]) for g in batch)
         assert not any(equal_rewards(g.rewards) for g in batch)
     for report in reports:
-        assert all(0 <= s <= 1 for s in report.staleness)
+        assert all(0 <= s <= k for s in report.staleness)
         assert report.samples == BATCH
         assert report.metrics["filter/capped"] == 0.0
         assert report.metrics["filter/refills"] == report.metrics["groups/filtered"]
         assert report.metrics["groups/trained"] == BATCH // GROUP
-    check_trained_within(trained, 1)
+    check_trained_within(trained, k)
     refills = sum(r.metrics["filter/refills"] for r in reports)
     assert refills >= 6  # about one prompt in two has no signal
     # the refills took the filtered groups' admission slots: the trainer never waited on an
