@@ -183,6 +183,9 @@ def explain(error: BaseException) -> str | None:
                 return f"{e}".splitlines()[0]
         return None
     text = str(error)
+    if isinstance(error, ValueError) and "Config group override must be a string" in text:
+        return ("a config group is switched off with ~<group> (e.g. ~algo/filter), not "
+                "<group>=null")
     override = re.search(r"Could not override '([^']+)'", text)
     if override:
         key = override.group(1)

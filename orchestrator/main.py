@@ -34,6 +34,7 @@ from envs.base import EnvSpec, Task
 from envs.dataset import DatasetSpec
 from envs.errors import EnvConfigError
 from orchestrator.algo.build import build_algorithm
+from orchestrator.algo.filters import FILTER_KEY, build_filter
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import build_env, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine, sync_weights
@@ -44,7 +45,7 @@ from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRe
 from orchestrator.loggers.base import Logger
 from orchestrator.models.policy import build_tokenizer, model_context
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.pipeline import PipelineConfig, TaskSampler
+from orchestrator.pipeline import PipelineConfig
 from orchestrator.recorder import Recorder
 from orchestrator.resume import restore
 from orchestrator.rollout import EpisodeRunner, RolloutConfig
@@ -57,6 +58,7 @@ from orchestrator.runloop import (
     run_session,
     summarise,
 )
+from orchestrator.sampler import TaskSampler
 from orchestrator.warmstart import WarmStartConfig, warm_start
 from orchestrator.weights import WeightUpdate
 
@@ -152,11 +154,15 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         log.warning("eval.n=%d at eval.temperature=0: greedy samples of a task are alike; set "
                     "eval.temperature for pass@k and maj@n to mean anything", eval_cfg.n)
     checkpoint_cfg = typed(CheckpointConfig, cfg, "checkpoint")
+    # algo.filter is the pipeline's (which groups a step trains), not the algorithm's
+    group_filter = build_filter(section(cfg, "algo").get(FILTER_KEY))
     for key in ("model", "engine", "algo", "trainer"):
         check_target(cfg, key)
     build_algorithm(section(cfg, "algo"))  # its pieces' own checks, before anything starts
     spec = build_env(cfg)
     check_sizes(pipeline_cfg, rollout_cfg, spec)
+    if group_filter is not None:
+        group_filter.check(rollout_cfg.group_size)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -198,7 +204,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     return RunParts(
         spec=spec, tokenizer=tokenizer, trainer=trainer, make_engine=make_engine,
         sampler=TaskSampler(spec.tasks("train"), seed=seed), pipeline=pipeline_cfg,
-        checkpoint=checkpoint_cfg,
+        checkpoint=checkpoint_cfg, group_filter=group_filter,
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
         eval_tasks=_first(spec.tasks("eval"), eval_cfg.num_tasks),
         evaluation=eval_cfg,

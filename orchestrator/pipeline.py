@@ -17,6 +17,14 @@
   only then publishes the new version to admission control. With
   ``inflight_update="finish"`` it first takes a private copy of the weights (so the trainer
   goes on) and waits for in-flight episodes to finish under the old ones.
+* A group leaves the pipeline through one call naming its outcome
+  (:meth:`~orchestrator.outcomes.GroupLedger.retire`: trained, stale, filtered, masked, empty,
+  unfinished), which settles its task in the sampler and gives its admission slot back as
+  that outcome requires; each step reports the counts (``groups/<outcome>``).
+* A group filter (``algo.filter``, :mod:`orchestrator.algo.filters`) that refills judges a
+  group in its worker as soon as it finishes: left out, its slot goes back and the worker
+  starts another prompt at once, up to the filter's cap per step. One that does not refill
+  judges the groups of a formed batch and leaves some out of the step.
 
 ``max_staleness = 0`` is the synchronous baseline through this same code: admission lets
 exactly one batch start per version, so generation and training alternate.
@@ -48,8 +56,8 @@ then cancels the workers. A crash anywhere cancels everything and surfaces.
 
 from __future__ import annotations
 
+import logging
 import math
-import random
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
@@ -59,17 +67,21 @@ from typing import Any, Literal
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
-from envs.base import Task
+from orchestrator.algo.filters import GroupFilter
 from orchestrator.engines.base import sync_weights
 from orchestrator.errors import ConfigError
 from orchestrator.faults import add_faults, kill_point
 from orchestrator.gate import Gate
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
+from orchestrator.outcomes import GroupLedger, Outcome
 from orchestrator.rollout import EpisodeRunner
+from orchestrator.sampler import TaskSampler
 from orchestrator.staleness import StalenessController, admission_budget
 from orchestrator.trainer.base import Trainer
 from orchestrator.types import Evaluation, FinishReason, StepReport, TimedGroup
 from orchestrator.weights import WeightUpdate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -125,58 +137,6 @@ class PipelineConfig:
             )
 
 
-class TaskSampler:
-    """Endless shuffled passes over a task list, shared by every worker.
-
-    It remembers the tasks it handed out that have not been settled yet (trained, or dropped
-    as stale): a checkpoint saves them (:meth:`state_dict`), and a resumed run hands them out
-    again first, so no prompt is skipped and none is repeated within a pass.
-    """
-
-    def __init__(self, tasks: Sequence[Task], seed: int = 0) -> None:
-        if not tasks:
-            raise ConfigError("the environment's train split is empty")
-        self._tasks = tasks
-        self._rng = random.Random(seed)
-        self._order: list[int] = []
-        self._outstanding: list[int] = []  # handed out, not settled, oldest first
-        self._again: list[int] = []  # outstanding at the checkpoint a run resumed from
-        self.passes = 0
-
-    def next(self) -> Task:
-        if self._again:
-            i = self._again.pop(0)
-        else:
-            if not self._order:
-                self._order = list(range(len(self._tasks)))
-                self._rng.shuffle(self._order)
-                self.passes += 1
-            i = self._order.pop()
-        self._outstanding.append(i)
-        return self._tasks[i]
-
-    def settle(self, task_id: int) -> None:
-        """The group of ``task_id`` was trained or dropped: its task is done with. (Groups
-        that did not come from this sampler, as in tests, settle nothing.)"""
-        for n, i in enumerate(self._outstanding):
-            if self._tasks[i].id == task_id:
-                del self._outstanding[n]
-                return
-
-    def state_dict(self) -> dict[str, Any]:
-        version, internal, gauss = self._rng.getstate()
-        return {"rng": [version, list(internal), gauss], "order": list(self._order),
-                "again": self._again + self._outstanding, "passes": self.passes}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        version, internal, gauss = state["rng"]
-        self._rng.setstate((version, tuple(internal), gauss))
-        self._order = list(state["order"])
-        self._again = list(state["again"])
-        self._outstanding = []
-        self.passes = int(state["passes"])
-
-
 OnStep = Callable[[StepReport], Awaitable[None] | None]
 
 
@@ -195,7 +155,8 @@ class PeriodicEval:
 
 class Pipeline:
     """Rollout through ``runner`` (its engine, environment, rollout settings and recorder),
-    training with ``trainer``, on tasks from ``sampler``."""
+    training with ``trainer``, on tasks from ``sampler``; ``group_filter`` (``algo.filter``)
+    leaves groups out (:mod:`orchestrator.algo.filters`)."""
 
     def __init__(
         self,
@@ -205,8 +166,11 @@ class Pipeline:
         sampler: TaskSampler,
         on_step: OnStep | None = None,
         evaluation: PeriodicEval | None = None,
+        group_filter: GroupFilter | None = None,
     ) -> None:
         config.check_group_size(runner.config.group_size)
+        if group_filter is not None:
+            group_filter.check(runner.config.group_size)
         self.config = config
         self.runner = runner
         self.rollout = runner.config
@@ -219,6 +183,15 @@ class Pipeline:
         self.staleness = StalenessController(
             config.batch_size, config.max_staleness, version=trainer.version, budget=config.budget
         )
+        # every group leaves through the ledger: the sampler and admission kept in step
+        self.ledger = GroupLedger(sampler, self.staleness, runner.config.group_size)
+        self.group_filter = group_filter
+        groups_per_batch = config.batch_size // runner.config.group_size
+        self._max_refills = (group_filter.max_refills(groups_per_batch)
+                             if group_filter is not None and group_filter.refill else 0)
+        self._refilled = 0  # groups filtered and replaced since the last batch was formed
+        self._capped = False  # ... and whether that reached the filter's cap
+        self._warned_cap = False
         self.gate = Gate()  # held by episodes when inflight_update='finish'
         self.reports: list[StepReport] = []
         self.step = 0  # the next step to train
@@ -303,13 +276,25 @@ class Pipeline:
                             attrs["start_version"] = group.start_version
                 except BaseException:
                     with anyio.CancelScope(shield=True):
-                        await self.staleness.release(group_size, dropped=False)
+                        await self.ledger.retire(task.id, Outcome.UNFINISHED)
                     raise
                 if not len(group):  # agent programs that never called the model
-                    self.sampler.settle(task.id)
-                    await self.staleness.release(group_size, dropped=False)
+                    await self.ledger.retire(task.id, Outcome.EMPTY)
+                    continue
+                if self._refills(group):  # its slot goes back: this worker starts another
+                    await self.ledger.retire(task.id, Outcome.FILTERED, group.group.rewards)
                     continue
                 await send.send(group)
+
+    def _refills(self, group: TimedGroup) -> bool:
+        """Whether a refilling filter leaves ``group`` out, within the step's cap."""
+        if not self._max_refills or self.group_filter is None or self.group_filter.keep(group.group):
+            return False
+        if self._refilled >= self._max_refills:  # capped: trained as it is (filters.py says why)
+            self._capped = True
+            return False
+        self._refilled += 1
+        return True
 
     # -- training --------------------------------------------------------------------------
 
@@ -334,9 +319,11 @@ class Pipeline:
                 self._waiting = None
                 if self.stopped:
                     break
+                capped, self._capped, self._refilled = self._capped, False, 0
+                batch = await self._mask(batch, step)
                 groups = [g.group for g in batch]  # the trainer gets no timings
                 for group in groups:
-                    self.sampler.settle(group.prompt_id)
+                    await self.ledger.retire(group.prompt_id, Outcome.TRAINED, group.rewards)
                 await self.engine.sleep()  # colocated: the GPU is the trainer's until the sync
                 with self.recorder.span("train_step", "trainer", version, step=step) as attrs:
                     metrics = await self.trainer.step(groups)
@@ -351,7 +338,7 @@ class Pipeline:
                     self._evaluating = True
                     tg.start_soon(self._evaluate, step + 1, name="periodic-eval")
                 now = self.recorder.now()
-                report = self._report(step, version, batch, metrics, last_report, now)
+                report = self._report(step, version, batch, metrics, last_report, now, capped)
                 if evaluated is not None:
                     report = replace(report, evaluation=evaluated[1])
                 last_report = now
@@ -362,6 +349,20 @@ class Pipeline:
                     result = self.on_step(report)
                     if result is not None:
                         await result
+
+    async def _mask(self, batch: list[TimedGroup], step: int) -> list[TimedGroup]:
+        """The batch less the groups a filter that does not refill leaves out (masked)."""
+        if self.group_filter is None or self.group_filter.refill:
+            return batch
+        keep = [self.group_filter.keep(g.group) for g in batch]
+        for g, kept_it in zip(batch, keep, strict=True):
+            if not kept_it:
+                await self.ledger.retire(g.prompt_id, Outcome.MASKED, g.group.rewards)
+        kept = [g for g, kept_it in zip(batch, keep, strict=True) if kept_it]
+        if not kept:
+            log.info("step %d: algo.filter left out every group of the batch (all rewards equal "
+                     "in each): the step trains no sample", step)
+        return kept
 
     async def _evaluate(self, step: int) -> None:
         assert self.evaluation is not None
@@ -384,8 +385,7 @@ class Pipeline:
                 if self.staleness.is_fresh(group.start_version, version):
                     fresh.append(group)
                 else:
-                    self.sampler.settle(group.prompt_id)
-                    await self.staleness.release(self.rollout.group_size, dropped=True)
+                    await self.ledger.retire(group.prompt_id, Outcome.STALE)
             # Oldest first: a slow group overtaken by later ones is trained before it ages
             # past k (the sort is stable, so equal versions keep arrival order).
             fresh.sort(key=lambda g: g.start_version)
@@ -420,6 +420,30 @@ class Pipeline:
 
     # -- reporting -------------------------------------------------------------------------
 
+    def _retired_metrics(self, step: int, capped: bool) -> dict[str, float]:
+        """The groups retired since the last report, per outcome, and what the filter did."""
+        retired = self.ledger.take_counts()
+        metrics = retired.metrics()
+        if self.group_filter is None:
+            return metrics
+        left_out = (Outcome.FILTERED, Outcome.MASKED)
+        metrics["filter/filtered_groups"] = float(sum(retired.groups[o] for o in left_out))
+        metrics["filter/refills"] = float(retired.groups[Outcome.FILTERED])
+        for name, outcomes in (("filtered_reward_mean", left_out),
+                               ("unfiltered_reward_mean", (Outcome.TRAINED, *left_out))):
+            mean = retired.reward_mean(*outcomes)
+            if mean is not None:
+                metrics[f"filter/{name}"] = mean
+        if self.group_filter.refill:
+            metrics["filter/capped"] = float(capped)
+            if capped and not self._warned_cap:
+                self._warned_cap = True
+                log.warning("step %d: algo.filter replaced %d groups, its cap "
+                            "(max_refill_batches): the rest of the batch was trained as it "
+                            "came, equal rewards and all; the task may be too easy or too hard "
+                            "for the policy now", step, self._max_refills)
+        return metrics
+
     def _report(
         self,
         step: int,
@@ -428,12 +452,14 @@ class Pipeline:
         metrics: dict[str, float],
         since: float,
         now: float,
+        capped: bool = False,
     ) -> StepReport:
         trajectories = [t for g in batch for t in g.group.trajectories]
         # the engine's, the agent gateway's and the environment's counters under their own
         # names; fault counters are the whole run's (earlier processes' added)
         counters = {**self.engine.metrics(), **self.runner.spec.metrics(),
-                    **(self.gateway.metrics() if self.gateway is not None else {})}
+                    **(self.gateway.metrics() if self.gateway is not None else {}),
+                    **self._retired_metrics(step, capped)}
         self.faults = add_faults(self.faults_before, counters)
         stage_seconds: Counter[str] = Counter()
         for span in reversed(self.recorder.spans):

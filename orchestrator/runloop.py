@@ -33,16 +33,18 @@ import anyio
 from anyio.abc import TaskGroup
 
 from envs.base import Clock, EnvSpec, Task
+from orchestrator.algo.filters import GroupFilter
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.errors import ConfigError, RunAborted
 from orchestrator.evaluate import EvalConfig, evaluate
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.pipeline import PeriodicEval, Pipeline, PipelineConfig, TaskSampler
+from orchestrator.pipeline import PeriodicEval, Pipeline, PipelineConfig
 from orchestrator.recorder import Recorder
 from orchestrator.resume import RunState, capture_rng
 from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.sampler import TaskSampler
 from orchestrator.trainer.base import Snapshot, Trainer
 from orchestrator.types import Evaluation, StepReport
 from orchestrator.weights import WeightUpdate
@@ -244,6 +246,7 @@ class RunParts:
     describe: Callable[[RunResult], dict[str, Any]] | None = None
     checkpoint: CheckpointConfig | None = None  # periodic checkpoints (None: none, no final)
     keep_batches: bool = False  # keep each report's trained groups and timings in RunResult.reports
+    group_filter: GroupFilter | None = None  # algo.filter: groups left out of training
 
 
 @dataclass
@@ -300,7 +303,8 @@ async def run_session(parts: RunParts, result: RunResult,
             evaluation = partial(evaluate, runner, parts.eval_tasks, parts.evaluation)
             pipeline = Pipeline(parts.pipeline, runner, parts.trainer, parts.sampler,
                                 evaluation=PeriodicEval(every, evaluation)
-                                if every and parts.eval_tasks else None)
+                                if every and parts.eval_tasks else None,
+                                group_filter=parts.group_filter)
             if resume is not None:
                 pipeline.load_state_dict(resume.pipeline)
                 result.warm_start_steps, result.eval_before = resume.warm_start_steps, resume.eval_before

@@ -30,7 +30,8 @@ import anyio
 
 from orchestrator.errors import ConfigError, PolyRLError, RunAborted, first_line
 from orchestrator.launch.base import TrainerRecipe
-from orchestrator.trainer.base import Trainer, TrainStats
+from orchestrator.trainer.base import Forwarded, TrainStats
+from orchestrator.trainer.proxy import Answer, TrainerProxy, answer_now
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
@@ -92,9 +93,9 @@ class RankServer:
     def gather(self) -> WeightUpdate | None:
         return self.trainer.gather()
 
-    def supervised_step(self, sequences: Sequence[Sequence[int]],
-                        masks: Sequence[Sequence[bool]], lr: float) -> float:
-        return self.trainer.supervised_update(sequences, masks, self.trainer.warm_optimizer(lr))
+    def call(self, name: str, args: Sequence[Any]) -> Answer:
+        """A forwarded :class:`Trainer` method (:mod:`orchestrator.trainer.proxy`)."""
+        return answer_now(self.trainer, name, args)
 
     def stage(self) -> None:
         self.trainer.stage()
@@ -127,8 +128,9 @@ class RankHandle(ABC):
         """Stop the rank now (it is stuck in a collective whose peer failed)."""
 
 
-class RankGroup(Trainer):
-    """N ranks as one :class:`Trainer`; rank 0 answers for the group."""
+class RankGroup(TrainerProxy):
+    """N ranks as one :class:`Trainer`; rank 0 answers for the group (the forwarded methods
+    too: :meth:`RankServer.call` on every rank)."""
 
     def __init__(self, handles: Sequence[RankHandle]) -> None:
         self.handles = list(handles)
@@ -202,11 +204,13 @@ class RankGroup(Trainer):
         update: WeightUpdate = (await self._all("gather"))[0]
         return update
 
-    async def supervised_step(self, sequences: Sequence[Sequence[int]],
-                              masks: Sequence[Sequence[bool]], lr: float) -> float:
-        loss: float = (await self._all("supervised_step", [list(s) for s in sequences],
-                                       [list(m) for m in masks], lr))[0]
-        return loss
+    async def _forward(self, method: Forwarded, args: Sequence[Any]) -> Answer:
+        done: Answer = (await self._all("call", method.name, tuple(args)))[0]
+        return done
+
+    def _forward_now(self, method: Forwarded, args: Sequence[Any]) -> Answer:
+        done: Answer = self._all_now("call", method.name, tuple(args))[0]
+        return done
 
     def save(self, directory: Path) -> None:
         """Every rank writes its shards into ``directory`` (shared storage across nodes)."""

@@ -57,7 +57,7 @@ from orchestrator.config import scalar, typed
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.router import ROUTING, Routing
 from orchestrator.errors import ConfigError
-from orchestrator.pipeline import PipelineConfig, TaskSampler
+from orchestrator.pipeline import PipelineConfig
 from orchestrator.recorder import Recorder
 from orchestrator.replay.engine import busy_seconds, replay_engine, replay_router
 from orchestrator.replay.fit import EngineFit
@@ -65,6 +65,7 @@ from orchestrator.replay.plans import load_plans, open_trace
 from orchestrator.replay.tokenizer import ReplayTokenizer
 from orchestrator.rollout import RolloutConfig
 from orchestrator.runloop import RunParts, RunResult, run_session
+from orchestrator.sampler import TaskSampler
 from orchestrator.trainer.simulated import SimulatedTrainer, TokenCost
 from orchestrator.types import StepReport
 from orchestrator.weights import WeightUpdate

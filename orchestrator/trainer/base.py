@@ -13,20 +13,64 @@ training waits for), the run writes that copy in the background; :meth:`Trainer.
 
 ``version`` counts optimiser steps: a batch trained at version ``v`` produces ``v + 1``, and
 :meth:`weights` hands out that new version's weights as a :class:`WeightUpdate`.
+
+A method marked :func:`forwarded` is defined here once and reaches a trainer wherever it lives
+with no launcher code of its own: the proxies (:class:`~orchestrator.trainer.proxy.TrainerProxy`:
+the rank group, the Ray trainer) derive it from this declaration and the far sides (the rank
+server, the trainer actor) answer it through one generic call
+(:mod:`orchestrator.trainer.proxy`). The methods whose transport differs per launcher (a step's
+spans and version, weights through the object store, checkpoints as shards or snapshots) are
+written out in each proxy instead.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from orchestrator.errors import ConfigError
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
 TrainStats = dict[str, float]  # the step's metrics: loss, grad_norm, lr, …
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """How a proxy forwards one :class:`Trainer` method (see :func:`forwarded`)."""
+
+    name: str
+    function: Callable[..., Any]  # the interface's declaration: its signature binds the call
+    doing: str  # what the call is, in an error's words ("a warm-start step")
+    span: str | None  # the span a trainer in another process records around it (None: none)
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.function)
+
+
+def forwarded(*, doing: str, span: str | None = None) -> Callable[[F], F]:
+    """Mark a :class:`Trainer` method as one a proxy forwards as it is: its arguments to the
+    trainer wherever it lives, its result back (both plain, picklable data), the trainer's
+    version after it with them. A trainer that lacks it inherits the declaration's body, so
+    give it a default (a no-op, or ``NotImplementedError`` naming the trainer)."""
+
+    def mark(function: F) -> F:
+        function.__forwarded__ = Forwarded(function.__name__, function, doing, span)  # type: ignore[attr-defined]
+        return function
+
+    return mark
+
+
+def forwarded_methods() -> dict[str, Forwarded]:
+    """The :class:`Trainer` methods marked :func:`forwarded`, by name."""
+    return {name: value.__forwarded__ for name, value in vars(Trainer).items()
+            if hasattr(value, "__forwarded__")}
 
 
 class Snapshot(Protocol):
@@ -48,6 +92,7 @@ class Trainer(ABC):
     async def weights(self) -> WeightUpdate:
         """The current weights, stamped with :attr:`version`, for the engines."""
 
+    @forwarded(doing="a warm-start step", span="supervised_compute")
     async def supervised_step(self, sequences: Sequence[Sequence[int]],
                               masks: Sequence[Sequence[bool]], lr: float) -> float:
         """One cross-entropy step on the masked tokens (the warm start), with an optimiser of
@@ -71,10 +116,12 @@ class Trainer(ABC):
         wherever this trainer lives."""
         raise ConfigError(f"cannot load a checkpoint into a {type(self).__name__}")
 
+    @forwarded(doing="state_dict")
     @abstractmethod
     def state_dict(self) -> Mapping[str, Any]:
         """Everything needed to resume training (weights, optimiser, schedule, version)."""
 
+    @forwarded(doing="load_state_dict")
     @abstractmethod
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 

@@ -39,6 +39,8 @@ MISTAKES: dict[str, tuple[list[str], list[str]]] = {
                           ["pipeline.inflight_update", "later"]),
     "bad-logger-mode": (["experiment=smoke", "logger=wandb", "logger.mode=sometimes"],
                         ["logger.mode", "sometimes"]),
+    "filter-named-not-chosen": (["experiment=smoke", "algo.filter=dynamic_sampling"],
+                                ["algo.filter=dynamic_sampling", "algo/filter=<name>"]),
     "hf-model-path-missing": (["experiment=smoke", "model=hf"], ["model.path"]),
     "hf-model-path-not-a-directory": (["model=hf", "model.path=/nonexistent"],
                                       ["model.path=/nonexistent"]),

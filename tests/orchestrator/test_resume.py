@@ -104,6 +104,43 @@ def test_a_run_killed_at_any_point_resumes_to_the_end(tmp_path: Path, kill_at: s
     assert not list((run_dir / "checkpoints").glob(".tmp-step-*"))
 
 
+OUTCOMES_SETTLED = ("trained", "stale", "filtered", "masked", "empty")  # orchestrator/outcomes.py
+
+
+@pytest.mark.slow  # left out of scripts/test.sh --quick
+def test_dynamic_sampling_killed_and_resumed_neither_repeats_nor_skips_a_prompt(
+        tmp_path: Path) -> None:
+    """algo/filter=dynamic_sampling at k = 1, SIGKILLed mid-step and resumed. An untrained
+    model's groups mostly have equal rewards, so most prompts are filtered. Every prompt the
+    run judged (trained, filtered, dropped) is counted once in the steps' metrics, and the
+    sampler of the last checkpoint has settled exactly as many: a prompt judged twice (a
+    filtered one rolled out again after the resume) or lost (in flight at the crash and never
+    rolled out again) would break the equality."""
+    run_dir = tmp_path / "run"
+    args = [*RUN, "algo/filter=dynamic_sampling", "algo.filter.max_refill_batches=1"]
+    killed = orchestrator(*args, f"hydra.run.dir={run_dir}", kill_at="train_step@3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert RunState.read(find_checkpoint(run_dir)).pipeline["sampler"]["again"]  # in flight
+    resumed = orchestrator(f"resume={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr
+
+    steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "summary/steps" not in m]
+    assert [m["step"] for m in steps] == [m["policy/version"] for m in steps] == list(range(STEPS))
+    assert all(m["staleness/max"] <= 1 for m in steps)  # k = 1 across the resume
+    prompts = trained_prompts(run_dir)
+    assert len(prompts) == len(set(prompts)) == STEPS * 4, "a prompt was trained twice"
+    judged = sum(m[f"groups/{o}"] for m in steps for o in OUTCOMES_SETTLED)
+    filtered = sum(m["filter/refills"] for m in steps)
+    assert filtered > 0 and all(m["groups/unfinished"] == 0 for m in steps)
+    last = RunState.read(find_checkpoint(run_dir))
+    assert last.step == STEPS
+    sampler = last.pipeline["sampler"]
+    assert sampler["passes"] == 1  # one pass over the 4000 tasks: settled = handed out - again
+    settled = 4000 - len(sampler["order"]) - len(sampler["again"])
+    assert judged == settled
+
+
 @pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_sigterm_checkpoints_the_step_in_progress_and_exits_with_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,8 @@ from orchestrator.errors import EngineClosed, RunAborted
 from orchestrator.launch.base import EngineRecipe, TrainerRecipe
 from orchestrator.launch.ray.spans import SpanBuffer
 from orchestrator.recorder import Span
-from orchestrator.trainer.base import Trainer, TrainStats
+from orchestrator.trainer.base import Trainer, TrainStats, forwarded_methods
+from orchestrator.trainer.proxy import Answer, answer
 from orchestrator.types import Generation, Group, SamplingParams
 from orchestrator.weights import WeightUpdate
 
@@ -232,19 +233,14 @@ class TrainerActor(_Reporting):
         update.release()  # in the loop that made its lease; the store holds a copy
         return shared
 
-    async def supervised_step(self, sequences: Sequence[Sequence[int]],
-                              masks: Sequence[Sequence[bool]], lr: float) -> float:
+    async def call(self, name: str, args: Sequence[Any]) -> Answer:
+        """A forwarded :class:`Trainer` method (:mod:`orchestrator.trainer.proxy`), in the span
+        its declaration names (``supervised_compute`` for the warm start's steps)."""
         trainer = self._built()
-        with self._spans.span("supervised_compute", trainer.version, sequences=len(sequences)):
-            return await trainer.supervised_step(sequences, masks, lr)
-
-    async def state_dict(self) -> Mapping[str, Any]:
-        return self._built().state_dict()
-
-    async def load_state_dict(self, state: Mapping[str, Any]) -> int:
-        trainer = self._built()
-        trainer.load_state_dict(state)
-        return trainer.version
+        method = forwarded_methods().get(name)
+        span = method.span if method is not None else None
+        with self._spans.span(span, trainer.version) if span else nullcontext():
+            return await answer(trainer, name, args)
 
     async def snapshot(self) -> list[Any]:
         """The trainer's checkpoint state, copied before this returns (so no step can change

@@ -20,7 +20,7 @@ times (:meth:`~orchestrator.launch.ray.RayLauncher.recover`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,8 @@ from ray.exceptions import ObjectLostError
 from orchestrator.errors import RunAborted, first_line
 from orchestrator.launch.ray.actors import ActorInfo, StepResult
 from orchestrator.launch.ray.remote import RayActorError, result, result_now
-from orchestrator.trainer.base import Trainer, TrainStats
+from orchestrator.trainer.base import Forwarded, TrainStats
+from orchestrator.trainer.proxy import Answer, TrainerProxy
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
 
@@ -39,7 +40,9 @@ class TrainerLost(RunAborted):
     ``launcher.trainer.max_restarts`` allows)."""
 
 
-class RayTrainer(Trainer):
+class RayTrainer(TrainerProxy):
+    """The trainer actor's proxy; its forwarded methods go to :meth:`TrainerActor.call`."""
+
     def __init__(self, actor: Any, info: ActorInfo) -> None:
         self.actor = actor
         self.info = info
@@ -74,19 +77,15 @@ class RayTrainer(Trainer):
         update: WeightUpdate = await self._call("a weight update", self.actor.weights.remote())
         return update
 
-    async def supervised_step(self, sequences: Sequence[Sequence[int]],
-                              masks: Sequence[Sequence[bool]], lr: float) -> float:
-        loss: float = await self._call("a warm-start step", self.actor.supervised_step.remote(
-            [list(s) for s in sequences], [list(m) for m in masks], lr))
-        return loss
+    async def _forward(self, method: Forwarded, args: Sequence[Any]) -> Answer:
+        done: Answer = await self._call(method.doing, self.actor.call.remote(method.name,
+                                                                             tuple(args)))
+        return done
 
-    def state_dict(self) -> Mapping[str, Any]:
-        state: Mapping[str, Any] = self._call_now("state_dict", self.actor.state_dict.remote())
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.version = self._call_now("load_state_dict",
-                                      self.actor.load_state_dict.remote(dict(state)))
+    def _forward_now(self, method: Forwarded, args: Sequence[Any]) -> Answer:
+        done: Answer = self._call_now(method.doing, self.actor.call.remote(method.name,
+                                                                           tuple(args)))
+        return done
 
     def snapshot(self) -> RemoteSnapshot:
         """The actor's checkpoint state, copied and put into the object store (blocking: call

@@ -181,6 +181,8 @@ def test_spans_come_from_every_node_onto_the_driver_timeline(
     assert syncs and all(s["attributes"]["bytes"] > 0 and s["attributes"]["seconds"] >= 0
                          for s in syncs)
     assert len([s for s in remote if s["stage"] == "train_compute"]) == 2
+    # the warm start's steps, a forwarded trainer method, in the span its declaration names
+    assert len([s for s in remote if s["stage"] == "supervised_compute"]) == 2
     end = max(s["end"] for s in spans if "process" not in s["attributes"])
     assert all(-1.0 < s["start"] <= s["end"] < end + 1.0 for s in remote)  # one clock
     timeline = json.loads((run_dir / "timeline.json").read_text())

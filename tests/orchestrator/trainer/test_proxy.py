@@ -1,0 +1,126 @@
+"""A trainer method is defined once (orchestrator/trainer/proxy.py): every proxy gets each
+forwarded method of the interface, a call reaches the real trainer with its arguments bound as
+the interface declares them, its result and the trainer's version come back, and a name that
+is not forwarded is refused. The rank group is driven here over in-process handles around a
+real trainer; tests/orchestrator/trainer/test_trainer_ranks.py and tests/orchestrator/launch/
+run the same calls over processes and Ray actors."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from orchestrator.algo.grpo import GRPO
+from orchestrator.launch.ranks import RankGroup, RankHandle
+from orchestrator.models.policy import Policy
+from orchestrator.trainer.base import Forwarded, Trainer, forwarded_methods
+from orchestrator.trainer.proxy import Answer, TrainerProxy, answer, answer_now
+from orchestrator.trainer.simulated import SimulatedTrainer, TokenCost
+from orchestrator.trainer.torch_trainer import TorchTrainer
+
+
+class Loopback(TrainerProxy):
+    """A proxy whose transport is a function call: the far side's answer, in this process."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.version = trainer.version
+        self.sent: list[tuple[str, tuple[Any, ...]]] = []
+
+    async def step(self, groups: Sequence[Any]) -> dict[str, float]:
+        raise AssertionError("not forwarded: a proxy writes its step out")
+
+    async def weights(self) -> Any:
+        raise AssertionError("not forwarded: a proxy writes its weights out")
+
+    async def _forward(self, method: Forwarded, args: Sequence[Any]) -> Answer:
+        self.sent.append((method.name, tuple(args)))
+        return await answer(self.trainer, method.name, args)
+
+    def _forward_now(self, method: Forwarded, args: Sequence[Any]) -> Answer:
+        self.sent.append((method.name, tuple(args)))
+        return answer_now(self.trainer, method.name, args)
+
+
+class Server:
+    """The rank server's side of the protocol around any trainer (a rank's is a RankTrainer)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def call(self, name: str, args: Sequence[Any]) -> Answer:
+        return answer_now(self.trainer, name, args)
+
+
+class InProcessRank(RankHandle):
+    def __init__(self, rank: int, server: Server) -> None:
+        self.rank = rank
+        self.server = server
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.server, method)(*args)
+
+
+def test_every_proxy_has_every_forwarded_method_with_the_interfaces_signature() -> None:
+    from orchestrator.launch.ray.trainer import RayTrainer
+
+    methods = forwarded_methods()
+    assert {"supervised_step", "state_dict", "load_state_dict"} <= set(methods)
+    for proxy in (Loopback, RankGroup, RayTrainer):
+        assert not proxy.__abstractmethods__, proxy
+        for name, method in methods.items():
+            ours = getattr(proxy, name)
+            if name in vars(proxy):  # written out (a rank group saves shards, not a state dict)
+                continue
+            assert inspect.signature(ours) == inspect.signature(method.function), (proxy, name)
+            assert ours.__doc__ == method.function.__doc__
+            assert inspect.iscoroutinefunction(ours) is method.is_async
+    assert RankGroup.state_dict is not Trainer.state_dict  # its own: shards, not a dict
+
+
+def test_a_forwarded_call_reaches_the_trainer_and_the_version_comes_back() -> None:
+    simulated = SimulatedTrainer(TokenCost(), version=3)
+    proxy = Loopback(simulated)
+    assert proxy.state_dict() == {"version": 3, "busy": 0.0}
+    proxy.load_state_dict(state={"version": 7, "busy": 1.5})  # a keyword, bound by position
+    assert simulated.version == proxy.version == 7 and simulated.busy == 1.5
+    assert proxy.sent == [("state_dict", ()), ("load_state_dict", ({"version": 7, "busy": 1.5},))]
+    with pytest.raises(NotImplementedError, match="SimulatedTrainer has no supervised warm"):
+        anyio.run(proxy.supervised_step, [[1, 2]], [[False, True]], 1e-3)
+
+
+def test_a_name_that_is_not_forwarded_is_refused() -> None:
+    simulated = SimulatedTrainer(TokenCost())
+    for name in ("step", "weights", "snapshot", "__class__", "busy"):
+        with pytest.raises(TypeError, match="not a forwarded Trainer method"):
+            answer_now(simulated, name, ())
+
+
+def test_a_rank_group_forwards_a_warm_start_step_like_the_trainer_itself(
+        make_policy: Any) -> None:
+    """The same warm-start step on a trainer and through a group of one rank over it: the
+    same loss, and afterwards the same weights."""
+    sequences, masks = [[1, 5, 6, 7], [1, 8, 9]], [[False, True, True, True], [False, True, True]]
+
+    def trainer(policy: Policy) -> TorchTrainer:
+        return TorchTrainer(policy, GRPO())
+
+    direct = trainer(make_policy(0))
+    served = trainer(make_policy(0))
+    group = RankGroup([InProcessRank(0, Server(served))])
+    assert group.version == 0
+    for _ in range(2):
+        want = anyio.run(direct.supervised_step, sequences, masks, 1e-2)
+        got = anyio.run(group.supervised_step, sequences, masks, 1e-2)  # through answer_now
+        assert got == pytest.approx(want, rel=1e-6)
+    for (name, a), b in zip(direct.model.state_dict().items(),
+                            served.model.state_dict().values(), strict=True):
+        assert a.equal(b), name
+    assert group.version == 0
