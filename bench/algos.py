@@ -168,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--png", type=Path, default=None,
                         help="the presets' plot (default: docs/algos.png; none with --quick)")
     parser.add_argument("--quick", action="store_true",
-                        help="two presets and a two-point sweep, a few steps each")
+                        help="two presets, and the three corrections at k = 4, two steps each")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     names = args.presets.split(",")
@@ -176,8 +176,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = set(names) - set(PRESETS)
     if unknown:
         raise SystemExit(f"--presets: no preset {sorted(unknown)}; known: {', '.join(PRESETS)}")
-    if args.quick:
-        names, ks = names[:2], [1, 4]
+    if args.quick:  # the k = 1 point of the sweep is the grpo preset's run
+        names, ks = names[:2], [4]
         args.steps = args.sweep_steps = args.every = 2
         args.eval_tasks = args.eval_tasks or 12
     results = []
@@ -188,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     sweep = {}
     if "staleness" in parts:
         sweep = staleness(ks, args.out, args.sweep_steps, args.every, args.eval_tasks)
+        at_k1 = next((r for r in results if r.name == "grpo"), None)
+        if ("decoupled", 1) not in sweep and at_k1 is not None and args.steps == args.sweep_steps:
+            sweep["decoupled", 1] = at_k1
         base = next((k for k in (1, *ks) if ("decoupled", k) in sweep), ks[0])
         top = max(ks)
         gap = sweep["decoupled", base].points[-1][2] - max(

@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.algo.base import Algorithm
+from orchestrator.algo.filters import FILTER_KEY
 from orchestrator.errors import ConfigError
 
-PIPELINE_KEYS = ("filter",)  # read by the pipeline, never passed to the algorithm
+PIPELINE_KEYS = (FILTER_KEY,)  # read by the pipeline, never passed to the algorithm
 
 
 def algorithm_values(section: Mapping[str, Any]) -> dict[str, Any]:

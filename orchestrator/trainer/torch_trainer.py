@@ -493,6 +493,7 @@ class TorchTrainer(Trainer):
 
         sums: dict[str, Any] = {}  # tensors on the device until the step's end
         grad_norm = 0.0
+        updated = False
         rows_total = len(batch) if batch is not None else 0
         size = math.ceil(rows_total / self.num_minibatches)
         for index in range(self.num_minibatches):
@@ -547,7 +548,9 @@ class TorchTrainer(Trainer):
             grad_norm = self._clip_gradients()
             kill_point("train_step", self.version)
             self.optimizer.step()
-        self.scheduler.step()
+            updated = True
+        if updated:  # the schedule counts updates: a step with nothing to train is none
+            self.scheduler.step()
         self.version += 1
         sums = self._all_sum_named(_numbers(sums))
         counts = sums.pop("trained_tokens", 0.0)

@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from envs.base import EnvSpec
 from orchestrator.algo.base import Algorithm
-from orchestrator.config import build_env, explain, typed
+from orchestrator.algo.build import build_algorithm
+from orchestrator.config import build_env, explain, section, typed
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.launch import EngineRecipe
@@ -82,7 +83,7 @@ def test_every_group_option_composes_and_instantiates(group: str, option: str,
     assert isinstance(spec, EnvSpec)
     check_sizes(pipeline, rollout, spec)
 
-    algorithm = instantiate(cfg.algo)
+    algorithm = build_algorithm(section(cfg, "algo"))
     assert isinstance(algorithm, Algorithm)
     logger = instantiate(cfg.logger)
     assert isinstance(logger, Logger)

@@ -150,3 +150,15 @@ def test_bypass_skips_the_proximal_pass() -> None:
     bypass = forward_passes(trainer(preset("grpo", "algo.mode=bypass"), num_minibatches=2))
     decoupled = forward_passes(trainer(preset("grpo"), num_minibatches=2))
     assert bypass < decoupled
+
+
+def test_a_step_with_nothing_to_train_moves_neither_weights_nor_schedule() -> None:
+    # zero-variance masking can leave a step nothing at all, the very first one too
+    t = trainer(PolicyGradient(), warmup_steps=4)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    metrics = t.train_step([])  # warnings are errors here: no scheduler-before-optimiser one
+    assert t.version == 1 and metrics["trained_tokens"] == 0.0
+    assert all(torch.equal(v, t.model.state_dict()[k]) for k, v in before.items())
+    assert t.scheduler.last_epoch == 0
+    t.train_step(make_groups())
+    assert t.scheduler.last_epoch == 1
