@@ -33,10 +33,10 @@ from omegaconf import DictConfig, OmegaConf
 from envs.base import EnvSpec, Task
 from envs.dataset import DatasetSpec
 from envs.errors import EnvConfigError
-from orchestrator.algo.build import build_algorithm
+from orchestrator.algo.build import algorithm_values, build_algorithm
 from orchestrator.algo.filters import FILTER_KEY, build_filter
 from orchestrator.checkpoint import CheckpointStore
-from orchestrator.config import build_env, check_target, scalar, section, typed
+from orchestrator.config import build_env, check_node, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.errors import ConfigError
 from orchestrator.evaluate import EvalConfig, evaluate
@@ -156,8 +156,9 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     checkpoint_cfg = typed(CheckpointConfig, cfg, "checkpoint")
     # algo.filter is the pipeline's (which groups a step trains), not the algorithm's
     group_filter = build_filter(section(cfg, "algo").get(FILTER_KEY))
-    for key in ("model", "engine", "algo", "trainer"):
+    for key in ("model", "engine", "trainer"):
         check_target(cfg, key)
+    check_node(algorithm_values(section(cfg, "algo")), "algo")
     build_algorithm(section(cfg, "algo"))  # its pieces' own checks, before anything starts
     spec = build_env(cfg)
     check_sizes(pipeline_cfg, rollout_cfg, spec)

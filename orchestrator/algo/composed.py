@@ -55,7 +55,6 @@ class PolicyGradient(Algorithm):
         kl: KL | None = None,
         entropy_coef: float = 0.0,
         shaping: Mapping[str, Any] | Sequence[Any] | None = None,
-        filter: Any = None,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"algo.mode must be one of {', '.join(MODES)}, got {mode!r}")
