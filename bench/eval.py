@@ -110,7 +110,7 @@ def throughput(tasks: int, n: int, rounds: int, overrides: Sequence[str]) -> dic
     recipe = replace(engine_of(cfg), placement=Placement(trainer_here=False))
     temperature = 1.0
     sampling = replace(rollout_cfg, group_size=n, temperature=temperature)
-    workers = max(1, batch_size(section(cfg, "engine")) // n)
+    workers = min(max(1, batch_size(section(cfg, "engine")) // n), len(prompts))
 
     async def session() -> dict[str, float]:
         async with spec.running(), recipe.build(None) as engine:
@@ -156,7 +156,7 @@ def rl_cost(steps: int, every: int, eval_tasks: int, overrides: Sequence[str],
             eval_tokens = sum(e.overall.response_tokens * e.overall.samples for e in evaluations)
             trained = sum(r.tokens for r in result.reports)
             figures["engine_share"] = eval_tokens / max(eval_tokens + trained, 1)
-            line += (f"; {len(evaluations)} evaluations of {eval_tasks} tasks, "
+            line += (f"; evaluations finished during RL: {len(evaluations)} of {eval_tasks} tasks, "
                      f"{figures['engine_share']:.0%} of the tokens generated during RL")
         print(line, flush=True)
     figures["cost"] = 1 - figures["with_samples_per_s"] / figures["without_samples_per_s"]
