@@ -52,6 +52,7 @@ def test_a_run_its_checkpoint_and_its_export_evaluate_alike(run_dir: Path, tmp_p
     by_dir, _ = evaluate_target(run_dir / "checkpoints" / f"step-{step}", out=tmp_path / "a.json")
     by_step, _ = evaluate_target(run_dir, step=step, out=tmp_path / "b.json")
     assert completions(tmp_path / "a.json") == completions(tmp_path / "b.json")
+    assert by_dir.evaluation.overall == by_step.evaluation.overall
     assert json.loads((tmp_path / "b.json").read_text())["step"] == step
 
     # its export: a Hugging Face directory composed from conf/ as the run was

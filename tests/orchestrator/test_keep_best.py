@@ -103,6 +103,20 @@ def test_figures_it_ranks_by_and_one_line_for_another() -> None:
     assert evaluation.figure("eval/a/pass@1") == 0.3 and evaluation.figure("eval/maj@1") is None
 
 
+def test_step_best_of_a_run_that_kept_none_is_one_line(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(ConfigError, match="has no best checkpoint \\(start the run with "
+                                          "checkpoint.keep_best=<metric>"):
+        locate(tmp_path, "best")
+    from orchestrator.export import main
+
+    assert main([str(tmp_path), "--step", "best", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --step best: ") and err.count("\n") == 1
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("checkpoint.keep_best=eval/pass@8", "checkpoint.keep_best=eval/pass@8 is not a figure"),
     ("checkpoint.keep_best=eval/gsm8k/mean@1", "for a data source of the eval tasks (arithmetic)"),
