@@ -22,7 +22,9 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from orchestrator.errors import ConfigError, PolyRLError
@@ -31,6 +33,7 @@ from orchestrator.faults import kill_point
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
+BEST = "best.json"  # in the checkpoints directory: the best checkpoint, when one is kept
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -38,14 +41,34 @@ class CorruptCheckpoint(PolyRLError):
     """A checkpoint directory whose files do not match its manifest."""
 
 
+@dataclass(frozen=True)
+class Best:
+    """The checkpoint of ``step`` scored ``value`` by ``metric`` (``checkpoint.keep_best``),
+    the highest of the run's evaluations so far."""
+
+    step: int
+    metric: str
+    value: float
+
+    @classmethod
+    def of(cls, data: object) -> Best | None:
+        """Read back from ``best.json`` or ``run_state.json`` (None stays None)."""
+        if not isinstance(data, dict):
+            return None
+        return cls(step=int(data["step"]), metric=str(data["metric"]), value=float(data["value"]))
+
+
 class CheckpointStore:
-    """``<run_dir>/checkpoints/step-<N>/``: written atomically, the last ``keep`` kept."""
+    """``<run_dir>/checkpoints/step-<N>/``: written atomically, the last ``keep`` kept, and
+    the best one (``best.json``) and those held for an evaluation besides."""
 
     def __init__(self, root: Path, keep: int = 2) -> None:
         if keep < 1:
             raise ConfigError(f"checkpoint.keep must be >= 1, got {keep}")
         self.root = Path(root)
         self.keep = keep
+        self._held: frozenset[int] = frozenset()  # steps an evaluation will score
+        self._lock = threading.Lock()  # one writer or pruner at a time
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -53,6 +76,10 @@ class CheckpointStore:
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """``write(tmp_dir)`` fills a temporary directory; it becomes ``step-<step>`` once every
         file is on disk and the manifest, written last, lists them."""
+        with self._lock:
+            return self._save(step, write)
+
+    def _save(self, step: int, write: Callable[[Path], None]) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-step-{step}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -92,9 +119,47 @@ class CheckpointStore:
             return path
         return None
 
+    # -- the best checkpoint ------------------------------------------------------------------
+
+    def best(self) -> Best | None:
+        """The best checkpoint ``best.json`` names, if its directory is still complete."""
+        try:
+            best = Best.of(json.loads((self.root / BEST).read_text()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("ignoring %s: %s", self.root / BEST, e)
+            return None
+        return best if best is not None and best.step in self.steps() else None
+
+    def set_best(self, best: Best | None) -> None:
+        """Name ``best`` in ``best.json`` (None: remove it); its checkpoint is kept from now on,
+        the one it replaces goes at the next prune."""
+        path = self.root / BEST
+        if best is None:
+            path.unlink(missing_ok=True)
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{BEST}.tmp"
+        _write_synced(tmp, json.dumps(asdict(best)) + "\n")
+        tmp.rename(path)
+
+    def hold(self, steps: Iterable[int]) -> None:
+        """Keep the checkpoints of ``steps`` (besides the latest and the best) until the next
+        call: an evaluation of their weights is still running."""
+        self._held = frozenset(steps)
+
+    def prune(self) -> None:
+        """Remove what is neither among the newest ``keep``, nor the best, nor held."""
+        with self._lock:
+            self._prune()
+
     def _prune(self) -> None:
+        best = self.best()
+        kept = self._held | ({best.step} if best is not None else set())
         for step in self.steps()[: -self.keep]:
-            shutil.rmtree(self.path(step), ignore_errors=True)
+            if step not in kept:
+                shutil.rmtree(self.path(step), ignore_errors=True)
         for stale in self.root.glob(".tmp-step-*"):  # left by a crash mid-write
             shutil.rmtree(stale, ignore_errors=True)
 

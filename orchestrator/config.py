@@ -14,7 +14,7 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -150,6 +150,41 @@ def build_env(cfg: DictConfig) -> EnvSpec:
     if not isinstance(spec, EnvSpec):
         raise ConfigError(f"env._target_={values['_target_']} is not an environment (EnvSpec)")
     return spec
+
+
+def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """``overrides`` (a command line's ``key=value`` and ``group=option``) applied to a config
+    composed already (a run's saved ``config.yaml``), in place: an option of a config group
+    (``engine=vllm``) replaces that node as Hydra composes it from ``conf/``, with the
+    overrides of its keys (``engine.max_num_seqs=64``), its interpolations resolved against
+    ``cfg``; any other key takes its value, read as YAML (``eval.k=[1,4]``). A key ``cfg``
+    does not have is refused in one line (``+key=value`` adds it)."""
+    import yaml
+    from hydra import compose, initialize_config_dir
+
+    parsed = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep:
+            raise ConfigError(f"{override} is not a key=value override")
+        parsed.append((key.lstrip("+"), key.startswith("+"), value))
+    groups = {key for key, _, _ in parsed if (CONF / key).is_dir()}
+    if groups:
+        group_overrides = [o for o, (key, _, _) in zip(overrides, parsed, strict=True)
+                           if key.split(".")[0] in groups]
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            composed = compose("config", overrides=group_overrides)
+        for group in groups:
+            cfg[group] = OmegaConf.create(OmegaConf.to_container(composed[group], resolve=False))
+    missing = object()
+    for key, add, value in parsed:
+        if key.split(".")[0] in groups:
+            continue
+        if not add and OmegaConf.select(cfg, key, default=missing) is missing:
+            raise ConfigError(f"unknown config key '{key}': check its spelling, or add a new key "
+                              f"with +{key}=…")
+        OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=True)
+    return cfg
 
 
 def register_plugin_envs() -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -75,26 +75,50 @@ class EvalConfig:
         assert isinstance(self.k, tuple)
         return self.k
 
+    def ranked_figures(self, sources: Iterable[str]) -> list[str]:
+        """The names ``checkpoint.keep_best`` may rank checkpoints by: the figures where higher
+        is better (``eval/accuracy``, mean@n, pass@k for each k, maj@n), over all tasks and per
+        data source (``eval/<source>/pass@4``)."""
+        figures = [f"mean@{self.n}", *(f"pass@{k}" for k in self.ks), f"maj@{self.n}"]
+        return (["eval/accuracy", *(f"eval/{f}" for f in figures)]
+                + [f"eval/{s}/{f}" for s in sorted(set(sources)) for f in figures])
+
+    def check_ranked_figure(self, name: str, sources: Iterable[str]) -> None:
+        """One line unless ``name`` is one of :meth:`ranked_figures`."""
+        names = self.ranked_figures(sources)
+        if name not in names:
+            overall = [n for n in names if n.count("/") == 1]
+            raise ConfigError(
+                f"checkpoint.keep_best={name} is not a figure this run's evaluation gives where "
+                f"higher is better; choose one of {', '.join(overall)}, or eval/<source>/<figure> "
+                f"for a data source of the eval tasks ({', '.join(sorted(set(sources)))})")
+
 
 def _shown(k: object) -> str:
     return str(list(k)) if isinstance(k, Sequence) and not isinstance(k, str) else str(k)
 
 
 async def evaluate(runner: EpisodeRunner, tasks: Sequence[Task],
-                   config: EvalConfig = EvalConfig()) -> Evaluation:
-    """``config.n`` episodes of each task at ``config.temperature``, scored."""
+                   config: EvalConfig = EvalConfig(),
+                   on_sample: Callable[[EvalSample], None] | None = None) -> Evaluation:
+    """``config.n`` episodes of each task at ``config.temperature``, scored; ``on_sample``
+    sees each sample as it finishes (a progress bar)."""
     runner.spec.use_clock(runner.recorder.clock)  # tools report times on the recorder's clock
     sampler = runner.at_temperature(config.temperature)
     if isinstance(runner.spec, AgentSpec):
         async with agent_gateway(sampler) as gateway:
             assert gateway is not None
             samples = await evaluate_agents(gateway, sampler, tasks, config.n)
+        for sample in samples if on_sample is not None else ():
+            on_sample(sample)
         return score(samples, config)
     samples: list[EvalSample] = []
 
     async def one(task: Task, index: int) -> None:
         trajectory, _ = await sampler.episode(task, "eval", sample_index=index)
         samples.append(sampler.eval_sample(task, index, [trajectory], trajectory.reward))
+        if on_sample is not None:
+            on_sample(samples[-1])
 
     async with anyio.create_task_group() as tg:
         for task in tasks:

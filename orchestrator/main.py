@@ -24,6 +24,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import torch
@@ -48,7 +49,7 @@ from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.recorder import Recorder
 from orchestrator.resume import restore
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner, RolloutConfig, data_source
 from orchestrator.rundir import RunDir
 from orchestrator.runloop import (
     CheckpointConfig,
@@ -112,7 +113,8 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path,
     if parts.checkpoint is not None:
         checkpointer = Checkpointer(
             CheckpointStore(out.path / "checkpoints", parts.checkpoint.keep), parts.checkpoint,
-            parts.trainer, logger_run_id=lambda: logger.run_id, resumed=resume)
+            parts.trainer, logger_run_id=lambda: logger.run_id, resumed=resume,
+            eval_every=parts.evaluation.every if parts.eval_tasks else 0)
     result = RunResult(run_dir=run_dir)
     failed = True
     try:
@@ -142,17 +144,11 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     """The parts of a training run: trainer and engine placed by ``launcher`` (in this process
     by default), environment, warm start, evals."""
     launcher = launcher or LocalLauncher()
-    seed: int = scalar(cfg, "seed", int)
-    threads: int | None = scalar(cfg, "torch_threads", int | None)
-    if threads is not None and threads < 1:
-        raise ConfigError(f"torch_threads must be >= 1 or null, got {threads}")
+    seed, threads = torch_settings(cfg)
     pipeline_cfg = typed(PipelineConfig, cfg, "pipeline")
     rollout_cfg = typed(RolloutConfig, cfg, "rollout")
     warm = typed(WarmStartConfig, cfg, "warmstart")
-    eval_cfg = typed(EvalConfig, cfg, "eval")
-    if eval_cfg.n > 1 and eval_cfg.temperature == 0:
-        log.warning("eval.n=%d at eval.temperature=0: greedy samples of a task are alike; set "
-                    "eval.temperature for pass@k and maj@n to mean anything", eval_cfg.n)
+    eval_cfg = eval_config(cfg)
     checkpoint_cfg = typed(CheckpointConfig, cfg, "checkpoint")
     # algo.filter is the pipeline's (which groups a step trains), not the algorithm's
     group_filter = build_filter(section(cfg, "algo").get(FILTER_KEY))
@@ -160,28 +156,29 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         check_target(cfg, key)
     check_node(algorithm_values(section(cfg, "algo")), "algo")
     build_algorithm(section(cfg, "algo"))  # its pieces' own checks, before anything starts
-    spec = build_env(cfg)
+    model_cfg = section(cfg, "model")
+    spec, tokenizer = environment(cfg, model_cfg, rollout_cfg)
     check_sizes(pipeline_cfg, rollout_cfg, spec)
     if group_filter is not None:
         group_filter.check(rollout_cfg.group_size)
-    if threads:
-        torch.set_num_threads(threads)
-    torch.manual_seed(seed)
+    eval_tasks = first_tasks(spec.tasks("eval"), eval_cfg.num_tasks)
+    if checkpoint_cfg.keep_best is not None:  # before anything is built or trained
+        if not eval_tasks:
+            raise ConfigError(f"checkpoint.keep_best={checkpoint_cfg.keep_best} ranks checkpoints "
+                              "by an evaluation, and eval.num_tasks=0 runs none: set it > 0")
+        eval_cfg.check_ranked_figure(checkpoint_cfg.keep_best,
+                                     {data_source(t, spec) for t in eval_tasks})
 
-    model_cfg = section(cfg, "model")
     trainer = launcher.trainer(TrainerRecipe(
         trainer=section(cfg, "trainer"), model=model_cfg, algo=section(cfg, "algo"),
         temperature=rollout_cfg.temperature, seed=seed, torch_threads=threads))
-    tokenizer = build_tokenizer(model_cfg)
-    if isinstance(spec, DatasetSpec):
-        _leave_out_long_prompts(spec, tokenizer, rollout_cfg, model_context(model_cfg))
-    engine_recipe = EngineRecipe(engine=section(cfg, "engine"), model=model_cfg)
+    engine_recipe = engine_of(cfg)
 
     def make_engine(weights: WeightUpdate, recorder: Recorder) -> InferenceEngine:
         return launcher.engine(engine_recipe, weights, recorder)
 
     async def warm_up(runner: EpisodeRunner) -> int:
-        check_tasks = _first(spec.tasks("train"), warm.check_tasks)
+        check_tasks = first_tasks(spec.tasks("train"), warm.check_tasks)
         checks: list[float] = []
         recorder = runner.recorder
         unrecorded = replace(runner, recorder=Recorder(clock=recorder.clock))  # not the run's spans
@@ -207,14 +204,54 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         sampler=TaskSampler(spec.tasks("train"), seed=seed), pipeline=pipeline_cfg,
         checkpoint=checkpoint_cfg, group_filter=group_filter,
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
-        eval_tasks=_first(spec.tasks("eval"), eval_cfg.num_tasks),
+        eval_tasks=eval_tasks,
         evaluation=eval_cfg,
         progress=scalar(cfg, "progress", bool),
         progress_every=scalar(cfg, "progress_every", float),
     )
 
 
-def _first(tasks: Sequence[Task], n: int) -> list[Task]:
+# -- builders shared with the standalone evaluation (orchestrator.eval) ----------------------
+
+
+def torch_settings(cfg: DictConfig) -> tuple[int, int | None]:
+    """``seed`` and ``torch_threads``, checked and applied to this process."""
+    seed: int = scalar(cfg, "seed", int)
+    threads: int | None = scalar(cfg, "torch_threads", int | None)
+    if threads is not None and threads < 1:
+        raise ConfigError(f"torch_threads must be >= 1 or null, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    return seed, threads
+
+
+def eval_config(cfg: DictConfig) -> EvalConfig:
+    """The ``eval`` section (one line for a k larger than n, …)."""
+    eval_cfg = typed(EvalConfig, cfg, "eval")
+    if eval_cfg.n > 1 and eval_cfg.temperature == 0:
+        log.warning("eval.n=%d at eval.temperature=0: greedy samples of a task are alike; set "
+                    "eval.temperature for pass@k and maj@n to mean anything", eval_cfg.n)
+    return eval_cfg
+
+
+def environment(cfg: DictConfig, model_cfg: dict[str, Any],
+                rollout_cfg: RolloutConfig) -> tuple[EnvSpec, Tokenizer]:
+    """The environment ``cfg.env`` names and the model's tokenizer (built without the
+    model); a dataset's rows whose prompts do not fit the context are left out."""
+    spec = build_env(cfg)
+    tokenizer = build_tokenizer(model_cfg)
+    if isinstance(spec, DatasetSpec):
+        _leave_out_long_prompts(spec, tokenizer, rollout_cfg, model_context(model_cfg))
+    return spec, tokenizer
+
+
+def engine_of(cfg: DictConfig) -> EngineRecipe:
+    """The recipe of the engine ``cfg.engine`` names, for the model ``cfg.model`` describes."""
+    return EngineRecipe(engine=section(cfg, "engine"), model=section(cfg, "model"))
+
+
+def first_tasks(tasks: Sequence[Task], n: int) -> list[Task]:
     """The first ``n`` tasks, without building the rest (a dataset's are built on demand)."""
     return [tasks[i] for i in range(min(n, len(tasks)))]
 

@@ -7,8 +7,8 @@ train step ``N`` holds the trainer's own files (:meth:`Trainer.snapshot`) plus:
 * ``run_state.json`` (:class:`RunState`): the pipeline's own state
   (:meth:`Pipeline.state_dict`: the next step, the count of samples dropped as stale, the task
   sampler with every prompt handed out but not yet trained, which are handed out again
-  first), the policy version, the warm start and first evaluation already done, and the W&B
-  run id;
+  first), the policy version, the warm start and first evaluation already done, the W&B
+  run id and the best checkpoint so far (``checkpoint.keep_best``, :mod:`orchestrator.best`);
 * ``rng.pt``: the python, numpy and torch random states.
 
 Not saved: episodes in flight and groups generated but not yet trained. Their prompts go back
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from orchestrator.checkpoint import CheckpointStore
+from orchestrator.checkpoint import Best, CheckpointStore
 from orchestrator.config import CONF
 from orchestrator.errors import ConfigError
 from orchestrator.types import Evaluation
@@ -65,6 +65,7 @@ class RunState:
     eval_before: Evaluation | None = None  # the evaluation before RL (not run again)
     logger_run_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    best: Best | None = None  # checkpoint.keep_best's best checkpoint so far
 
     def write(self, directory: Path, rng: dict[str, Any]) -> None:
         """``run_state.json``, and ``rng.pt`` from ``rng`` (:func:`capture_rng`)."""
@@ -89,6 +90,7 @@ class RunState:
             state["eval_before"] = Evaluation.of_mean(float(before))
         elif before is not None:
             state["eval_before"] = Evaluation.from_dict(before)
+        state["best"] = Best.of(state.get("best"))
         return cls(**state)
 
 

@@ -150,6 +150,17 @@ class RunDir:
             sink.finish(failed=failed)
 
 
+def write_json(path: Path, record: Mapping[str, Any]) -> None:
+    """A record a command adds to a finished run's directory (``orchestrator.eval``'s
+    ``eval.json``), or anywhere it is asked to: written beside ``path`` and renamed into
+    place, so a reader never sees half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(dict(record), indent=2) + "\n")
+    tmp.replace(path)
+
+
 def truncate_after(run_dir: Path, step: int) -> None:
     """Make ``run_dir``'s records end where the checkpoint at ``step`` does, so the resumed
     run appends steps ``step, step + 1, …`` with no repeat: lines of later steps (and a

@@ -11,7 +11,8 @@ turns a config into :class:`RunParts`; :func:`run_session` runs them in one even
 
 Every trained step goes to ``on_step`` (the run directory's writer) as it is reported, and
 periodically to a checkpoint (:class:`Checkpointer`: the trainer's own snapshot, the
-pipeline's own state). A resumed run (``resume``, :func:`orchestrator.resume.restore`) hands
+pipeline's own state), and each evaluation ranks the checkpoint of the weights it began with
+when ``checkpoint.keep_best`` is set (:mod:`orchestrator.best`). A resumed run (``resume``, :func:`orchestrator.resume.restore`) hands
 the pipeline its state back, skips the warm start and the first evaluation, which were done,
 and goes on from the checkpoint's step. SIGTERM or SIGINT ends the run after the step in
 progress, with a checkpoint of it, in :class:`~orchestrator.errors.RunAborted`'s one line.
@@ -34,6 +35,7 @@ from anyio.abc import TaskGroup
 
 from envs.base import Clock, EnvSpec, Task
 from orchestrator.algo.filters import GroupFilter
+from orchestrator.best import KeepBest
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.errors import ConfigError, RunAborted
@@ -63,6 +65,8 @@ class CheckpointConfig:
     #                        after the last one began (0: not by time)
     every: int = 0  # and/or every this many steps (0: not by count); a signal always writes one
     keep: int = 2  # the newest periodic checkpoints kept (CheckpointStore checks it)
+    # and the best by this evaluation figure, e.g. eval/pass@1 (orchestrator.best); None: not
+    keep_best: str | None = None
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -87,14 +91,22 @@ class Checkpointer:
     After a crash, :meth:`save_last` writes the last captured state if the trainer still holds
     the weights it describes (a step that was cut short leaves them changed: then the previous
     periodic checkpoint is the one to resume from).
+
+    With ``checkpoint.keep_best`` (:mod:`orchestrator.best`) a checkpoint is also due at each
+    step a periodic evaluation (every ``eval_every`` steps) begins at, and :meth:`scored` ranks
+    a checkpoint by its evaluation.
     """
 
     def __init__(self, store: CheckpointStore, config: CheckpointConfig, trainer: Trainer,
                  logger_run_id: Callable[[], str | None] = lambda: None,
                  resumed: RunState | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, eval_every: int = 0) -> None:
         self.store = store
         self.config = config
+        self.eval_every = eval_every
+        self.keep_best = None if config.keep_best is None else KeepBest(
+            config.keep_best, store, resumed.best if resumed is not None else None,
+            resumed.step if resumed is not None else None)
         self.trainer = trainer  # its snapshot() copies its state (blocking: call in a thread)
         self.logger_run_id = logger_run_id
         last_saved = resumed.step if resumed is not None else -1
@@ -142,7 +154,8 @@ class Checkpointer:
         self._state = RunState(
             pipeline=pipeline.state_dict(), version=self.trainer.version,
             warm_start_steps=result.warm_start_steps, eval_before=result.eval_before,
-            logger_run_id=self.logger_run_id())
+            logger_run_id=self.logger_run_id(),
+            best=self.keep_best.best if self.keep_best is not None else None)
         self._rng = capture_rng()
 
     def due(self) -> bool:
@@ -150,7 +163,21 @@ class Checkpointer:
         if state is None or state.step == self._begun_step:
             return False
         return ((cfg.every > 0 and state.step % cfg.every == 0)
-                or (cfg.every_s > 0 and self._clock() - self._last_begun >= cfg.every_s))
+                or (cfg.every_s > 0 and self._clock() - self._last_begun >= cfg.every_s)
+                or self._evaluated_at(state.step))
+
+    def _evaluated_at(self, step: int) -> bool:
+        """Whether a periodic evaluation begins at ``step`` and keep_best will rank it."""
+        return self.keep_best is not None and self.eval_every > 0 and step % self.eval_every == 0
+
+    async def scored(self, step: int, evaluation: Evaluation) -> None:
+        """``evaluation`` scored the weights of the checkpoint of ``step`` (keep_best ranks it;
+        the one it replaces as the best is removed unless among the latest)."""
+        if self.keep_best is None:
+            return
+        await self._wait_written()  # its write began before the evaluation ended
+        self.keep_best.offer(step, evaluation)
+        await anyio.to_thread.run_sync(self.store.prune)  # a replaced best, those let go
 
     async def checkpoint(self) -> None:
         """Snapshot the trainer now and write the checkpoint in the background."""
@@ -159,6 +186,9 @@ class Checkpointer:
             return
         await self._wait_written()
         self._begun_step, self._last_begun = state.step, self._clock()
+        if self._evaluated_at(state.step):
+            assert self.keep_best is not None
+            self.keep_best.expect(state.step)
         with self.recorder.span("checkpoint_snapshot", "trainer", state.version, step=state.step):
             snapshot = await anyio.to_thread.run_sync(self.trainer.snapshot)
         self._written = written = anyio.Event()
@@ -321,7 +351,10 @@ async def run_session(parts: RunParts, result: RunResult,
                     if on_eval is not None:
                         on_eval("before", 0, result.eval_before)
                 if checkpointer is not None:  # a long warm start is work worth keeping too
-                    await _checkpoint(checkpointer, pipeline, result)
+                    ranked = checkpointer.keep_best is not None and result.eval_before is not None
+                    await _checkpoint(checkpointer, pipeline, result, force=ranked)
+                    if result.eval_before is not None:
+                        await checkpointer.scored(0, result.eval_before)
 
             async def step_done(report: StepReport) -> None:
                 # The batch goes to on_step (the run directory) and is dropped here, unless the
@@ -333,6 +366,9 @@ async def run_session(parts: RunParts, result: RunResult,
                 progress.update(report)
                 if checkpointer is not None:
                     await _checkpoint(checkpointer, pipeline, result)
+                    if report.evaluation is not None:  # it began with the weights of eval/step
+                        await checkpointer.scored(int(report.metrics["eval/step"]),
+                                                  report.evaluation)
 
             start = pipeline.step
             pipeline.on_step = step_done
@@ -352,16 +388,21 @@ async def run_session(parts: RunParts, result: RunResult,
                 raise RunAborted(f"stopped by {result.stopped_by} after "
                                  f"{start + len(result.reports)} steps; {where}")
             if parts.eval_tasks:
+                if checkpointer is not None and checkpointer.keep_best is not None:
+                    await checkpointer.save()  # the weights the evaluation after RL ranks
                 result.eval_after = await evaluation()
                 log.info("eval after RL: %.3f  %s", result.eval_after.mean,
                          result.eval_after.describe())
                 if on_eval is not None:
                     on_eval("after", pipeline.step, result.eval_after)
+                if checkpointer is not None:
+                    await checkpointer.scored(pipeline.step, result.eval_after)
 
 
-async def _checkpoint(checkpointer: Checkpointer, pipeline: Pipeline, result: RunResult) -> None:
+async def _checkpoint(checkpointer: Checkpointer, pipeline: Pipeline, result: RunResult,
+                      force: bool = False) -> None:
     checkpointer.capture(pipeline, result)
-    if checkpointer.due():
+    if force or checkpointer.due():
         await checkpointer.checkpoint()
 
 
@@ -426,4 +467,6 @@ def summarise(result: RunResult, earlier: Sequence[Mapping[str, Any]] = (),
     }
     if checkpointer is not None:
         summary.update(checkpointer.totals())
+        if checkpointer.keep_best is not None:  # the step, path, metric and value
+            summary["best_checkpoint"] = checkpointer.keep_best.summary()
     return summary

@@ -291,6 +291,13 @@ class Evaluation:
             out.update({f"{prefix}/{source}/{k}": v for k, v in scores.metrics(self.n).items()})
         return out
 
+    def figure(self, name: str) -> float | None:
+        """The figure logged as ``name`` (``eval/pass@4``, ``eval/gsm8k/mean@4``; ``eval/accuracy``
+        is the headline mean@n), None if this evaluation has none of that name."""
+        if name == "eval/accuracy":
+            return self.mean
+        return self.metrics("eval").get(name)
+
     def describe(self) -> str:
         """The overall figures in one line: ``mean@4 0.520  pass@1 0.520  pass@4 0.800 …``."""
         figures = self.overall.metrics(self.n)
