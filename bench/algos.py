@@ -4,6 +4,7 @@ staleness sweep of three off-policy corrections.
     python -m bench.algos                      # both parts (about 2 hours on 2 cores)
     python -m bench.algos --parts presets      # or: staleness
     python -m bench.algos --quick              # within 10 minutes: the machinery, not a result
+    python -m bench.algos --reuse --ks 8       # read the finished runs in --out, run the rest
 
 Every run is ``python -m orchestrator experiment=dataset_smol`` (SmolLM2-135M-Instruct, the
 shipped arithmetic Parquet files, math-verify; its base model's greedy held-out accuracy is
@@ -21,7 +22,8 @@ for every run). Curves are read back from each run directory by
    (``algo=grpo``), the bypass mode with token TIS (``algo=grpo algo.mode=bypass``) and M2PO
    (``algo=stale``), each for ``--sweep-steps`` steps with ``(k + 1) x 4`` rollout workers (so
    the pipeline can run k versions ahead): held-out accuracy at equal train steps, the mean
-   staleness reached, and seconds per step.
+   staleness reached, and seconds per step. Where the sweep has no k = 1 run of its own, the
+   ``grpo`` preset's (the same run, at equal steps) stands for the decoupled loss at k = 1.
 
 Last line: ``presets_learning=<n>/<total>``, the presets whose curve reached ``+--gain``
 within the budget (with ``--parts staleness`` alone: ``stale_k8_gap=``, k = 1's final accuracy
@@ -68,8 +70,13 @@ class Result:
 
 
 def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: int,
-           eval_tasks: int | None) -> Result:
+           eval_tasks: int | None, reuse: bool = False) -> Result:
+    """One run (``reuse``: a finished run directory of the same length is read instead)."""
     run_dir = out / name
+    summary_file = run_dir / "summary.json"
+    if reuse and summary_file.is_file() and json.loads(summary_file.read_text())["steps"] == steps:
+        print(f"[bench.algos] {name}: read from {run_dir}", flush=True)
+        return read(run_dir, name, steps)
     shutil.rmtree(run_dir, ignore_errors=True)
     args = [sys.executable, "-m", "orchestrator", "experiment=dataset_smol", *overrides,
             f"pipeline.num_steps={steps}", f"eval.every={every}", "checkpoint.every=0",
@@ -86,6 +93,10 @@ def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: in
     if done.returncode != 0:
         raise SystemExit(f"{name} failed (exit {done.returncode}); see {log}:\n"
                          f"{log.read_text()[-2000:]}")
+    return read(run_dir, name, steps)
+
+
+def read(run_dir: Path, name: str, steps: int) -> Result:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -97,11 +108,12 @@ def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: in
 
 
 def presets(names: Sequence[str], out: Path, steps: int, every: int, gain: float,
-            eval_tasks: int | None) -> list[Result]:
-    results = [launch(n, [f"algo={n}"], out / "presets", steps, every, eval_tasks) for n in names]
+            eval_tasks: int | None, reuse: bool = False) -> list[Result]:
+    results = [launch(n, [f"algo={n}"], out / "presets", steps, every, eval_tasks, reuse)
+               for n in names]
     budget = max(r.points[-1][0] for r in results)
     print(f"\npresets at k = 1, {steps} steps (budget: {budget:.1f} RL minutes, the slowest run)")
-    print("| preset | before | best | last | RL min to +%.2f | s/step |" % gain)
+    print(f"| preset | before | best | last | RL min to +{gain:.2f} | s/step |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         reach = r.minutes_to(gain)
@@ -112,14 +124,14 @@ def presets(names: Sequence[str], out: Path, steps: int, every: int, gain: float
 
 
 def staleness(ks: Sequence[int], out: Path, steps: int, every: int,
-              eval_tasks: int | None) -> dict[tuple[str, int], Result]:
+              eval_tasks: int | None, reuse: bool = False) -> dict[tuple[str, int], Result]:
     results = {}
     for k in ks:
         for name, overrides in CORRECTIONS.items():
             results[name, k] = launch(
                 f"{name}_k{k}", [*overrides, f"pipeline.max_staleness={k}",
                                  f"pipeline.num_workers={(k + 1) * PROMPTS_PER_STEP}"],
-                out / "staleness", steps, every, eval_tasks)
+                out / "staleness", steps, every, eval_tasks, reuse)
     print(f"\nstaleness sweep: held-out accuracy after {steps} steps (mean staleness, s/step)")
     print("| correction | " + " | ".join(f"k = {k}" for k in ks) + " |")
     print("| --- |" + " --- |" * len(ks))
@@ -169,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the presets' plot (default: docs/algos.png; none with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="two presets, and the three corrections at k = 4, two steps each")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read the finished runs already in --out instead of running them")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     names = args.presets.split(",")
@@ -182,12 +196,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.eval_tasks = args.eval_tasks or 12
     results = []
     if "presets" in parts:
-        results = presets(names, args.out, args.steps, args.every, args.gain, args.eval_tasks)
+        results = presets(names, args.out, args.steps, args.every, args.gain, args.eval_tasks,
+                          args.reuse)
         if not args.quick:
             plot(results, args.gain, args.png or REPO / "docs" / "algos.png")
     sweep = {}
     if "staleness" in parts:
-        sweep = staleness(ks, args.out, args.sweep_steps, args.every, args.eval_tasks)
+        sweep = staleness(ks, args.out, args.sweep_steps, args.every, args.eval_tasks,
+                          args.reuse)
         at_k1 = next((r for r in results if r.name == "grpo"), None)
         if ("decoupled", 1) not in sweep and at_k1 is not None and args.steps == args.sweep_steps:
             sweep["decoupled", 1] = at_k1
