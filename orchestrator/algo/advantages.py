@@ -43,6 +43,11 @@ def _constant(group: Sequence[float]) -> bool:
     return len(group) == 0 or all(r == group[0] for r in group)
 
 
+def _live(rewards: Rewards) -> torch.Tensor:
+    """Per sample: whether its group has a signal (its rewards are not all equal)."""
+    return torch.tensor([not _constant(g) for g in rewards for _ in g], dtype=torch.bool)
+
+
 def centred(rewards: Rewards) -> list[list[float]]:
     """Each reward minus its group's mean; exactly 0 for a group whose rewards are equal."""
     out = []
@@ -65,7 +70,7 @@ def whitened(advantages: Rewards, rewards: Rewards, eps: float = EPS) -> list[li
     """``advantages`` over the whole batch: minus their mean, over their std; samples of a group
     whose rewards are all equal stay exactly 0 and are left out of the statistics."""
     flat = _flat(advantages)
-    live = torch.tensor([not _constant(g) for g in rewards for _ in g], dtype=torch.bool)
+    live = _live(rewards)
     if int(live.sum()) < 2:
         return [list(map(float, g)) for g in advantages]
     values = flat[live]
@@ -90,11 +95,11 @@ class GroupNorm:
         advantages = centred(rewards)
         if self.std == "none":
             return advantages
-        flat = _flat(advantages)
-        live = torch.tensor([not _constant(g) for g in rewards for _ in g], dtype=torch.bool)
+        live = _live(rewards)
         if not bool(live.any()):
             return advantages
-        return _split(flat / (_flat(rewards)[live].std(unbiased=False) + self.eps), advantages)
+        scale = _flat(rewards)[live].std(unbiased=False) + self.eps
+        return _split(_flat(advantages) / scale, advantages)
 
 
 class LeaveOneOut:

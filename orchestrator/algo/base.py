@@ -22,6 +22,12 @@ import torch
 from orchestrator.types import Group
 
 
+def masked_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values`` where ``weights`` (a token mask ``[sequences, time]`` or a sequence
+    mask ``[sequences]``) is set; 0 for none. What every piece logs is such a mean."""
+    return (values * weights).sum() / weights.sum().clamp(min=1.0)
+
+
 @dataclass(frozen=True)
 class LossInputs:
     """Per-token tensors of shape (sequences, time); ``mask`` marks the tokens that are trained."""

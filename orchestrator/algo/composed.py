@@ -21,7 +21,7 @@ import torch
 
 from orchestrator.algo import aggregation as agg
 from orchestrator.algo.advantages import GroupNorm
-from orchestrator.algo.base import Advantages, Algorithm, LossInputs, LossOutput
+from orchestrator.algo.base import Advantages, Algorithm, LossInputs, LossOutput, masked_mean
 from orchestrator.algo.corrections import MODES, Correction, Mismatch
 from orchestrator.algo.losses import PerToken, PPOClip
 from orchestrator.algo.regularizers import KL, kl_estimate
@@ -149,12 +149,11 @@ class PolicyGradient(Algorithm):
 
         with torch.no_grad():
             mask = inputs.mask
-            n = mask.sum().clamp(min=1.0)
             # k3 estimator of KL(behaviour || target) from behaviour samples
-            metrics["kl_to_behaviour"] = ((torch.exp(delta) - 1.0 - delta) * mask).sum() / n
+            metrics["kl_to_behaviour"] = masked_mean(torch.exp(delta) - 1.0 - delta, mask)
             if inputs.reference_logprobs is not None:
                 k3 = kl_estimate(inputs.logprobs.detach(), inputs.reference_logprobs, "k3")
-                metrics["kl_to_reference"] = (k3 * mask).sum() / n
+                metrics["kl_to_reference"] = masked_mean(k3, mask)
             if self.corrections and keep is not mask:
-                metrics["masked_fraction"] = ((mask - keep) * mask).sum() / n
+                metrics["masked_fraction"] = masked_mean(mask - keep, mask)
         return LossOutput(loss=loss, metrics=metrics, sequence_metrics=sequence_metrics)

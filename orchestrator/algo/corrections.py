@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orchestrator.algo.base import LossInputs
+from orchestrator.algo.base import LossInputs, masked_mean
 from orchestrator.errors import ConfigError
 
 MODES = ("decoupled", "bypass")
@@ -59,14 +59,6 @@ class Correction:
     keep: torch.Tensor | None = None  # per token, 1.0 kept, 0.0 masked
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # per trained token
     sequence_metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # per sequence
-
-
-def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def _sequence_mean(values: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    return (values * live).sum() / live.sum().clamp(min=1.0)
 
 
 def _bounds(lo: float, hi: float, key: str) -> None:
@@ -94,8 +86,8 @@ class TokenTIS:
         raw = torch.exp(m.delta)
         weight = _as_weight(m.delta.clamp(max=math.log(self.cap)), m)
         return Correction(weight=weight, metrics={
-            "importance_weight": _token_mean(raw, m.mask),
-            "truncated_fraction": _token_mean((raw > self.cap).to(m.mask.dtype), m.mask)})
+            "importance_weight": masked_mean(raw, m.mask),
+            "truncated_fraction": masked_mean((raw > self.cap).to(m.mask.dtype), m.mask)})
 
 
 class SequenceTIS:
@@ -111,8 +103,8 @@ class SequenceTIS:
         live = m.inputs.sequences
         weight = _as_weight(log_seq.clamp(max=math.log(self.cap))[:, None].expand_as(m.delta), m)
         return Correction(weight=weight, sequence_metrics={
-            "sequence_importance_weight": _sequence_mean(torch.exp(log_seq.clamp(max=50.0)), live),
-            "sequence_truncated_fraction": _sequence_mean(
+            "sequence_importance_weight": masked_mean(torch.exp(log_seq.clamp(max=50.0)), live),
+            "sequence_truncated_fraction": masked_mean(
                 (log_seq > math.log(self.cap)).to(live.dtype), live)})
 
 
@@ -127,7 +119,7 @@ class TokenMask:
         ratio = torch.exp(m.delta)
         keep = ((ratio >= self.lo) & (ratio <= self.hi)).to(m.mask.dtype)
         return Correction(keep=keep, metrics={
-            "token_masked_fraction": _token_mean(1.0 - keep, m.mask)})
+            "token_masked_fraction": masked_mean(1.0 - keep, m.mask)})
 
 
 class _SequenceRatioMask:
@@ -145,7 +137,7 @@ class _SequenceRatioMask:
         kept = (log_ratio >= math.log(max(self.lo, 1e-30))) & (log_ratio <= math.log(self.hi))
         kept = kept.to(m.mask.dtype)
         return Correction(keep=kept[:, None].expand_as(m.delta), sequence_metrics={
-            f"{self.name}_masked_fraction": _sequence_mean(1.0 - kept, m.inputs.sequences)})
+            f"{self.name}_masked_fraction": masked_mean(1.0 - kept, m.inputs.sequences)})
 
 
 class SequenceMask(_SequenceRatioMask):
@@ -191,7 +183,7 @@ class OPSM:
         negative = inputs.sequence_mean(inputs.advantages) < 0
         dropped = (negative & (gap > self.delta)).to(m.mask.dtype)
         return Correction(keep=(1.0 - dropped)[:, None].expand_as(m.delta), sequence_metrics={
-            "opsm_masked_fraction": _sequence_mean(dropped, inputs.sequences)})
+            "opsm_masked_fraction": masked_mean(dropped, inputs.sequences)})
 
 
 class M2PO:
@@ -222,5 +214,5 @@ class M2PO:
             dropped[order[:drop]] = 1.0
             keep[trained] = 1.0 - dropped
         return Correction(keep=keep, metrics={
-            "m2po_masked_fraction": _token_mean(1.0 - keep, m.mask),
-            "m2po_second_moment": _token_mean(moment, m.mask)})
+            "m2po_masked_fraction": masked_mean(1.0 - keep, m.mask),
+            "m2po_second_moment": masked_mean(moment, m.mask)})

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orchestrator.algo.base import LossInputs
+from orchestrator.algo.base import LossInputs, masked_mean
 from orchestrator.errors import ConfigError
 
 
@@ -27,10 +27,6 @@ class PerToken:
     loss: torch.Tensor  # (sequences, time), zero where not trained
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # per trained token
     sequence_metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # per sequence
-
-
-def _token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def _check_clip(eps_low: float, eps_high: float, key: str = "algo.loss") -> None:
@@ -62,13 +58,13 @@ def clipped_surrogate(ratio: torch.Tensor, inputs: LossInputs, eps_low: float, e
     clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
     with torch.no_grad():
-        metrics = {"clip_fraction": _token_mean((clipped > unclipped).to(mask.dtype), mask),
-                   "ratio": _token_mean(ratio.detach(), mask)}
+        metrics = {"clip_fraction": masked_mean((clipped > unclipped).to(mask.dtype), mask),
+                   "ratio": masked_mean(ratio.detach(), mask)}
     if dual_clip is not None:
         bound = -adv * dual_clip
         dual = (adv < 0) & (loss > bound)
         loss = torch.where(dual, bound, loss)
-        metrics["dual_clip_fraction"] = _token_mean(dual.to(mask.dtype), mask)
+        metrics["dual_clip_fraction"] = masked_mean(dual.to(mask.dtype), mask)
     return PerToken(loss * mask, metrics)
 
 
@@ -91,9 +87,8 @@ class GSPO:
             s = torch.exp(sequence)
             live = inputs.sequences
             clipped = ((s < 1 - self.eps_low) | (s > 1 + self.eps_high)).to(live.dtype)
-            n = live.sum().clamp(min=1.0)
-            seq = {"sequence_clip_fraction": (clipped * live).sum() / n,
-                   "sequence_ratio": (s * live).sum() / n}
+            seq = {"sequence_clip_fraction": masked_mean(clipped, live),
+                   "sequence_ratio": masked_mean(s, live)}
         return PerToken(out.loss, {"ratio": out.metrics["ratio"]}, seq)
 
 
@@ -112,8 +107,8 @@ class CISPO:
             ratio = torch.exp(inputs.logprobs - old)
             low = max(1.0 - self.eps_low, 0.0)
             weight = ratio.clamp(low, 1.0 + self.eps_high)
-            metrics = {"clip_fraction": _token_mean((weight != ratio).to(mask.dtype), mask),
-                       "ratio": _token_mean(ratio, mask)}
+            metrics = {"clip_fraction": masked_mean((weight != ratio).to(mask.dtype), mask),
+                       "ratio": masked_mean(ratio, mask)}
         return PerToken(-weight * inputs.advantages * inputs.logprobs * mask, metrics)
 
 
@@ -136,6 +131,6 @@ class SAPO:
         gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
         with torch.no_grad():
             g = torch.sigmoid(tau * (ratio - 1.0))
-            metrics = {"gate_weight": _token_mean(4.0 * g * (1.0 - g) * ratio, mask),
-                       "ratio": _token_mean(ratio, mask)}
+            metrics = {"gate_weight": masked_mean(4.0 * g * (1.0 - g) * ratio, mask),
+                       "ratio": masked_mean(ratio, mask)}
         return PerToken(-adv * gate * mask, metrics)

@@ -481,13 +481,11 @@ class TorchTrainer(Trainer):
         before = self._before_updates(batch, agreement)
         advantages = algorithm.advantages(groups, self._penalties(groups, mine, batch, before))
         if batch is not None:
-            rows = [i for g in mine for i in range(len(groups[g]))]
+            rows = [(g, i) for g in mine for i in range(len(groups[g]))]  # (group, sample)
             batch = batch.with_advantages(
-                [advantages.values[g][i] for g, i in zip(self._row_groups(groups, mine), rows,
-                                                          strict=True)],
+                [advantages.values[g][i] for g, i in rows],
                 None if advantages.trained is None else
-                [advantages.trained[g][i] for g, i in zip(self._row_groups(groups, mine), rows,
-                                                           strict=True)])
+                [advantages.trained[g][i] for g, i in rows])
         proximal = before.get("proximal")
         reference = before.get("reference")
 
@@ -564,11 +562,6 @@ class TorchTrainer(Trainer):
         metrics["trained_sequences"] = float(sequences)
         metrics.update(self._agreement(agreement).metrics(self.logprob_diff_warn))
         return metrics
-
-    @staticmethod
-    def _row_groups(groups: Sequence[Group], mine: Sequence[int]) -> list[int]:
-        """The group of each row of this process's batch."""
-        return [g for g in mine for _ in range(len(groups[g]))]
 
     def _before_updates(self, batch: PackedBatch | None,
                         agreement: LogprobAgreement) -> dict[str, torch.Tensor]:
