@@ -1,9 +1,9 @@
-"""A reward worker process: ``python -m envs.reward_worker FD MV_TIMEOUT NAME…``, started by
-:class:`envs.rewards.WorkerPool` (see there)."""
+"""The reward workers' zygote: ``python -m envs.reward_worker FD MV_TIMEOUT NAME…``, started by
+:class:`envs.rewards.WorkerPool` (see there); it forks each worker from itself."""
 
 import sys
 
-from envs.rewards import worker_main
+from envs.rewards import zygote_main
 
 if __name__ == "__main__":
-    worker_main(int(sys.argv[1]), sys.argv[3:], int(sys.argv[2]))
+    zygote_main(int(sys.argv[1]), sys.argv[3:], int(sys.argv[2]))

@@ -33,9 +33,11 @@ in ``reward/timeouts``); a worker that dies (``os._exit``, a segfault) likewise 
 ``reward/errors``); a function that raises scores 0 for its part and is counted in
 ``reward/errors``, its worker kept. The caller's event loop only waits: each item's wait runs
 in a thread of the pool's own (``anyio.to_thread``), so a slow verification delays only its
-own episode. Each worker is a fresh interpreter (``python -m envs.reward_worker``, on a socket
-pair; not a fork, since the caller has threads), started ahead of need, and it imports the
-reward functions before it takes its first item (import time is not billed to an item).
+own episode. A verification past a quarter of its limit (at most 1 s) stops counting against
+``processes``: the next item gets another worker, so a hang holds only its own item. Workers
+are forked by a zygote, one fresh interpreter (``python -m envs.reward_worker``, on a socket
+pair; not a fork of the caller, which has threads) that imports the reward functions once,
+ahead of need: a replacement is ready in milliseconds, and import time is billed to no item.
 math-verify's own ``signal.alarm`` timeout works in a worker (its main thread) and is set
 below the hard limit, so a slow sympy call usually ends gracefully first.
 
@@ -53,6 +55,7 @@ import math
 import os
 import queue
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -283,7 +286,8 @@ async def _await(value: Awaitable[Any]) -> Any:
 
 # --- the worker processes ---------------------------------------------------------------------
 
-_READY_TIMEOUT_S = 120.0  # a worker importing the reward functions (once, before any item)
+_READY_TIMEOUT_S = 120.0  # the zygote importing the reward functions (once, before any item)
+_FORK_TIMEOUT_S = 10.0  # the zygote answering a fork request
 
 
 @dataclass
@@ -292,32 +296,92 @@ class _Outcome:
     errors: list[str] = field(default_factory=list)  # "name: message" per function that raised
 
 
-def worker_main(fd: int, names: Sequence[str], mv_timeout: int) -> None:
-    """A worker (``python -m envs.reward_worker``): import the functions, say ready, then
-    score items from the socket ``fd`` until it closes."""
-    global _MATH_VERIFY_TIMEOUT
-    _MATH_VERIFY_TIMEOUT = mv_timeout
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its per-item timeout notes
-    conn = Connection(fd)
-    fns = {name: resolve(name) for name in names}
-    conn.send("ready")
+def _serve(conn: Connection, fns: Mapping[str, Callable[..., Any]]) -> None:
+    """A worker's loop: score items from ``conn`` until it closes."""
     while True:
         try:
-            completion, answer, metadata = conn.recv()
+            completion, answer, metadata, names = conn.recv()
         except EOFError:
             return
         outcome = _Outcome()
-        for name, fn in fns.items():
+        for name in names:
             try:
-                outcome.parts[name] = call(fn, name, completion, answer, metadata)
+                outcome.parts[name] = call(fns[name], name, completion, answer, metadata)
             except Exception as e:  # noqa: BLE001 - a raising verification scores 0, counted
                 outcome.errors.append(f"{name}: {type(e).__name__}: {e}"[:300])
         conn.send(outcome)
 
 
+def zygote_main(fd: int, names: Sequence[str], mv_timeout: int) -> None:
+    """The zygote (``python -m envs.reward_worker``): import the functions, say ready, then fork
+    a worker for each socket the pool sends over ``fd`` (answering with its pid) until the
+    pool closes ``fd``. Its children are reaped by the kernel (SIGCHLD ignored)."""
+    global _MATH_VERIFY_TIMEOUT
+    _MATH_VERIFY_TIMEOUT = mv_timeout
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its per-item timeout notes
+    control = socket.socket(fileno=fd)
+    fns = {name: resolve(name) for name in names}
+    if "math" in fns:  # math-verify imports its parsers on first use: once here, not per worker
+        math_reward("\\boxed{\\frac{1}{2}}", "0.5", {})
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    control.sendall(b"R")
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, 1, 1)
+        except OSError:
+            return
+        if not message or not fds:  # the pool closed its end
+            return
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 0
+            try:
+                control.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a function may run subprocesses
+                _serve(Connection(fds[0]), fns)
+            except BaseException:  # noqa: BLE001 - reported to the pool as a dead worker
+                code = 1
+            finally:
+                os._exit(code)  # never the zygote's clean-up
+        os.close(fds[0])
+        control.sendall(pid.to_bytes(4, "big"))
+
+
 class _Worker:
-    """One worker process, a fresh interpreter (not a fork: the caller has threads, and a
-    multiprocessing child would re-import the caller's main module), on a socket pair."""
+    """One worker process (forked by the zygote, so not our child) on a socket pair; killed
+    through a pidfd where the platform has one, so a recycled pid is never signalled."""
+
+    def __init__(self, pid: int, conn: Connection) -> None:
+        self.pid = pid
+        self.conn = conn
+        self._pidfd: int | None = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                self._pidfd = os.pidfd_open(pid)
+            except OSError:  # already gone: it will read as dead
+                self._pidfd = None
+
+    def kill(self) -> None:
+        """Kill it and close its socket (again: a no-op)."""
+        try:
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            elif not hasattr(os, "pidfd_open"):
+                os.kill(self.pid, signal.SIGKILL)
+        except OSError:  # already gone
+            pass
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        if not self.conn.closed:
+            self.conn.close()
+
+
+class _Zygote:
+    """A fresh interpreter (not a fork of the caller, which has threads) that imports the reward
+    functions once and forks every worker from itself: a worker is ready in milliseconds, where
+    a fresh interpreter spends a core for most of a second importing sympy, so a killed worker
+    costs the run nothing to replace."""
 
     def __init__(self, names: tuple[str, ...], mv_timeout: int) -> None:
         ours, theirs = socket.socketpair()
@@ -330,28 +394,47 @@ class _Worker:
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
-        self.conn = Connection(ours.detach())
+        self.control = ours
         self.ready = False
 
     def wait_ready(self) -> bool:
         if not self.ready:
             try:
-                self.ready = self.conn.poll(_READY_TIMEOUT_S) and self.conn.recv() == "ready"
-            except (EOFError, OSError):
+                self.control.settimeout(_READY_TIMEOUT_S)
+                self.ready = self.control.recv(1) == b"R"
+            except OSError:
                 self.ready = False
         return self.ready
 
-    def kill(self) -> int | None:
-        """Kill and reap it (again: a no-op); its exit code."""
-        if self.process.poll() is None:
-            self.process.kill()
+    def fork(self) -> _Worker | None:
+        """A new worker, or None when the zygote is gone."""
+        if not self.wait_ready():
+            return None
+        ours, theirs = socket.socketpair()
         try:
-            code = self.process.wait(5)
+            self.control.settimeout(_FORK_TIMEOUT_S)
+            socket.send_fds(self.control, [b"F"], [theirs.fileno()])
+            answer = b""
+            while len(answer) < 4:
+                chunk = self.control.recv(4 - len(answer))
+                if not chunk:
+                    raise EOFError
+                answer += chunk
+        except (OSError, EOFError):
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        return _Worker(int.from_bytes(answer, "big"), Connection(ours.detach()))
+
+    def close(self) -> int | None:
+        """Stop it (closing its socket ends its loop); its exit code."""
+        self.control.close()
+        try:
+            return self.process.wait(5)
         except subprocess.TimeoutExpired:
-            code = None
-        if not self.conn.closed:
-            self.conn.close()
-        return code
+            self.process.kill()
+            return self.process.wait(5)
 
 
 class VerificationLost(Exception):
@@ -359,25 +442,46 @@ class VerificationLost(Exception):
 
 
 class WorkerPool:
-    """``processes`` workers scoring the isolated functions ``names``, each item under
-    ``timeout_s`` of wall-clock time. Use as a (sync) context manager; :meth:`run` blocks and
-    is called from threads."""
+    """Workers scoring the isolated functions ``names``, each item under ``timeout_s`` of
+    wall-clock time; :meth:`run` blocks and is called from threads. Use as a (sync) context
+    manager.
+
+    ``processes`` workers serve items; a worker busy past :attr:`stall_s` stops counting
+    against that number, so a hung verification holds its own worker and item and nothing
+    else: the next item gets a freshly forked worker. A spare left over once the stalled one
+    returns is stopped. ``stall_s`` is ten times what an item has been taking (a running
+    mean), at least 50 ms and at most a quarter of the limit or 1 s: a slow but sound item
+    costs at most a fork."""
 
     def __init__(self, names: Sequence[str], processes: int, timeout_s: float) -> None:
         self.names = tuple(names)
         self.timeout_s = timeout_s
+        self._stall_cap = min(1.0, timeout_s / 4)
+        self._item_s = 0.0  # the running mean of an item's time
         self.processes = processes
         self._mv_timeout = max(1, int(timeout_s * 0.8))
+        self._zygote: _Zygote | None = None
+        self._fork_lock = threading.Lock()  # one fork request on the zygote's socket at a time
         self._idle: queue.Queue[_Worker] = queue.Queue()
-        self._all: set[_Worker] = set()
+        self._busy: dict[_Worker, float] = {}  # when each busy worker took its item
+        self._alive = 0  # workers forked and not stopped (reserved before a fork)
         self._lock = threading.Lock()
         self._closed = False
         self.timeouts = 0
         self.errors = 0
 
     def __enter__(self) -> Self:
-        for _ in range(self.processes):
-            self._idle.put(self._spawn())
+        """Start the zygote and fork ``processes`` workers: the reward functions are imported
+        before the first item, not while it waits."""
+        self._zygote = _Zygote(self.names, self._mv_timeout)
+        workers = []
+        try:
+            while self._room():
+                workers.append(self._fork())
+        except VerificationLost:
+            pass  # counted; the first items score 0 and say why
+        for worker in workers:
+            self._idle.put(worker)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -387,56 +491,111 @@ class WorkerPool:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            workers, self._all = list(self._all), set()
+            workers = list(self._busy)
+            self._busy.clear()
+        while True:
+            try:
+                workers.append(self._idle.get_nowait())
+            except queue.Empty:
+                break
         for worker in workers:
             worker.kill()
+        with self._fork_lock:
+            if self._zygote is not None:
+                self._zygote.close()
+                self._zygote = None
 
-    def _spawn(self) -> _Worker:
-        worker = _Worker(self.names, self._mv_timeout)
+    @property
+    def stall_s(self) -> float:
+        """How long a worker is busy before it stops counting against ``processes``."""
+        return min(self._stall_cap, max(0.05, 10 * self._item_s))
+
+    def _room(self) -> bool:
+        """Reserve a new worker if fewer than ``processes`` are alive and not stalled."""
         with self._lock:
-            self._all.add(worker)
-        return worker
+            if self._alive < self.processes + self._stalled():
+                self._alive += 1
+                return True
+            return False
 
-    def _replace(self, worker: _Worker) -> int | None:
+    def _stalled(self) -> int:
+        """Busy workers past ``stall_s`` (with the lock held)."""
+        now, stall_s = time.monotonic(), self.stall_s
+        return sum(1 for t in self._busy.values() if now - t >= stall_s)
+
+    def _fork(self) -> _Worker:
+        """A worker for the reservation just made (the zygote restarted once if it is gone)."""
+        with self._fork_lock:
+            for _ in range(2):
+                if self._zygote is None:
+                    break  # closed
+                worker = self._zygote.fork()
+                if worker is not None:
+                    return worker
+                code = self._zygote.close()
+                log.warning("the reward workers' zygote exited (code %s); starting another", code)
+                self._zygote = _Zygote(self.names, self._mv_timeout)
         with self._lock:
-            self._all.discard(worker)
-            closed = self._closed
-        code = worker.kill()
-        if not closed:
-            self._idle.put(self._spawn())
-        return code
+            self._alive -= 1
+            self.errors += 1
+        raise VerificationLost("reward workers cannot start (the functions fail to import?)")
 
-    def run(self, completion: str, answer: str, metadata: Mapping[str, Any]) -> _Outcome:
-        """Score one item; VerificationLost when its worker timed out or died (replaced)."""
+    def _acquire(self) -> _Worker:
         while True:
             if self._closed:
                 raise VerificationLost("the reward pool is closed")
             try:
-                worker = self._idle.get(timeout=0.5)
-                break
+                worker = self._idle.get_nowait()
             except queue.Empty:
-                continue
-        if not worker.wait_ready():
-            code = self._replace(worker)
+                worker = self._fork() if self._room() else None
+            if worker is None:
+                try:
+                    worker = self._idle.get(timeout=0.05)
+                except queue.Empty:
+                    continue
             with self._lock:
-                self.errors += 1
-            raise VerificationLost(f"a reward worker failed to start (exit code {code})")
-        try:
-            worker.conn.send((completion, answer, dict(metadata)))
-            if worker.conn.poll(self.timeout_s):
-                outcome: _Outcome = worker.conn.recv()
-                self._idle.put(worker)
-                return outcome
-            reason, timed_out = f"no result within {self.timeout_s:g} s", True
-        except (EOFError, OSError, BrokenPipeError):
-            reason, timed_out = "its worker died", False
-        code = self._replace(worker)
+                self._busy[worker] = time.monotonic()
+            return worker
+
+    def _release(self, worker: _Worker) -> None:
+        """``worker`` is done with its item: idle again, or stopped if it is a spare too many."""
         with self._lock:
+            took = time.monotonic() - self._busy.pop(worker)
+            self._item_s += 0.1 * (took - self._item_s)
+            surplus = self._closed or self._alive > self.processes + self._stalled()
+            if surplus:
+                self._alive -= 1
+        if surplus:
+            worker.kill()
+        else:
+            self._idle.put(worker)
+
+    def _discard(self, worker: _Worker, timed_out: bool) -> None:
+        with self._lock:
+            self._busy.pop(worker, None)
+            self._alive -= 1
             if timed_out:
                 self.timeouts += 1
             else:
                 self.errors += 1
-        raise VerificationLost(reason if timed_out else f"{reason} (exit code {code})")
+        worker.kill()
+
+    def run(self, completion: str, answer: str, metadata: Mapping[str, Any],
+            names: Sequence[str] | None = None) -> _Outcome:
+        """Score one item with the functions ``names`` (all by default); VerificationLost when
+        its worker timed out or died (stopped)."""
+        worker = self._acquire()
+        try:
+            worker.conn.send((completion, answer, dict(metadata), tuple(names or self.names)))
+            if worker.conn.poll(self.timeout_s):
+                outcome: _Outcome = worker.conn.recv()
+                self._release(worker)
+                return outcome
+            reason, timed_out = f"no result within {self.timeout_s:g} s", True
+        except (EOFError, OSError):
+            reason, timed_out = "its worker died", False
+        self._discard(worker, timed_out)
+        raise VerificationLost(reason)
 
 
 # --- the scorer every environment uses --------------------------------------------------------
@@ -460,12 +619,11 @@ class Scorer:
         self._isolated = tuple(t.name for t in self.terms if isolated(t.name))
         self._pool: WorkerPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
-        # Built-ins are functions of (completion, answer) alone: their scores are decided in
-        # the caller where that is certain, or kept for the same reply to the same answer (a
-        # group's samples often repeat one). A user's function is always asked.
-        self._cacheable = all(name in BUILTINS for name in self._isolated)
-        self._cache: OrderedDict[tuple[str, str], dict[str, Reward]] = OrderedDict()
-        self._spared = 0  # items scored without a worker
+        # Built-ins are functions of (completion, answer) alone: each one's score is decided
+        # in the caller where that is certain, or kept for the same reply to the same answer
+        # (a group's samples often repeat one). A user's function is always asked.
+        self._cache: OrderedDict[tuple[str, str, str], Reward] = OrderedDict()
+        self._spared = 0  # items whose isolated terms were all scored without a worker
         self._errors = 0  # raised in the caller (local terms) or in a worker
         self._timeouts = 0  # of pools closed already
         self._scored = 0
@@ -502,23 +660,26 @@ class Scorer:
             if self._pool is None or self._limiter is None:
                 raise RuntimeError("Scorer.score() outside `async with scorer:` (the worker "
                                    "pool runs there)")
-            key = (completion, answer)
-            known = self._quick(completion, answer) if self._cacheable else None
-            if known is None and self._cacheable:
-                known = self._cache.get(key)
-            if known is not None:  # decided here, or scored before: no worker round trip
-                parts.update(known)
+            asked = []
+            for name in self._isolated:
+                known = self._known(name, completion, answer)
+                if known is None:
+                    asked.append(name)
+                else:
+                    parts[name] = known
+            if not asked:  # decided here, or scored before: no worker round trip
                 self._spared += 1
             else:
                 try:
                     outcome = await anyio.to_thread.run_sync(
-                        self._pool.run, completion, answer, metadata,
+                        self._pool.run, completion, answer, metadata, tuple(asked),
                         limiter=self._limiter, abandon_on_cancel=True)
                     parts.update(outcome.parts)
                     for message in outcome.errors:
                         self._error(message)
-                    if self._cacheable and not outcome.errors:
-                        self._remember(key, dict(outcome.parts))
+                    for name, part in outcome.parts.items():
+                        if name in BUILTINS:
+                            self._remember((name, completion, answer), part)
                 except VerificationLost as e:
                     self._warn(f"reward verification scored 0: {e}")
         self._scored += 1
@@ -532,19 +693,19 @@ class Scorer:
                 components[f"{term.name}/{sub}"] = value
         return Reward(total=total, components=components)
 
-    def _quick(self, completion: str, answer: str) -> dict[str, Reward] | None:
-        """Every isolated term's score decided in the caller (``Builtin.quick``), or None."""
-        parts = {}
-        for name in self._isolated:
-            quick = BUILTINS[name].quick
-            value = quick(completion, answer) if quick is not None else None
-            if value is None:
-                return None
-            parts[name] = Reward(value)
-        return parts
+    def _known(self, name: str, completion: str, answer: str) -> Reward | None:
+        """An isolated built-in's score without a worker: decided here (``Builtin.quick``) or
+        scored before; None for a user's function or a new item."""
+        builtin = BUILTINS.get(name)
+        if builtin is None:
+            return None
+        value = builtin.quick(completion, answer) if builtin.quick is not None else None
+        if value is not None:
+            return Reward(value)
+        return self._cache.get((name, completion, answer))
 
-    def _remember(self, key: tuple[str, str], parts: dict[str, Reward]) -> None:
-        self._cache[key] = parts
+    def _remember(self, key: tuple[str, str, str], part: Reward) -> None:
+        self._cache[key] = part
         if len(self._cache) > CACHE_ITEMS:
             self._cache.popitem(last=False)
 

@@ -7,8 +7,11 @@
          └──────────────── StalenessController ◀────────────────────┘
 
 * Each rollout worker takes the next task, waits for admission (see
-  :mod:`orchestrator.staleness`), runs a group of episodes and sends it to the trainer over
-  a bounded stream.
+  :mod:`orchestrator.staleness`) and starts a group of episodes, which is sent to the trainer
+  over a bounded stream when scored. The worker takes its next task once the group's
+  generation has ended: scoring goes on apart, so a slow verification holds only its own
+  group, and a group whose scoring outlives its freshness is dropped as stale then, not on
+  arrival.
 * The trainer forms a batch from the groups that arrived, dropping any whose start version
   is older than ``version - k``, awaits one :meth:`Trainer.step` and hands the new weights
   (:meth:`Trainer.weights`, a :class:`~orchestrator.weights.WeightUpdate`) to weight sync.
@@ -67,6 +70,7 @@ from typing import Any, Literal
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
+from envs.base import Task
 from orchestrator.algo.filters import GroupFilter
 from orchestrator.engines.base import sync_weights
 from orchestrator.errors import ConfigError
@@ -202,6 +206,9 @@ class Pipeline:
         self._evaluated: tuple[int, Evaluation] | None = None  # a finished periodic eval (and
         #                                                        its step), for the next report
         self._evaluating = False  # one periodic eval at a time: a due one is skipped
+        self._scoring: dict[anyio.CancelScope, int] = {}  # groups generated and being scored,
+        #                                                   by their start versions
+        self._lanes: set[str] = set()  # the span names of the groups in flight (_lane)
         self.faults_before: dict[str, float] = {}  # the run's earlier processes' fault counters
         self.faults: dict[str, float] = {}  # the whole run's, as of the last report
 
@@ -216,7 +223,8 @@ class Pipeline:
                 anyio.create_task_group() as tg:
             async with send_groups:
                 for i in range(self.config.num_workers):
-                    tg.start_soon(self._worker, f"rollout-{i}", send_groups.clone(), name=f"rollout-{i}")
+                    tg.start_soon(self._worker, f"rollout-{i}", send_groups.clone(), tg,
+                                  name=f"rollout-{i}")
             sync_done = anyio.Event()
             tg.start_soon(self._weight_sync, receive_weights, sync_done, name="weight-sync")
             await self._trainer_loop(receive_groups, send_weights, groups_per_batch, tg)
@@ -252,19 +260,51 @@ class Pipeline:
 
     # -- rollout -------------------------------------------------------------------------
 
-    async def _worker(self, name: str, send: ObjectSendStream[TimedGroup]) -> None:
-        group_size = self.rollout.group_size
+    async def _worker(self, name: str, send: ObjectSendStream[TimedGroup], tg: TaskGroup) -> None:
+        """Take the next task, wait for admission and start its group; the worker is free
+        again once the group's generation has ended, while the group is scored apart."""
         async with send:
             while True:
                 task = self.sampler.next()
+                lane = self._lane(name)
                 waited = self.recorder.now()
-                with self.recorder.span("wait_admission", name, self.staleness.version):
-                    await self.staleness.admit(group_size)
+                with self.recorder.span("wait_admission", lane, self.staleness.version):
+                    await self.staleness.admit(self.rollout.group_size)
                 waited = self.recorder.now() - waited
-                episode_scope: AbstractAsyncContextManager[Any] = (
-                    self.gate if self.config.inflight_update == "finish" else nullcontext()
-                )
-                try:
+                generated = anyio.Event()
+                tg.start_soon(self._group, task, lane, waited, send.clone(), generated,
+                              name=f"{lane}-group")
+                await generated.wait()
+
+    def _lane(self, worker: str) -> str:
+        """The name a new group of ``worker`` records its spans under: the worker's own while
+        no earlier group of it is still being scored, else the first free one past the
+        workers' (``rollout-<N>``, ``rollout-<N+1>``, …), so the spans on a lane never overlap
+        but nest, as the timeline needs. Freed when the group ends."""
+        lane, extra = worker, self.config.num_workers
+        while lane in self._lanes:
+            lane, extra = f"rollout-{extra}", extra + 1
+        self._lanes.add(lane)
+        return lane
+
+    async def _group(self, task: Task, name: str, waited: float,
+                     send: ObjectSendStream[TimedGroup], generated: anyio.Event) -> None:
+        """One group, from generation to the trainer's stream (or its outcome). Once generated,
+        its scoring may outlive its freshness (a hung verification waits out
+        ``env.reward_timeout_s``): the trainer then cancels it (:meth:`_drop_doomed`) and it
+        retires as stale at once, its admission slot given back, rather than on arrival."""
+        scope = anyio.CancelScope()
+
+        def on_generated(start_version: int) -> None:
+            self._scoring[scope] = start_version
+            generated.set()
+
+        episode_scope: AbstractAsyncContextManager[Any] = (
+            self.gate if self.config.inflight_update == "finish" else nullcontext()
+        )
+        async with send:
+            try:
+                with scope:
                     async with episode_scope:
                         kill_point("generate", self.engine.version)
                         with self.recorder.span("rollout", name, self.engine.version,
@@ -272,19 +312,33 @@ class Pipeline:
                             group = await (
                                 run_agent_group(self.gateway, self.runner, task, name, waited)
                                 if self.gateway is not None
-                                else self.runner.group(task, name, waited))
+                                else self.runner.group(task, name, waited, on_generated))
                             attrs["start_version"] = group.start_version
-                except BaseException:
-                    with anyio.CancelScope(shield=True):
-                        await self.ledger.retire(task.id, Outcome.UNFINISHED)
-                    raise
-                if not len(group):  # agent programs that never called the model
-                    await self.ledger.retire(task.id, Outcome.EMPTY)
-                    continue
-                if self._refills(group):  # its slot goes back: this worker starts another
-                    await self.ledger.retire(task.id, Outcome.FILTERED, group.group.rewards)
-                    continue
-                await send.send(group)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.ledger.retire(task.id, Outcome.UNFINISHED)
+                raise
+            finally:
+                self._scoring.pop(scope, None)
+                self._lanes.discard(name)
+                generated.set()
+            if scope.cancelled_caught:
+                await self.ledger.retire(task.id, Outcome.STALE)
+                return
+            if not len(group):  # agent programs that never called the model
+                await self.ledger.retire(task.id, Outcome.EMPTY)
+                return
+            if self._refills(group):  # its slot goes back: a worker starts another
+                await self.ledger.retire(task.id, Outcome.FILTERED, group.group.rewards)
+                return
+            await send.send(group)
+
+    def _drop_doomed(self, version: int) -> None:
+        """Cancel the groups still being scored that can no longer be trained at ``version``
+        (started more than ``k`` versions before it)."""
+        for scope, start_version in list(self._scoring.items()):
+            if not self.staleness.is_fresh(start_version, version):
+                scope.cancel()
 
     def _refills(self, group: TimedGroup) -> bool:
         """Whether a refilling filter leaves ``group`` out, within the step's cap."""
@@ -313,6 +367,7 @@ class Pipeline:
                 if self.stopped:
                     break
                 version = self.trainer.version
+                self._drop_doomed(version)
                 with self.recorder.span("wait_batch", "trainer", version), \
                         anyio.CancelScope() as self._waiting:
                     batch = await self._next_batch(receive, pending, groups_per_batch, version)

@@ -26,7 +26,7 @@ A group is ``group_size`` episodes of one task run concurrently (the engine batc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import anyio
@@ -112,8 +112,11 @@ class EpisodeRunner:
             completion=tokenizer.decode(_without(ids[last.prompt_tokens:], stops)),
             reference=task.answer)
 
-    async def episode(self, task: Task, worker: str,
-                      sample_index: int = 0) -> tuple[Trajectory, EpisodeTiming]:
+    async def episode(self, task: Task, worker: str, sample_index: int = 0,
+                      generated: Callable[[int], None] | None = None,
+                      ) -> tuple[Trajectory, EpisodeTiming]:
+        """One episode of ``task``; ``generated`` is called with its start version once its
+        last generation has ended, before its reward."""
         engine, tokenizer, config = self.engine, self.tokenizer, self.config
         trace = EpisodeTrace(self.recorder, worker, sample_index, tokenizer)
         tokens = TrajectoryBuilder()
@@ -145,6 +148,8 @@ class EpisodeRunner:
                     end_reason = ended
                     break
                 tokens.add_observation(observation)
+            if generated is not None:
+                generated(engine.version if tokens.start_version is None else tokens.start_version)
             reward = await trace.reward(engine.version, env.reward())
         metrics.update({f"reward/{k}": v for k, v in reward.components.items()})
         trajectory = tokens.build(
@@ -154,14 +159,23 @@ class EpisodeRunner:
         )
         return trajectory, trace.finish()
 
-    async def group(self, task: Task, worker: str, queue_wait: float = 0.0) -> TimedGroup:
+    async def group(self, task: Task, worker: str, queue_wait: float = 0.0,
+                    generated: Callable[[int], None] | None = None) -> TimedGroup:
         """``group_size`` episodes of ``task``, run concurrently; ``queue_wait``: the seconds
-        the group waited for admission."""
+        the group waited for admission; ``generated`` is called with the group's start version
+        once every episode's generation has ended (the rest is scoring)."""
         started = self.recorder.now()
         results: list[tuple[Trajectory, EpisodeTiming] | None] = [None] * self.config.group_size
+        versions: list[int] = []
+
+        def one_generated(version: int) -> None:
+            versions.append(version)
+            if generated is not None and len(versions) == self.config.group_size:
+                generated(min(versions))
 
         async def one(index: int) -> None:
-            results[index] = await self.episode(task, worker, sample_index=index)
+            results[index] = await self.episode(task, worker, sample_index=index,
+                                                generated=one_generated)
 
         async with anyio.create_task_group() as tg:
             for i in range(self.config.group_size):

@@ -149,3 +149,31 @@ async def test_math_spares_the_workers_what_it_knows_and_what_it_scored_before()
         assert (await scorer.score("\\boxed{\\frac{3}{4}}", "0.75")).total == 1.0  # kept
         assert (await scorer.score("\\boxed{\\frac{1}{4}}", "0.75")).total == 0.0  # a worker
         assert scorer.metrics()["reward/spared"] == 2.0
+
+
+@pytest.mark.anyio
+async def test_a_hung_verification_holds_only_its_own_item() -> None:
+    """One worker and a hang: the items after it get a forked spare and finish long before the
+    hang's limit; the zygote that forks workers is the same interpreter throughout."""
+    finished: list[str] = []
+
+    async def score(scorer: Scorer, text: str) -> None:
+        await scorer.score(text, text)
+        finished.append(text)
+
+    async with Scorer("dataset_reward_fns:picky", timeout_s=4.0, processes=1) as scorer:
+        pool = scorer._pool
+        assert pool is not None
+        await scorer.score("warm", "warm")
+        zygote = pool._zygote.process.pid if pool._zygote else None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(score, scorer, "hang")
+            await anyio.sleep(0.1)
+            for i in range(4):
+                tg.start_soon(score, scorer, f"ok {i}")
+        assert finished[-1] == "hang" and sorted(finished[:-1]) == [f"ok {i}" for i in range(4)]
+        assert scorer.metrics()["reward/timeouts"] == 1.0
+        await scorer.score("crash", "")  # a dead worker is replaced by a fork too
+        assert (await scorer.score("ok", "ok")).total == 1.0
+        assert pool._zygote is not None and pool._zygote.process.pid == zygote
+        assert pool._alive <= pool.processes

@@ -257,6 +257,45 @@ async def test_next_batch_drops_stale_groups_and_gives_back_their_slots(fake_tra
         assert pending == []
 
 
+class _HangsOnce(ArithmeticSpec):
+    """Arithmetic whose first scored reply never gets its reward (a verification that hangs)."""
+
+    hung: int | None = None
+
+    def make_env(self) -> Any:
+        env = super().make_env()
+        score, spec = env.score, self
+
+        async def maybe_hang(task: Any, reply: str) -> Any:
+            if spec.hung in (None, task.id):
+                spec.hung = task.id
+                await anyio.sleep_forever()
+            return await score(task, reply)
+
+        env.score = maybe_hang
+        return env
+
+
+async def test_a_group_whose_scoring_hangs_frees_its_worker_and_retires_stale(
+        fake_trainer_cls: Any) -> None:
+    """One rollout worker and a reward that never returns: the worker goes on once the group
+    is generated, and the group is dropped as stale when it can no longer be trained."""
+    spec = _HangsOnce(digits=2, train_size=64, eval_size=4, seed=0)
+    trainer = fake_trainer_cls()
+    pipeline = make_pipeline(trainer, SimulatedEngine(seed=2), k=1, batch_size=4, group_size=2,
+                             num_workers=1, num_steps=5)
+    pipeline.runner = replace(pipeline.runner, spec=spec)
+    with anyio.fail_after(60):
+        reports = await pipeline.run()
+    assert len(reports) == 5 and spec.hung is not None
+    trained = {g.prompt_id for _, batch in trainer.batches for g in batch}
+    assert spec.hung not in trained
+    assert pipeline.staleness.dropped == 2  # the hung group, retired as stale
+    assert sum(r.metrics.get("groups/stale", 0) for r in reports) == 1
+    lanes = {s.worker for s in pipeline.recorder.of("rollout")}
+    assert {"rollout-0", "rollout-1"} <= lanes  # the next groups went on beside the hung one
+
+
 async def test_next_batch_rechecks_pending_groups_at_the_new_version(fake_trainer_cls: Any) -> None:
     trainer = fake_trainer_cls()
     pipeline = make_pipeline(trainer, SimulatedEngine(), k=0, batch_size=4, group_size=2)
