@@ -93,6 +93,7 @@ def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: in
     if done.returncode != 0:
         raise SystemExit(f"{name} failed (exit {done.returncode}); see {log}:\n"
                          f"{log.read_text()[-2000:]}")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 1 GB a run; read() needs none
     return read(run_dir, name, steps)
 
 
