@@ -10,8 +10,8 @@ Every run is ``python -m orchestrator experiment=dataset_smol`` (SmolLM2-135M-In
 shipped arithmetic Parquet files, math-verify; its base model's greedy held-out accuracy is
 about 0.14) in its own process, as a user would start it, one after the other on the same
 cores, with the same seed, batch (4 prompts x 8 samples), learning rate and evaluation
-(``eval.every`` steps, the held-out file, greedy). Periodic checkpoints are off (the same
-for every run). Curves are read back from each run directory by
+(``eval.every`` steps, the held-out file, greedy, on the rollout engine: ``eval.engine=shared``,
+as the runs in the docs were measured). Periodic checkpoints are off (the same for every run). Curves are read back from each run directory by
 :func:`bench.rg_smol_curve.curve`: held-out accuracy against RL wall time.
 
 1. **Presets** (``presets``): each preset at k = 1 for ``--steps`` steps. The table gives the
@@ -79,7 +79,8 @@ def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: in
         return read(run_dir, name, steps)
     shutil.rmtree(run_dir, ignore_errors=True)
     args = [sys.executable, "-m", "orchestrator", "experiment=dataset_smol", *overrides,
-            f"pipeline.num_steps={steps}", f"eval.every={every}", "checkpoint.every=0",
+            f"pipeline.num_steps={steps}", f"eval.every={every}", "eval.engine=shared",
+            "checkpoint.every=0",
             "checkpoint.every_s=0", "logger=none", "progress=false", f"hydra.run.dir={run_dir}"]
     if eval_tasks is not None:
         args.append(f"eval.num_tasks={eval_tasks}")

@@ -21,8 +21,9 @@ reaches ``eval.success_threshold``):
 * **response_tokens** — the mean number of generated tokens per sample.
 
 A task's data source is its ``metadata["data_source"]`` (``env=dataset`` rows), else the
-environment's name. Limits: every task's samples run at once (the engine batches them); a
-periodic evaluation during RL shares the engine with rollout, so weights may change under it.
+environment's name. Every task's samples run at once (the engine batches them). Where a
+periodic evaluation during RL runs, and so whether it sees one policy version, is
+``eval.engine`` (:func:`orchestrator.runloop._periodic`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class EvalConfig:
     temperature: float = 0.0  # 0: greedy
     k: Sequence[int] | int | None = None  # pass@k for each k <= n (None: 1 and n)
     success_threshold: float = 1.0  # a sample is correct (pass@k) at this reward or more
+    # where an evaluation during RL runs: "own" an engine of its own, loaded with the weights
+    # of the step it evaluates (one fixed policy version; one more copy of the model);
+    # "shared" the rollout engine (weights may change under it); "auto" own for the in-process
+    # torch engine, else shared
+    engine: str = "auto"
 
     def __post_init__(self) -> None:
         if self.num_tasks < 0:
@@ -63,6 +69,8 @@ class EvalConfig:
             raise ConfigError(f"eval.n must be >= 1, got {self.n}")
         if self.temperature < 0:
             raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}")
+        if self.engine not in ("auto", "own", "shared"):
+            raise ConfigError(f"eval.engine={self.engine} must be auto, own or shared")
         ks = [1, self.n] if self.k is None else [self.k] if isinstance(self.k, int) else list(self.k)
         for k in ks:
             if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n:

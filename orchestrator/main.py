@@ -206,6 +206,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
         eval_tasks=eval_tasks,
         evaluation=eval_cfg,
+        eval_own_engine=eval_on_own_engine(eval_cfg, cfg, launcher),
         progress=scalar(cfg, "progress", bool),
         progress_every=scalar(cfg, "progress_every", float),
     )
@@ -244,6 +245,16 @@ def environment(cfg: DictConfig, model_cfg: dict[str, Any],
     if isinstance(spec, DatasetSpec):
         _leave_out_long_prompts(spec, tokenizer, rollout_cfg, model_context(model_cfg))
     return spec, tokenizer
+
+
+def eval_on_own_engine(eval_cfg: EvalConfig, cfg: DictConfig, launcher: Launcher) -> bool:
+    """``eval.engine`` resolved: ``auto`` gives evaluations during RL an engine of their own
+    where one is cheap, the in-process torch engine without colocation (a model copy in
+    memory); a vLLM engine or remote engines would need another GPU's worth, so they share."""
+    if eval_cfg.engine != "auto":
+        return eval_cfg.engine == "own"
+    in_process = isinstance(launcher, LocalLauncher) and not launcher.colocate
+    return in_process and str(cfg.engine.get("_target_", "")).endswith(".TorchEngine")
 
 
 def engine_of(cfg: DictConfig) -> EngineRecipe:

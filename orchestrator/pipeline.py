@@ -146,15 +146,17 @@ OnStep = Callable[[StepReport], Awaitable[None] | None]
 
 @dataclass(frozen=True)
 class PeriodicEval:
-    """A held-out evaluation every ``every`` train steps, run alongside rollout on the same
-    engine (its episodes join the engine's batch; weights may update while it runs). It goes
-    into the step report during which it finished (:attr:`StepReport.evaluation`) and into its
-    metrics: every figure (:meth:`Evaluation.metrics`: ``eval/pass@1``,
-    ``eval/<source>/mean@4``, …), the headline mean@n as ``eval/accuracy``, and ``eval/step``,
-    the step after which it started."""
+    """A held-out evaluation every ``every`` train steps, run alongside rollout and training.
+    With ``frozen``, :attr:`run` is handed a private copy of the weights of the step just
+    trained and evaluates exactly those (on an engine of its own); else it is handed None and
+    runs on the rollout engine, whose weights may update under it. It goes into the step
+    report during which it finished (:attr:`StepReport.evaluation`) and into its metrics: every
+    figure (:meth:`Evaluation.metrics`: ``eval/pass@1``, ``eval/<source>/mean@4``, …), the
+    headline mean@n as ``eval/accuracy``, and ``eval/step``, the step after which it started."""
 
     every: int
-    run: Callable[[], Awaitable[Evaluation]]
+    run: Callable[[WeightUpdate | None], Awaitable[Evaluation]]
+    frozen: bool = False
 
 
 class Pipeline:
@@ -383,15 +385,19 @@ class Pipeline:
                 with self.recorder.span("train_step", "trainer", version, step=step) as attrs:
                     metrics = await self.trainer.step(groups)
                     attrs["samples"] = sum(len(g) for g in groups)
-                await send_weights.send(await self.trainer.weights())
+                update = await self.trainer.weights()
+                periodic = self.evaluation
+                due = (periodic is not None and (step + 1) % periodic.every == 0
+                       and not self._evaluating)
+                frozen = update.snapshot() if due and periodic is not None and periodic.frozen else None
+                await send_weights.send(update)
                 evaluated, self._evaluated = self._evaluated, None
                 if evaluated is not None:
                     metrics = {**metrics, **evaluated[1].metrics("eval"),
                                "eval/accuracy": evaluated[1].mean, "eval/step": float(evaluated[0])}
-                if (self.evaluation is not None and (step + 1) % self.evaluation.every == 0
-                        and not self._evaluating):
+                if due:
                     self._evaluating = True
-                    tg.start_soon(self._evaluate, step + 1, name="periodic-eval")
+                    tg.start_soon(self._evaluate, step + 1, frozen, name="periodic-eval")
                 now = self.recorder.now()
                 report = self._report(step, version, batch, metrics, last_report, now, capped)
                 if evaluated is not None:
@@ -419,10 +425,10 @@ class Pipeline:
                      "in each): the step trains no sample", step)
         return kept
 
-    async def _evaluate(self, step: int) -> None:
+    async def _evaluate(self, step: int, weights: WeightUpdate | None) -> None:
         assert self.evaluation is not None
         try:
-            evaluation = await self.evaluation.run()
+            evaluation = await self.evaluation.run(weights)
         finally:
             self._evaluating = False
         self._evaluated = (step, evaluation)

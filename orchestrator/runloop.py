@@ -24,7 +24,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -276,6 +276,8 @@ class RunParts:
     describe: Callable[[RunResult], dict[str, Any]] | None = None
     checkpoint: CheckpointConfig | None = None  # periodic checkpoints (None: none, no final)
     keep_batches: bool = False  # keep each report's trained groups and timings in RunResult.reports
+    # evaluations during RL on an engine of their own (eval.engine, resolved): one policy version
+    eval_own_engine: bool = False
     group_filter: GroupFilter | None = None  # algo.filter: groups left out of training
 
 
@@ -327,14 +329,12 @@ async def run_session(parts: RunParts, result: RunResult,
         engine = parts.make_engine(update, recorder)
         update.release()
         started = recorder.now()
-        async with engine:
+        async with engine, AsyncExitStack() as stack:
             runner = EpisodeRunner(engine, parts.tokenizer, parts.spec, parts.rollout, recorder)
-            every = parts.evaluation.every
             evaluation = partial(evaluate, runner, parts.eval_tasks, parts.evaluation)
+            periodic = await stack.enter_async_context(_periodic(parts, runner, recorder))
             pipeline = Pipeline(parts.pipeline, runner, parts.trainer, parts.sampler,
-                                evaluation=PeriodicEval(every, evaluation)
-                                if every and parts.eval_tasks else None,
-                                group_filter=parts.group_filter)
+                                evaluation=periodic, group_filter=parts.group_filter)
             if resume is not None:
                 pipeline.load_state_dict(resume.pipeline)
                 result.warm_start_steps, result.eval_before = resume.warm_start_steps, resume.eval_before
@@ -397,6 +397,38 @@ async def run_session(parts: RunParts, result: RunResult,
                     on_eval("after", pipeline.step, result.eval_after)
                 if checkpointer is not None:
                     await checkpointer.scored(pipeline.step, result.eval_after)
+
+
+@asynccontextmanager
+async def _periodic(parts: RunParts, runner: EpisodeRunner,
+                    recorder: Recorder) -> AsyncIterator[PeriodicEval | None]:
+    """The evaluation during RL (``eval.every``), or None. With ``parts.eval_own_engine`` it
+    runs on an engine of its own, built here (entered in the run's task, which exits it) and
+    loaded with the weights of each step it evaluates, so an evaluation sees one policy
+    version; the engine lives until the run ends."""
+    every = parts.evaluation.every
+    if not every or not parts.eval_tasks:
+        yield None
+        return
+
+    if not parts.eval_own_engine:
+        async def shared(weights: WeightUpdate | None) -> Evaluation:
+            return await evaluate(runner, parts.eval_tasks, parts.evaluation)
+
+        yield PeriodicEval(every, shared)
+        return
+
+    update = await parts.trainer.weights()
+    own = parts.make_engine(update, recorder)
+    update.release()
+    async with own:
+        async def frozen(weights: WeightUpdate | None) -> Evaluation:
+            assert weights is not None
+            await sync_weights(own, weights)
+            return await evaluate(replace(runner, engine=own), parts.eval_tasks,
+                                  parts.evaluation)
+
+        yield PeriodicEval(every, frozen, frozen=True)
 
 
 async def _checkpoint(checkpointer: Checkpointer, pipeline: Pipeline, result: RunResult,

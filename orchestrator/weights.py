@@ -146,6 +146,12 @@ class WeightUpdate:
         self.release()
         return self._carry(copy)
 
+    def snapshot(self) -> WeightUpdate:
+        """A private in-memory copy that outlives whatever the producer does next; the lease
+        (the producer's update, still to be consumed) is left alone."""
+        return self._carry(WeightUpdate.by_reference(self.version, _copy(self.tensors()),
+                                                     leased=False))
+
     # -- reading --------------------------------------------------------------------------------
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
