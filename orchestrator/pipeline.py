@@ -211,11 +211,13 @@ class Pipeline:
         self._scoring: dict[anyio.CancelScope, int] = {}  # groups generated and being scored,
         #                                                   by their start versions
         self._lanes: set[str] = set()  # the span names of the groups in flight (_lane)
+        self._reported_seconds: Counter[str] = Counter()  # recorder.totals() at the last report
         self.faults_before: dict[str, float] = {}  # the run's earlier processes' fault counters
         self.faults: dict[str, float] = {}  # the whole run's, as of the last report
 
     async def run(self) -> list[StepReport]:
         groups_per_batch = self.config.batch_size // self.rollout.group_size
+        self._reported_seconds = self.recorder.totals()  # not the warm start's or an evaluation's
         # Room for every group admission allows, so workers never block on a full stream
         # while holding finished work; admission is the real bound.
         capacity = math.ceil(self.config.budget / self.rollout.group_size) + groups_per_batch
@@ -522,11 +524,9 @@ class Pipeline:
                     **(self.gateway.metrics() if self.gateway is not None else {}),
                     **self._retired_metrics(step, capped)}
         self.faults = add_faults(self.faults_before, counters)
-        stage_seconds: Counter[str] = Counter()
-        for span in reversed(self.recorder.spans):
-            if span.end <= since:
-                break
-            stage_seconds[span.stage] += span.duration
+        totals = self.recorder.totals()
+        stage_seconds = totals - self._reported_seconds  # recorded since the last report
+        self._reported_seconds = totals
         return StepReport(
             step=step,
             version=version,

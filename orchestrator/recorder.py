@@ -171,6 +171,12 @@ class Recorder:
         """Total seconds of every span of ``stage`` this recorder recorded, flushed or not."""
         return self._seconds[stage]
 
+    def totals(self) -> Counter[str]:
+        """Seconds per stage of every span recorded so far (a copy): the difference of two
+        readings is what was recorded between them, whatever the spans' own times (a Ray
+        actor's or a tool's spans arrive after later ones, with their original times)."""
+        return Counter(self._seconds)
+
     def flush(self) -> None:
         """Push the spans recorded so far to the file and let go of them (no file: a no-op).
 

@@ -151,6 +151,33 @@ async def test_spans_of_every_stage_are_recorded(fake_trainer_cls: Any) -> None:
     assert engine.version == 3
 
 
+async def test_a_step_reports_the_spans_recorded_during_it_whatever_their_times(
+        fake_trainer_cls: Any) -> None:
+    """Spans that arrive late with their own, earlier times (a Ray actor's, forwarded after
+    the fact; a tool call's, added when it returns) count in the step they arrive in, and the
+    spans before the run (a warm start) in none."""
+    trainer = fake_trainer_cls()
+    pipeline = make_pipeline(trainer, SimulatedEngine(median_tokens=8, seed=3), k=1, num_steps=3)
+    recorder = pipeline.recorder
+    recorder.add("warm_start", "trainer", 0.0, 5.0, 0)
+    seen: list[StepReport] = []
+
+    def on_step(report: StepReport) -> None:
+        seen.append(report)
+        # arrives now, timed long before: the next step's report must have it
+        end = recorder.now() - 100.0
+        recorder.add("engine_step", "node-1/engine-0", end - 0.25 * len(seen), end, 0)
+
+    pipeline.on_step = on_step
+    with anyio.fail_after(60):
+        await pipeline.run()
+    assert "warm_start" not in seen[0].stage_seconds
+    assert "engine_step" not in seen[0].stage_seconds
+    assert seen[1].stage_seconds["engine_step"] == pytest.approx(0.25)
+    assert seen[2].stage_seconds["engine_step"] == pytest.approx(0.5)
+    assert all(r.stage_seconds["generate"] > 0 for r in seen)
+
+
 async def test_on_step_is_called_once_per_step(fake_trainer_cls: Any) -> None:
     trainer = fake_trainer_cls()
     engine = SimulatedEngine(median_tokens=8, seconds_per_token=1e-4, seed=4)
