@@ -5,10 +5,8 @@ threshold (128 KiB, rising to at most 32 MiB) with a fresh mapping from the kern
 unmaps it on ``free``, so a training step's large activations and gradients are page-faulted
 in, and zeroed by the kernel, again every step. With mappings off and the heap never trimmed,
 they come from the heap: it grows for the first steps (freed blocks are reused once they
-coalesce into ones big enough) and then stays put. Measured on SmolLM2's trainer
-(``bench.real_model``'s batches, 2 threads, six steps): system time 11.0 s against 5.4 s, and
-forward + backward 2.5-3.8 s a step against a steady 2.2-2.4 s; peak resident memory 3.9 GB
-against 4.2 GB.
+coalesce into ones big enough) and then stays put: less system time and steadier steps
+(docs/real-model.md has the figures for SmolLM2's trainer).
 
 Worker threads matter: a thread's first allocation gives it an arena of its own, whose
 memory comes from mappings whatever the settings, and the trainer's step and the engine's
@@ -21,8 +19,7 @@ set before any other thread allocates (glibc fixes its arena limit then):
   environment, which glibc reads as the process starts (:func:`environment`).
 
 The cost: a process's resident memory stays at its high-water mark, and the heap's early
-growth adds to it (about 7% for the trainer above; glibc still trims a free top of the heap
-past 2 GiB). ``POLYRL_MALLOC=system`` keeps glibc's defaults.
+growth adds to it (glibc still trims a free top of the heap past 2 GiB). ``POLYRL_MALLOC=system`` keeps glibc's defaults.
 """
 
 from __future__ import annotations

@@ -352,8 +352,8 @@ def _one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     """Attention of one query per row (``q`` ``[rows, heads, d]``) over its row of ``keys``
     and ``values`` (``[rows, kv_heads, width, d]``), where ``mask`` (``[rows, 1, 1, width]``)
     is True; query head ``h`` reads key head ``h // (heads // kv_heads)``. Two batched
-    matmuls with each key head's queries together: ~17% less time than SDPA on CPU, which
-    takes one query per call as a sequence of length one (60 rows of SmolLM2 at width 200)."""
+    matmuls with each key head's queries together, where SDPA would take each row's single
+    query as a sequence of length one (docs/real-model.md has what it saves on CPU)."""
     rows, heads, d = q.shape
     kv_heads = keys.shape[1]
     scores = torch.matmul(q.view(rows, kv_heads, heads // kv_heads, d), keys.transpose(-1, -2))

@@ -204,9 +204,8 @@ class LogprobAgreement:
 
 def adamw(params: Iterable[torch.nn.Parameter], **options: Any) -> torch.optim.AdamW:
     """AdamW, fused where torch has the kernel for the parameters (float, on CPU or CUDA): one
-    pass over each tensor instead of a dozen element-wise ones (SmolLM2's 135 M parameters on
-    2 CPU threads: 0.085 s a step against 0.375 s). The result differs from the unfused
-    one's by rounding only (6e-8 after three steps)."""
+    pass over each tensor instead of a dozen element-wise ones (docs/real-model.md has what
+    it saves). The result differs from the unfused one's by rounding only."""
     params = list(params)
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in FUSED_DTYPES
                                  for p in params)
