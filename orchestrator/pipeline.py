@@ -12,8 +12,9 @@
   generation has ended: scoring goes on apart, so a slow verification holds only its own
   group, and a group whose scoring outlives its freshness is dropped as stale then, not on
   arrival.
-* The trainer forms a batch from the groups that arrived, dropping any whose start version
-  is older than ``version - k``, awaits one :meth:`Trainer.step` and hands the new weights
+* The trainer forms a batch from the groups that arrived, dropping any too stale to train
+  (:mod:`orchestrator.staleness` states the rule), awaits one :meth:`Trainer.step` and hands
+  the new weights
   (:meth:`Trainer.weights`, a :class:`~orchestrator.weights.WeightUpdate`) to weight sync.
 * Weight sync pauses the engine at a token boundary, loads the weights, resumes it, releases
   the update (an in-process trainer waits for that before changing its tensors again) and

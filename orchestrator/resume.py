@@ -13,8 +13,8 @@ train step ``N`` holds the trainer's own files (:meth:`Trainer.snapshot`) plus:
 
 Not saved: episodes in flight and groups generated but not yet trained. Their prompts go back
 to the sampler and are rolled out again under the restored weights. Admission control
-restarts from the restored version, so its capacity is ``(k + 1) × B`` ahead of it, never
-more (the rule of :mod:`orchestrator.staleness`).
+restarts from the restored version (:mod:`orchestrator.staleness`), so no sample is more
+than ``k`` versions old after a resume either.
 
 Who restores what: :func:`restore` loads the trainer (wherever it lives) and the random
 states and reads the run state; the run loop hands the pipeline its part, and the run
