@@ -22,8 +22,8 @@ Files. With ``codec`` (``zst`` or ``gz``; a run directory's ``spans/``), ``path`
 of compressed segments, ``spans.<n>.jsonl.zst``: each flush ends a compressed block, and a new
 segment starts every :data:`~orchestrator.jsonl.ROLL_STEPS` flushes
 (:mod:`orchestrator.jsonl`), so a crash loses at most what was written since the last
-flush, inside the segment being written. Without it, ``path`` is one plain JSONL file (the
-earlier layout, and tests).
+flush, inside the segment being written. Without it, ``path`` is one plain JSONL file
+(``run.codec=none``, and tests).
 
 Both are read back by :func:`read_spans`. A line counts once its newline is written: a
 process killed mid-write leaves a last line without one, which the reader skips. Appending
@@ -48,7 +48,7 @@ from orchestrator.jsonl import ROLL_STEPS, Codec, SegmentWriter, check_codec, re
 
 SEGMENT_STEM = "spans"
 SPANS_DIR = "spans"  # a run directory's folder of compressed span segments
-PLAIN_SPANS = "spans.jsonl"  # the earlier layout, and uncompressed runs
+PLAIN_SPANS = "spans.jsonl"  # an uncompressed run's
 _TAIL_BLOCK = 1 << 16  # bytes read at a time when looking for the last complete line
 
 
@@ -84,7 +84,7 @@ def span_files(path: Path) -> list[Path]:
 
 def spans_path(run_dir: Path) -> Path:
     """Where a run directory's spans are: its ``spans/`` folder, or the ``spans.jsonl`` of
-    the earlier layout (and of uncompressed runs)."""
+    an uncompressed run."""
     folder = Path(run_dir) / SPANS_DIR
     return folder if folder.is_dir() else Path(run_dir) / PLAIN_SPANS
 

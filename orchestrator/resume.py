@@ -82,14 +82,8 @@ class RunState:
     @classmethod
     def read(cls, directory: Path) -> RunState:
         state = json.loads((directory / RUN_STATE).read_text())
-        if "sampler" in state:  # a checkpoint of the earlier layout, the pipeline's keys at the top
-            state["pipeline"] = {"step": state.pop("step"), "dropped": state.pop("dropped", 0),
-                                 "sampler": state.pop("sampler")}
-        before = state.get("eval_before")
-        if isinstance(before, int | float):  # the earlier layout: the mean alone
-            state["eval_before"] = Evaluation.of_mean(float(before))
-        elif before is not None:
-            state["eval_before"] = Evaluation.from_dict(before)
+        if state.get("eval_before") is not None:
+            state["eval_before"] = Evaluation.from_dict(state["eval_before"])
         state["best"] = Best.of(state.get("best"))
         return cls(**state)
 

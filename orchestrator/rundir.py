@@ -10,7 +10,7 @@ in compressed segments, flushed with every step) and at the end ``timeline.json`
 built from the spans of the last :data:`TIMELINE_STEPS` steps; ``python -m orchestrator.trace
 timeline <run_dir> --steps A:B`` builds any other window) and ``summary.json``; checkpoints go
 under ``checkpoints/``. The files that grow with a run are compressed as they are written
-(``codec``: ``zst`` by default, ``gz``, or ``none`` for the plain files of the earlier layout),
+(``codec``: ``zst`` by default, ``gz``, or ``none`` for plain files),
 so a day-long run's directory stays a few GB (``python -m bench.rundir``). The run's loggers (W&B) get the same metrics. Training
 and replay both write through it, so their run directories have one layout and one metrics
 schema. Steps are written as they are reported and the rest on :meth:`close`, which also runs
@@ -79,11 +79,9 @@ class RunDir:
 
     def open_recorder(self, clock: Clock) -> Recorder:
         """The run's recorder on ``clock``, streaming to ``spans/`` (a resumed run's after the
-        spans already there, on a clock that goes on from them; a run of the earlier layout
-        goes on in its ``spans.jsonl``)."""
+        spans already there, on a clock that goes on from them)."""
         append = self.resumed
-        plain = self.codec == "none" or (append and (self.path / PLAIN_SPANS).is_file())
-        if plain:
+        if self.codec == "none":
             self.recorder = Recorder(clock, self.path / PLAIN_SPANS, append=append)
         else:
             self.recorder = Recorder(clock, self.path / SPANS_DIR, append=append, codec=self.codec)

@@ -321,10 +321,3 @@ class Evaluation:
                    overall=Scores.from_dict(data["overall"], n),
                    sources={s: Scores.from_dict(v, n) for s, v in data["sources"].items()})
 
-    @classmethod
-    def of_mean(cls, mean: float) -> Evaluation:
-        """An evaluation known only by its mean (a checkpoint of the earlier layout, which kept
-        one float): greedy, one sample, no per-source figures."""
-        return cls(n=1, temperature=0.0, success_threshold=1.0,
-                   overall=Scores(tasks=0, samples=0, mean=mean, std=0.0, pass_at={},
-                                  maj=None, response_tokens=0.0))

@@ -8,8 +8,7 @@ A trace directory holds any of the published files (see :mod:`orchestrator.trace
 and a run directory holds the same records in its ``trace/`` folder, compressed and rolled
 (:mod:`orchestrator.jsonl`): ``trace/<kind>.<first step>.jsonl.zst``, each file many
 steps of one kind (every record names its step). Step files may also be compressed
-(``multiturn_workload_step_N.jsonl.zst`` or ``.gz``), and a run directory of the earlier layout
-(step files at its top level) reads as before. :func:`iter_records` yields typed records one
+(``multiturn_workload_step_N.jsonl.zst`` or ``.gz``). :func:`iter_records` yields typed records one
 line at a time, so a 2,048-trajectory step is never held as raw JSON; a line that is not valid
 JSON or not the expected record raises :class:`TraceFormatError` naming the file and line.
 :class:`TraceDir` lists what a directory holds by kind and step, whatever the layout;

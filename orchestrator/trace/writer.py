@@ -214,12 +214,11 @@ class TraceWriter:
 
 def drop_steps_from(run_dir: Path, step: int) -> None:
     """Remove the records of steps ``step`` and later from ``run_dir``'s PolyTrace files (its
-    ``trace/`` folder and, from the earlier layout, its top level): step files are deleted, a
+    ``trace/`` folder): step files are deleted, a
     rolled file is rewritten with the lines of earlier steps only (a line a crash cut short
     goes too), atomically, or deleted when none is left."""
-    for folder in (run_dir, run_dir / RUN_TRACE):
-        if not folder.is_dir():
-            continue
+    folder = run_dir / RUN_TRACE
+    if folder.is_dir():
         for path in sorted(folder.iterdir()):
             if (match := STEP_FILE.match(path.name)) and int(match.group(2)) >= step:
                 path.unlink()
