@@ -26,7 +26,7 @@ A group is ``group_size`` episodes of one task run concurrently (the engine batc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 import anyio
@@ -164,8 +164,6 @@ class EpisodeRunner:
         """``group_size`` episodes of ``task``, run concurrently; ``queue_wait``: the seconds
         the group waited for admission; ``generated`` is called with the group's start version
         once every episode's generation has ended (the rest is scoring)."""
-        started = self.recorder.now()
-        results: list[tuple[Trajectory, EpisodeTiming] | None] = [None] * self.config.group_size
         versions: list[int] = []
 
         def one_generated(version: int) -> None:
@@ -173,21 +171,36 @@ class EpisodeRunner:
             if generated is not None and len(versions) == self.config.group_size:
                 generated(min(versions))
 
-        async def one(index: int) -> None:
-            results[index] = await self.episode(task, worker, sample_index=index,
-                                                generated=one_generated)
+        async def one(index: int) -> list[tuple[Trajectory, EpisodeTiming]]:
+            return [await self.episode(task, worker, sample_index=index, generated=one_generated)]
 
-        async with anyio.create_task_group() as tg:
-            for i in range(self.config.group_size):
-                tg.start_soon(one, i)
-        done = [r for r in results if r is not None]
-        trajectories = tuple(t for t, _ in done)
-        return TimedGroup(
-            Group(prompt_id=task.id, trajectories=trajectories,
-                  start_version=min(t.start_version for t in trajectories)),
-            GroupTiming(started_at=started, finished_at=self.recorder.now(),
-                        episodes=tuple(timing for _, timing in done), queue_wait=queue_wait),
-        )
+        return await fan_out(self, task, one, queue_wait)
+
+
+async def fan_out(runner: EpisodeRunner, task: Task,
+                  one: Callable[[int], Awaitable[Sequence[tuple[Trajectory, EpisodeTiming]]]],
+                  queue_wait: float = 0.0) -> TimedGroup:
+    """A group of ``task``: its ``group_size`` episodes run concurrently, ``one(i)`` giving
+    episode ``i``'s samples (one; an agent episode's segments), gathered in the order the
+    episodes finished; ``queue_wait``: the seconds the group waited for admission. A group of
+    no samples (agent programs that never called the model) starts at the engine's version."""
+    recorder = runner.recorder
+    started, version = recorder.now(), runner.engine.version
+    done: list[tuple[Trajectory, EpisodeTiming]] = []
+
+    async def run(index: int) -> None:
+        done.extend(await one(index))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(runner.config.group_size):
+            tg.start_soon(run, i)
+    trajectories = tuple(t for t, _ in done)
+    return TimedGroup(
+        Group(prompt_id=task.id, trajectories=trajectories,
+              start_version=min((t.start_version for t in trajectories), default=version)),
+        GroupTiming(started_at=started, finished_at=recorder.now(),
+                    episodes=tuple(timing for _, timing in done), queue_wait=queue_wait),
+    )
 
 
 def data_source(task: Task, spec: EnvSpec) -> str:

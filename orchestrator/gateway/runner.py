@@ -20,8 +20,8 @@ import anyio
 from envs.agent import AgentOutcome, AgentSpec
 from envs.base import Reward, Task
 from orchestrator.gateway.server import Gateway, GatewayConfig
-from orchestrator.rollout import EpisodeRunner, RolloutConfig, data_source
-from orchestrator.types import EpisodeTiming, EvalSample, Group, GroupTiming, TimedGroup, Trajectory
+from orchestrator.rollout import EpisodeRunner, RolloutConfig, data_source, fan_out
+from orchestrator.types import EpisodeTiming, EvalSample, TimedGroup, Trajectory
 
 Segments = list[tuple[Trajectory, EpisodeTiming]]
 
@@ -67,27 +67,16 @@ async def run_agent_group(gateway: Gateway, runner: EpisodeRunner, task: Task, w
                           queue_wait: float = 0.0) -> TimedGroup:
     """``group_size`` episodes of ``task``; every segment of them a sample of the group, in the
     order they finished."""
-    assert isinstance(runner.spec, AgentSpec)
-    recorder, rollout = runner.recorder, runner.config
-    started, version = recorder.now(), gateway.engine.version
+    spec = runner.spec
+    assert isinstance(spec, AgentSpec)
     numbers = itertools.count()  # the group's sample indices, taken as episodes finish
-    done: Segments = []
 
-    async def one(index: int) -> None:
-        segments, _ = await run_agent_episode(gateway, runner.spec, task, rollout,  # type: ignore[arg-type]
-                                              worker, index, numbers)
-        done.extend(segments)
+    async def one(index: int) -> Segments:
+        segments, _ = await run_agent_episode(gateway, spec, task, runner.config, worker, index,
+                                              numbers)
+        return segments
 
-    async with anyio.create_task_group() as tg:
-        for i in range(rollout.group_size):
-            tg.start_soon(one, i)
-    trajectories = tuple(t for t, _ in done)
-    return TimedGroup(
-        Group(prompt_id=task.id, trajectories=trajectories,
-              start_version=min((t.start_version for t in trajectories), default=version)),
-        GroupTiming(started_at=started, finished_at=recorder.now(),
-                    episodes=tuple(timing for _, timing in done), queue_wait=queue_wait),
-    )
+    return await fan_out(runner, task, one, queue_wait)
 
 
 async def evaluate_agents(gateway: Gateway, runner: EpisodeRunner, tasks: Sequence[Task],
