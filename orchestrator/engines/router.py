@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal, Self
 
 import anyio
+from anyio import AsyncContextManagerMixin
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError, RunAborted
@@ -141,20 +142,14 @@ class Keeper:
     lost_errors: tuple[type[BaseException], ...] = ()  # a request failing so runs elsewhere
     restart_timeout_s: float = math.inf  # how long routing waits for a replica to be up
 
-    def __init__(self) -> None:
-        self._stack: AsyncExitStack | None = None
-
-    async def start(self, router: EngineRouter) -> None:
+    @asynccontextmanager
+    async def running(self, router: EngineRouter) -> AsyncIterator[None]:
+        """The replicas up while the router runs (``router.joined`` each as it comes up)."""
         async with AsyncExitStack() as stack:
             for replica in router.replicas:
                 await stack.enter_async_context(replica.engine)
                 router.joined(replica)
-            self._stack = stack.pop_all()
-
-    async def stop(self, router: EngineRouter) -> None:
-        if self._stack is not None:
-            stack, self._stack = self._stack, None
-            await stack.aclose()
+            yield
 
     async def hold(self) -> None:
         """Before a weight sync: no replica joins until :meth:`release`."""
@@ -174,7 +169,7 @@ class Keeper:
         return {}
 
 
-class EngineRouter(InferenceEngine):
+class EngineRouter(AsyncContextManagerMixin, InferenceEngine):
     def __init__(self, engines: Sequence[InferenceEngine], *,
                  names: Sequence[str] | None = None,
                  routing: str = "least_loaded",
@@ -204,13 +199,12 @@ class EngineRouter(InferenceEngine):
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncIterator[Self]:
+        """``async with router:`` its keeper's replicas up, in the caller's task."""
         self._changed = anyio.Event()
-        await self.keeper.start(self)
-        return self
-
-    async def aclose(self) -> None:
-        await self.keeper.stop(self)
+        async with self.keeper.running(self):
+            yield self
 
     def joined(self, replica: Replica) -> None:
         """The keeper brought ``replica`` up (again): route to it."""

@@ -35,11 +35,13 @@ from __future__ import annotations
 import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol, Self
 
 import anyio
+from anyio import AsyncContextManagerMixin
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
@@ -131,11 +133,10 @@ class ScriptedReplies(Replies):
 class Timing(ABC):
     """How a simulated engine spends a request's time, and which version each token carries."""
 
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """What the timing runs in the background while its engine is entered (nothing)."""
+        yield
 
     @abstractmethod
     async def run(self, reply: Reply, replies: Replies,
@@ -236,7 +237,7 @@ class ChunkedDecode(Timing):
         await self._gate.release_exclusive()
 
 
-class SimulatedEngine(InferenceEngine):
+class SimulatedEngine(AsyncContextManagerMixin, InferenceEngine):
     """An :class:`InferenceEngine` of ``replies`` generated in ``timing``'s time. Without
     them: log-normal replies (``median_tokens``, ``sigma``, ``token_range``, ``seed``) decoded
     at ``seconds_per_token`` in chunks of ``chunk_tokens``, ``max_concurrency`` at once."""
@@ -266,12 +267,10 @@ class SimulatedEngine(InferenceEngine):
         self.requests = 0
         self.pulled_bytes = 0  # of weight updates sent from another process
 
-    async def __aenter__(self) -> Self:
-        await self.timing.start()
-        return self
-
-    async def aclose(self) -> None:
-        await self.timing.stop()
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncIterator[Self]:
+        async with self.timing.running():
+            yield self
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation:
         self.requests += 1

@@ -53,12 +53,14 @@ vLLM is the engine for throughput.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 import anyio
 import torch
+from anyio import AsyncContextManagerMixin
 from anyio.abc import TaskGroup
 
 from orchestrator.engines.base import InferenceEngine
@@ -152,7 +154,7 @@ class _Batch:
         return sum(not r.finished for r in self.rows) + len(self.joining)
 
 
-class TorchEngine(InferenceEngine):
+class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
     def __init__(
         self,
         model: Mapping[str, Any],
@@ -209,22 +211,29 @@ class TorchEngine(InferenceEngine):
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        self._task_group.start_soon(self._scheduler, name="torch-engine-scheduler")
-        return self
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncIterator[Self]:
+        """``async with engine:`` runs the scheduler in a task group of its own, entered and
+        exited in the caller's task (anyio's mixin: no task group held open by hand)."""
+        async with anyio.create_task_group() as tg:
+            self._task_group = tg
+            tg.start_soon(self._scheduler, name="torch-engine-scheduler")
+            try:
+                yield self
+            finally:
+                await self.aclose()
 
     async def aclose(self) -> None:
+        """Stop taking requests and stop the scheduler (from any task: this only cancels; the
+        ``async with`` block's end waits for it)."""
         if self._closed:
             return
         self._closed = True
         await self._send.aclose()
         if self._task_group is None:  # never started: the scheduler owns no receive stream
             await self._receive.aclose()
-        if self._task_group is not None:
+        else:
             self._task_group.cancel_scope.cancel()
-            await self._task_group.__aexit__(None, None, None)
 
     # -- InferenceEngine -------------------------------------------------------------
 

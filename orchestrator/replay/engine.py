@@ -28,10 +28,11 @@ prompt otherwise (routing that scatters an episode's turns pays for it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 
 import anyio
-from anyio.abc import TaskGroup
+
 
 from envs.replay import EpisodePlan
 from orchestrator.engines.base import InferenceEngine
@@ -150,24 +151,25 @@ class FluidServer(Timing):
         self._finished: set[int] = set()
         self._wake = anyio.Event()
         self._ids = 0
-        self._tg: TaskGroup | None = None
+        self._running = False
         self._origin = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The server's clock loop, while its engine is entered; waiters see it closed after."""
         self._origin = anyio.current_time()
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._loop, name="replay-engine")
-
-    async def stop(self) -> None:
-        if self._tg is not None:
-            tg, self._tg = self._tg, None
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
-            for event, _ in self._waiting.values():
-                event.set()  # waiters see the engine closed
+        async with anyio.create_task_group() as tg:
+            self._running = True
+            tg.start_soon(self._loop, name="replay-engine")
+            try:
+                yield
+            finally:
+                self._running = False
+                tg.cancel_scope.cancel()
+        for event, _ in self._waiting.values():
+            event.set()  # waiters see the engine closed
 
     def now(self) -> float:
         return anyio.current_time() - self._origin
@@ -188,7 +190,7 @@ class FluidServer(Timing):
 
     async def run(self, reply: Reply, replies: Replies,
                   version: Callable[[], int]) -> tuple[int, list[int], list[int]]:
-        if self._tg is None:
+        if not self._running:
             raise EngineClosed("the replay engine is not running (use `async with engine`)")
         n = reply.length
         rid = self._ids

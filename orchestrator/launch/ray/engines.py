@@ -32,11 +32,12 @@ mid-generation.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskStatus
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.router import EngineRouter, EnginesLost, Keeper, PrefixAffinity, Replica
@@ -139,37 +140,33 @@ class RayKeeper(Keeper):
         self._gate = Gate()  # shared: an engine joining; exclusive: a weight sync
         self._lost: dict[str, anyio.Event] = {}  # engine -> set when its incarnation is lost
         self._router: EngineRouter | None = None
-        self._task_group: TaskGroup | None = None
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    async def start(self, router: EngineRouter) -> None:
+    @asynccontextmanager
+    async def running(self, router: EngineRouter) -> AsyncIterator[None]:
+        """Every engine started at once (a failure ends the run), kept up while the router
+        runs, then stopped (their last spans drained first, within STOP_TIMEOUT_S)."""
         self._router = router
-        self._task_group = task_group = anyio.create_task_group()
-        await task_group.__aenter__()
         try:
-            async with anyio.create_task_group() as starting:  # every engine starts at once
-                for replica in router.replicas:
-                    starting.start_soon(task_group.start, self._keep, replica)
-        except BaseException:
-            task_group.cancel_scope.cancel()
-            await task_group.__aexit__(None, None, None)
+            async with anyio.create_task_group() as task_group:
+                async with anyio.create_task_group() as starting:  # every engine starts at once
+                    for replica in router.replicas:
+                        starting.start_soon(task_group.start, self._keep, replica)
+                task_group.start_soon(self._spans.run, self.span_flush_s)
+                try:
+                    yield
+                finally:
+                    self._closed = True
+                    with anyio.move_on_after(STOP_TIMEOUT_S, shield=True):
+                        await self._spans.drain_all()  # every actor's last spans, trainer's too
+                        async with anyio.create_task_group() as stopping:
+                            for replica in router.replicas:
+                                stopping.start_soon(_engine(replica).stop)
+                    task_group.cancel_scope.cancel()
+        finally:
             self._closed = True
-            raise
-        task_group.start_soon(self._spans.run, self.span_flush_s)
-
-    async def stop(self, router: EngineRouter) -> None:
-        if self._closed or self._task_group is None:
-            return
-        self._closed = True
-        with anyio.move_on_after(STOP_TIMEOUT_S, shield=True):
-            await self._spans.drain_all()  # the last spans of every actor, trainer included
-            async with anyio.create_task_group() as stopping:
-                for replica in router.replicas:
-                    stopping.start_soon(_engine(replica).stop)
-        self._task_group.cancel_scope.cancel()
-        await self._task_group.__aexit__(None, None, None)
 
     # -- keeping engines up ----------------------------------------------------------------
 
