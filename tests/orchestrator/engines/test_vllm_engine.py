@@ -182,13 +182,19 @@ async def test_requests_in_flight_continue_across_a_pause_under_the_new_weights(
 
 
 async def _submit_while_paused(engine: VLLMEngine, tg: Any) -> list[Generation]:
-    """A request sent while paused waits, and runs under the weights loaded before resume."""
+    """A request sent while paused waits, and runs under the weights loaded before resume:
+    returned once vLLM holds it (its unfinished requests grow by one), so the caller's check
+    that its every token carries the new version is one it could fail."""
     out: list[Generation] = []
+    llm = engine._llm
+    assert llm is not None
+    before = llm.get_num_unfinished_requests()
 
     async def one() -> None:
         out.append(await engine.generate(prompts(1, seed=4)[0], SamplingParams(max_tokens=5)))
 
     tg.start_soon(one)
-    await anyio.sleep(0.2)
+    while llm.get_num_unfinished_requests() <= before:  # bounded by the caller's fail_after
+        await anyio.sleep(0.01)  # a poll of vLLM's count, not a wait for time to pass
     assert not out, "a request ran while the engine was paused"
     return out

@@ -73,13 +73,26 @@ async def test_infinite_loops_time_out(pool, code: str, language: str) -> None:
         await assert_clean(sb)
 
 
-async def test_fork_bomb(pool) -> None:
+async def _forking(docker_client, sb, processes: int = 16) -> None:
+    """Return once ``sb``'s container runs ``processes`` processes (its bomb is going off),
+    read from the engine (``docker top``): the container itself can start nothing then."""
+    while True:  # polls of the engine's count, bounded by the caller's fail_after
+        container = sb._container  # once the call has its container
+        if container is not None:
+            top = await anyio.to_thread.run_sync(docker_client.api.top, container.id)
+            if len(top.get("Processes") or ()) >= processes:
+                return
+        await anyio.sleep(0.05)
+
+
+async def test_fork_bomb(pool, docker_client) -> None:
     async with pool.session() as sb, pool.session() as neighbour:
         await neighbour.exec("v = 'untouched'")
         async with anyio.create_task_group() as tg:
             tg.start_soon(sb.exec, "import os\nwhile True:\n    try:\n        os.fork()\n"
                                    "    except OSError:\n        pass")
-            await anyio.sleep(1)
+            with anyio.fail_after(TIMEOUT_S):
+                await _forking(docker_client, sb)
             r, took = await timed(neighbour, "print(v)")  # served while the bomb goes off
             assert (r.status, r.stdout) == ("ok", "untouched\n") and took < TIMEOUT_S
         r, _ = await timed(sb, "import os\nwhile True:\n    try:\n        os.fork()\n"

@@ -227,7 +227,9 @@ async def test_an_engine_gone_for_a_moment_is_waited_for_and_counted_once(
                 # must find it ready, its runner stream open through the engine
                 assert await pool.wait_warm() == 1
                 proxy.kill()
-                await anyio.sleep(2.5)  # the watch pings every second: it sees the outage
+                # the watch pings every second: it sees the outage (bounded by fail_after)
+                while pool.metrics().get("faults/docker_unreachable", 0) < 1:
+                    await anyio.sleep(0.05)
                 assert pool.metrics()["faults/docker_unreachable"] == 1
 
                 async def revive() -> None:
