@@ -40,6 +40,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.machine import machine
+
 REPO = Path(__file__).resolve().parent.parent
 SIZES = (1_000, 1_000_000)
 
@@ -135,19 +137,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     parts = args.parts.split(",")
-    print(f"CPU: {_cpu()}, {os.cpu_count()} cores", flush=True)
+    print(machine(), flush=True)
     if "reward" in parts:
         rewards(args.out, 4 if args.quick else args.steps)
     if "startup" in parts:
         extra = startup(args.out)
         print(f"dataset_extra_rss_mb_1m={extra:.1f}")
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import random
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -70,6 +71,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from bench.machine import machine, spread
 from orchestrator.allocator import keep_freed_memory
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.torch_engine import TorchEngine
@@ -263,6 +265,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--time-scale", type=float, default=0.1,
                         help="multiplies the search latency model's tool pauses")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of both modes, alternating (default 3; --quick 1)")
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                         help="smollm2: the real SmolLM2-135M-Instruct (model=smollm2), same "
                              "workload shape (its context capped at the tiny model's)")
@@ -284,16 +288,23 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"x{args.time_scale:g} (search latency model, empirical)")
     print(f"engine: torch, {args.model} model on {policy.device}, torch threads "
           f"{torch.get_num_threads()}, max_batch_size {CLIENTS}, freed memory kept: {kept}")
-    print(f"{'mode':<11} {'tokens/s':>9} {'p50_ms':>8} {'p99_ms':>8} {'requests':>8}")
-    rows = {}
-    for name, factory in engines(model, weights, args.seed):
-        row = anyio.run(run_workload, factory(), workload)
-        if row.tokens != workload.tokens:  # no stop tokens: every turn runs to its length
-            raise RuntimeError(f"{name}: {row.tokens} tokens generated, {workload.tokens} expected")
-        rows[name] = row
-        print(f"{name:<11} {row.tokens_per_s:>9.1f} {row.latency_ms(50):>8.1f} "
-              f"{row.latency_ms(99):>8.1f} {len(row.latencies_s):>8}")
-    print(f"continuous_vs_waves={rows['continuous'].tokens_per_s / rows['waves'].tokens_per_s:.2f}")
+    print(machine())
+    repeats = args.repeats or (1 if args.quick else 3)
+    print(f"{'run':<4} {'mode':<11} {'tokens/s':>9} {'p50_ms':>8} {'p99_ms':>8} {'requests':>8}")
+    ratios = []
+    for run in range(1, repeats + 1):
+        rows = {}
+        for name, factory in engines(model, weights, args.seed):
+            row = anyio.run(run_workload, factory(), workload)
+            if row.tokens != workload.tokens:  # no stop tokens: every turn runs to its length
+                raise RuntimeError(f"{name}: {row.tokens} tokens generated, "
+                                   f"{workload.tokens} expected")
+            rows[name] = row
+            print(f"{run:<4} {name:<11} {row.tokens_per_s:>9.1f} {row.latency_ms(50):>8.1f} "
+                  f"{row.latency_ms(99):>8.1f} {len(row.latencies_s):>8}", flush=True)
+        ratios.append(rows["continuous"].tokens_per_s / rows["waves"].tokens_per_s)
+    print(f"continuous against waves, tokens/s: {spread(ratios)}")
+    print(f"continuous_vs_waves={statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":
