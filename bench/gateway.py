@@ -24,7 +24,14 @@ openai SDK alone spends milliseconds of CPU per call), and the rest is the gatew
 episode may be lost: every one must finish with all its calls recorded as one segment. The gateway and the engine share the run's event loop; the programs run in
 ``--processes`` worker processes (``env.processes``, default 2 here), or in that loop too with
 ``--processes 0``.
-Last line: ``gateway_overhead_p50_ms=<ms>`` (target <= 2).
+
+The headline is measured in the gateway itself, not as a difference of two distributions of
+second-long calls (which moved by milliseconds from run to run): each call's
+``gateway_call`` span runs from reading the request's body to its response built, and its
+``engine_s`` is the part spent waiting on the engine, so the gateway's own time per call is
+the span less ``engine_s``: parsing, rendering the prompt, building the reply. The
+client-side figures above stay as context (what the program sees, HTTP included).
+Last line: ``gateway_overhead_p50_ms=<ms>``, that own time's p50 (target <= 2).
 """
 
 from __future__ import annotations
@@ -208,8 +215,9 @@ async def run_gateway(episodes: int, calls: int, seconds: float, seed: int,
     finished: list[tuple[int, int, str]] = []
     latencies: list[float] = []
     spec = _agent_spec(episodes, calls, client, processes)
+    recorder = Recorder()
     async with spec.running(), \
-            Gateway(engine, TOK, Recorder(), GatewayConfig(max_calls=calls)) as gateway:
+            Gateway(engine, TOK, recorder, GatewayConfig(max_calls=calls)) as gateway:
 
         async def body(i: int) -> None:
             trajectories, outcome = await run_agent_episode(
@@ -224,10 +232,16 @@ async def run_gateway(episodes: int, calls: int, seconds: float, seed: int,
                 tg.start_soon(run_agent_episode, gateway, spec, spec.tasks("train")[i], rollout,
                               "warm-up", i)
         before = gateway.metrics()
+        warm = len(recorder.spans)
         wall = await _staggered(episodes, seconds, seed, body)
         counters = {k: v - before.get(k, 0.0) for k, v in gateway.metrics().items()}
     await _close_session()
-    return {"latencies": latencies, "finished": finished, "wall": wall, "counters": counters}
+    # the gateway's own time per call, measured where it is spent: each call's span less its
+    # wait on the engine
+    own = [s.duration - s.attributes["engine_s"] for s in recorder.spans[warm:]
+           if s.stage == "gateway_call"]
+    return {"latencies": latencies, "finished": finished, "wall": wall, "counters": counters,
+            "own": own}
 
 
 async def run_null(episodes: int, calls: int, seconds: float, seed: int, client: str,
@@ -316,8 +330,12 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{gate['counters'].get('agent/calls', 0):.0f} of {n * calls})")
     if lost:
         raise SystemExit(f"lost episodes: {[f for f in gate['finished'] if f != (1, calls, 'ok')][:5]}")
-    print(f"gateway_overhead_p99_ms={rows[1][3] * 1e3:.2f}")
-    print(f"gateway_overhead_p50_ms={rows[0][3] * 1e3:.2f}")
+    own = gate["own"]
+    print(f"the gateway's own time per call, server-side ({len(own)} calls: from the request's "
+          f"body to its response, less the engine's time): p50 {_quantile(own, 0.5) * 1e3:.2f} "
+          f"ms, p99 {_quantile(own, 0.99) * 1e3:.2f} ms, max {max(own) * 1e3:.2f} ms")
+    print(f"gateway_overhead_p99_ms={_quantile(own, 0.99) * 1e3:.2f}")
+    print(f"gateway_overhead_p50_ms={_quantile(own, 0.5) * 1e3:.2f}")
 
 
 if __name__ == "__main__":  # run as bench.gateway, the module the agent env imports the programs from

@@ -96,6 +96,7 @@ class Reply:
     messages: list[dict[str, Any]]  # chat: the assistant messages
     prompt_tokens: int
     completion_tokens: int
+    engine_s: float = 0.0  # of the call's time, what it waited on the engine
 
 
 @dataclass
@@ -130,11 +131,13 @@ class AgentEpisode:
                 raise BadRequest(f"the messages cannot be rendered: {e}", "messages") from e
         branches = self._admit(found, ids, request.sampling, "messages", new, chat=True)
         prompt = len(branches[0].builder)
+        started = self.recorder.now()
         choices = await self._generate(branches, request.sampling, request.parse_tools)
+        engine_s = self.recorder.now() - started
         messages = [assistant_message(c) for c in choices]
         for segment, message in zip(branches, messages, strict=True):
             segment.key = ((*request.messages, as_message(message)), request.tools)
-        return self._reply(branches, choices, messages, prompt)
+        return self._reply(branches, choices, messages, prompt, engine_s)
 
     async def complete(self, request: CompletionRequest) -> Reply:
         text = request.prompt
@@ -150,11 +153,13 @@ class AgentEpisode:
                                  f"{self.tokenizer.vocab_size}", "prompt")
         branches = self._admit(found, ids, request.sampling, "prompt", (), chat=False)
         prompt = len(branches[0].builder)
+        started = self.recorder.now()
         choices = await self._generate(branches, request.sampling, parse_tools=False)
+        engine_s = self.recorder.now() - started
         for segment, choice in zip(branches, choices, strict=True):
             assert segment.last is not None
             segment.key = text + (choice.text if isinstance(text, str) else segment.last.token_ids)
-        return self._reply(branches, choices, [], prompt)
+        return self._reply(branches, choices, [], prompt, engine_s)
 
     # -- segments ----------------------------------------------------------------------------
 
@@ -293,9 +298,9 @@ class AgentEpisode:
 
     @staticmethod
     def _reply(branches: list[_Segment], choices: list[Choice], messages: list[dict[str, Any]],
-               prompt: int) -> Reply:
+               prompt: int, engine_s: float) -> Reply:
         completion = sum(len(s.last.token_ids) for s in branches if s.last is not None)
-        return Reply(choices, messages, prompt, completion)
+        return Reply(choices, messages, prompt, completion, engine_s)
 
     # -- the end -----------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from aiohttp import web
 
 from envs.agent import AgentEndpoint, AgentSpec
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.gateway.episode import AgentEpisode, EpisodeLimits
+from orchestrator.gateway.episode import AgentEpisode, EpisodeLimits, Reply
 from orchestrator.gateway.protocol import (
     BadRequest,
     chat_chunks,
@@ -180,32 +180,48 @@ class Gateway:
         return episode
 
     async def _chat(self, request: web.Request, episode: AgentEpisode) -> web.StreamResponse:
+        started = self.recorder.now()
         call = chat_request(parse_json(await request.read()), self.config.max_n)
         reply = await episode.chat(call)
         self.counters["calls"] += 1
         model, s = self.config.model, call.sampling
         if not s.stream:
-            return web.json_response(chat_response(model, reply.messages, reply.choices,
-                                                   s.logprobs, reply.prompt_tokens,
-                                                   reply.completion_tokens))
-        totals = usage(reply.prompt_tokens, reply.completion_tokens) if s.include_usage else None
-        return await _event_stream(request, chat_chunks(model, reply.messages, reply.choices,
-                                                        s.logprobs, totals))
+            response = web.json_response(chat_response(model, reply.messages, reply.choices,
+                                                       s.logprobs, reply.prompt_tokens,
+                                                       reply.completion_tokens))
+        else:
+            totals = usage(reply.prompt_tokens, reply.completion_tokens) if s.include_usage else None
+            response = await _event_stream(request, chat_chunks(model, reply.messages,
+                                                                reply.choices, s.logprobs, totals))
+        self._timed(episode, started, reply)
+        return response
 
     async def _complete(self, request: web.Request, episode: AgentEpisode) -> web.StreamResponse:
+        started = self.recorder.now()
         call = completion_request(parse_json(await request.read()), self.config.max_n)
         reply = await episode.complete(call)
         self.counters["calls"] += 1
         body = completion_response(self.config.model, reply.choices, call.sampling.logprobs,
                                    reply.prompt_tokens, reply.completion_tokens)
         if not call.sampling.stream:
-            return web.json_response(body)
-        chunks = [{**body, "choices": [choice]} for choice in body["choices"]]
-        if call.sampling.include_usage:
-            chunks.append({**body, "choices": []})
-        for chunk in chunks[:-1] if call.sampling.include_usage else chunks:
-            chunk.pop("usage", None)
-        return await _event_stream(request, chunks)
+            response = web.json_response(body)
+        else:
+            chunks = [{**body, "choices": [choice]} for choice in body["choices"]]
+            if call.sampling.include_usage:
+                chunks.append({**body, "choices": []})
+            for chunk in chunks[:-1] if call.sampling.include_usage else chunks:
+                chunk.pop("usage", None)
+            response = await _event_stream(request, chunks)
+        self._timed(episode, started, reply)
+        return response
+
+    def _timed(self, episode: AgentEpisode, started: float, reply: Reply) -> None:
+        """The call's ``gateway_call`` span, from its body read to its response built (a
+        stream's: written), with ``engine_s``, the part spent waiting on the engine: the rest,
+        its duration less ``engine_s``, is the gateway's own time (parsing, rendering the
+        prompt, building the reply)."""
+        self.recorder.add("gateway_call", episode.worker, started, self.recorder.now(),
+                          self.engine.version, sample=episode.sample, engine_s=reply.engine_s)
 
     async def _models(self, request: web.Request, episode: AgentEpisode) -> web.StreamResponse:
         return web.json_response({"object": "list", "data": [
