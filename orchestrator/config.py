@@ -87,7 +87,7 @@ def typed(cls: type[T], cfg: DictConfig, key: str) -> T:
     return cls(**checked)
 
 
-def check_arguments(fn: Callable[..., Any], values: dict[str, Any], key: str) -> None:
+def check_accepts(fn: Callable[..., Any], values: dict[str, Any], key: str) -> None:
     """Check ``values`` against the annotated parameters of ``fn`` (a class or function)."""
     target = fn.__init__ if inspect.isclass(fn) else fn  # type: ignore[misc]
     try:
@@ -129,7 +129,7 @@ def check_node(values: dict[str, Any], key: str) -> None:
         fn = get_object(target)
     except Exception as e:  # hydra raises a bare ImportError/ValueError mix here
         raise ConfigError(f"{key}._target_={target} cannot be imported") from e
-    check_arguments(fn, values, key)
+    check_accepts(fn, values, key)
 
 
 def scalar(cfg: DictConfig, key: str, annotation: Any) -> Any:

@@ -76,7 +76,7 @@ from orchestrator.algo.filters import GroupFilter
 from orchestrator.engines.base import sync_weights
 from orchestrator.errors import ConfigError
 from orchestrator.faults import add_faults, kill_point
-from orchestrator.gate import Gate
+from orchestrator.rwlock import ReadWriteLock
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.outcomes import GroupLedger, Outcome
 from orchestrator.rollout import EpisodeRunner
@@ -199,7 +199,7 @@ class Pipeline:
         self._refilled = 0  # groups filtered and replaced since the last batch was formed
         self._capped = False  # ... and whether that reached the filter's cap
         self._warned_cap = False
-        self.gate = Gate()  # held by episodes when inflight_update='finish'
+        self.gate = ReadWriteLock()  # held by episodes when inflight_update='finish'
         self.reports: list[StepReport] = []
         self.step = 0  # the next step to train
         self.stopped = False  # request_stop() ended the run before num_steps

@@ -126,7 +126,7 @@ class EpisodeRunner:
             tokens.add_prompt(tokenizer.chat_prompt(await env.reset(task)))
             _check_context(engine, self.spec, len(tokens))
             for turn in range(config.max_turns):
-                sampling = _sampling(config, tokenizer, len(tokens))
+                sampling = _turn_sampling(config, tokenizer, len(tokens))
                 if sampling is None:
                     end_reason = "max_length"
                     break
@@ -232,7 +232,7 @@ def _without(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
     return reply
 
 
-def _sampling(config: RolloutConfig, tokenizer: Tokenizer, length: int) -> SamplingParams | None:
+def _turn_sampling(config: RolloutConfig, tokenizer: Tokenizer, length: int) -> SamplingParams | None:
     """A turn's sampling after ``length`` tokens: no more than ``max_total_tokens`` leaves
     (None: nothing is left)."""
     max_tokens = config.max_tokens

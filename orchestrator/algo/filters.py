@@ -59,7 +59,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from orchestrator.config import CONF, check_arguments
+from orchestrator.config import CONF, check_accepts
 from orchestrator.errors import ConfigError
 from orchestrator.types import Group
 
@@ -165,7 +165,7 @@ def build_filter(node: Any) -> GroupFilter | None:
     if not (isinstance(cls, type) and issubclass(cls, GroupFilter)):
         raise ConfigError(f"algo.filter._target_={target} is not a group filter "
                           f"(a GroupFilter of orchestrator.algo.filters)")
-    check_arguments(cls, values, "algo.filter")
+    check_accepts(cls, values, "algo.filter")
     try:
         return cls(**values)
     except TypeError as e:  # a required argument left out

@@ -22,7 +22,7 @@ version at the chunk's start); behaviour log-probs are the replies' fixed value.
 did not hit its length cap ends with the first stop token.
 
 Pause/resume stop time at a token boundary: :class:`ChunkedDecode` holds a
-:class:`~orchestrator.gate.Gate` exclusively, so no chunk is mid-flight while weights change
+:class:`~orchestrator.rwlock.ReadWriteLock` exclusively, so no chunk is mid-flight while weights change
 and in-flight requests continue under the new version. A weight update carries no weights to
 load (``sync_seconds`` stands for the load); one sent from another process (bytes, a file, the
 object store) is pulled in a worker thread, as a real engine would before loading it, and
@@ -45,7 +45,7 @@ from anyio import AsyncContextManagerMixin
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
-from orchestrator.gate import Gate
+from orchestrator.rwlock import ReadWriteLock
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 
@@ -187,7 +187,7 @@ class ChunkedDecode(Timing):
             raise ConfigError("engine: chunk_tokens >= 1 is required")
         self.cost = cost
         self.chunk_tokens = chunk_tokens
-        self._gate = Gate()
+        self._gate = ReadWriteLock()
         self._slots = anyio.Semaphore(max_concurrency) if max_concurrency else None
         self.resident = 0  # requests decoding now
         self.resident_tokens = 0

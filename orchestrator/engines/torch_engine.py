@@ -28,7 +28,7 @@ attention interface (Llama, Qwen, Mistral, Gemma, GPT-2 and most others do).
 Built from config: the model's ``conf/model`` node (the engine makes its own copy of the
 architecture) and a :class:`~orchestrator.weights.WeightUpdate` with the starting weights.
 
-Weight updates: each step holds the :class:`~orchestrator.gate.Gate` shared and
+Weight updates: each step holds the :class:`~orchestrator.rwlock.ReadWriteLock` shared and
 :meth:`pause` takes it exclusively, so it returns only at a token boundary (and any task may
 call :meth:`resume`). One controller (the pipeline's weight sync) pauses and resumes. When
 the next step finds a newer version it discards the KV cache and re-prefills every resident
@@ -66,7 +66,7 @@ from anyio.abc import TaskGroup
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.slot_cache import ATTENTION, SlotCache
 from orchestrator.errors import ConfigError, EngineClosed
-from orchestrator.gate import Gate
+from orchestrator.rwlock import ReadWriteLock
 from orchestrator.models.policy import (
     PASSTHROUGH_MASK,
     build_policy,
@@ -204,7 +204,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         self.prefill_limit_tokens = prefill_limit_tokens
         self._held: deque[_Request] = deque()  # received, not admitted yet: first in line
         self._send, self._receive = anyio.create_memory_object_stream[_Request](queue_size)
-        self._step_gate = Gate()
+        self._step_gate = ReadWriteLock()
         self._paused = False
         self._task_group: TaskGroup | None = None
         self._closed = False
@@ -351,7 +351,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         step (parked at the start of the next)."""
         ids = request.prompt_ids
         return bool(self.prefixes.extended(ids)) or any(
-            r.finished and _extends(ids, tuple(r.prompt_ids + r.token_ids)[: r.fed])
+            r.finished and _continues_prefix(ids, tuple(r.prompt_ids + r.token_ids)[: r.fed])
             for r in batch.rows)
 
     def _join(self, batch: _Batch, request: _Request) -> None:
@@ -578,7 +578,7 @@ class PrefixCache:
         """The parked sequences that ``ids`` continue past their end."""
         candidates = (key for n in range(1, min(HEAD, len(ids)) + 1)
                       for key in self._heads.get(tuple(ids[:n]), ()))
-        return [key for key in candidates if _extends(ids, key)]
+        return [key for key in candidates if _continues_prefix(ids, key)]
 
     def _remove(self, key: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         self.tokens -= len(key)
@@ -595,7 +595,7 @@ class PrefixCache:
             self.tokens, self.version = 0, version
 
 
-def _extends(ids: Sequence[int], key: tuple[int, ...]) -> bool:
+def _continues_prefix(ids: Sequence[int], key: tuple[int, ...]) -> bool:
     """Whether ``ids`` continue the sequence ``key`` past its end."""
     n = len(key)
     return n < len(ids) and ids[n - 1] == key[-1] and tuple(ids[:n]) == key

@@ -293,7 +293,7 @@ class VLLMEngine(InferenceEngine):
             return Generation((), (), (), FinishReason.LENGTH, start_version)
         final = None
         async for output in self._llm.generate(
-            {"prompt_token_ids": list(prompt_ids)}, self._sampling(sampling, budget),
+            {"prompt_token_ids": list(prompt_ids)}, self._vllm_sampling(sampling, budget),
             request_id=uuid.uuid4().hex,
         ):
             final = output
@@ -314,7 +314,7 @@ class VLLMEngine(InferenceEngine):
             cached_tokens=final.num_cached_tokens or 0,  # the prefix cache's hits: PolyTrace's
         )
 
-    def _sampling(self, sampling: SamplingParams, budget: int) -> Any:
+    def _vllm_sampling(self, sampling: SamplingParams, budget: int) -> Any:
         from vllm import SamplingParams as VLLMSampling
         from vllm.sampling_params import RequestOutputKind
 

@@ -119,7 +119,7 @@ class AgentEpisode:
 
     async def chat(self, request: ChatRequest) -> Reply:
         found = self._find(lambda s: s.chat and s.key[1] == request.tools
-                           and _extends(request.messages, s.key[0]))
+                           and _continues_chat(request.messages, s.key[0]))
         if found is not None:
             new = request.messages[len(found.key[0]):]
             ids = self._closing(found) + self.tokenizer.chat_prompt(new, continuation=True)
@@ -335,5 +335,5 @@ class AgentEpisode:
         return out
 
 
-def _extends(messages: Sequence[Message], previous: Sequence[Message]) -> bool:
+def _continues_chat(messages: Sequence[Message], previous: Sequence[Message]) -> bool:
     return len(messages) > len(previous) and tuple(messages[:len(previous)]) == tuple(previous)

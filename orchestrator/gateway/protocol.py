@@ -147,7 +147,7 @@ def _neutral(body: Mapping[str, Any], key: str, neutral: tuple[Any, ...], why: s
         raise BadRequest(f"'{key}'={body[key]!r} is not supported: {why}", key)
 
 
-def _sampling(body: Mapping[str, Any], max_n: int, tokens_key: str) -> Sampling:
+def _parse_sampling(body: Mapping[str, Any], max_n: int, tokens_key: str) -> Sampling:
     _number(body, "temperature", 0.0, 2.0)
     _number(body, "top_p", 0.0, 1.0)
     for key in ("frequency_penalty", "presence_penalty"):
@@ -249,7 +249,7 @@ def chat_request(body: Mapping[str, Any], max_n: int) -> ChatRequest:
         model=_model(body),
         messages=tuple(_message(m, i) for i, m in enumerate(messages)),
         tools=offered, parse_tools=bool(offered),
-        sampling=_sampling(body, max_n, "max_completion_tokens"),
+        sampling=_parse_sampling(body, max_n, "max_completion_tokens"),
     )
 
 
@@ -267,7 +267,7 @@ def completion_request(body: Mapping[str, Any], max_n: int) -> CompletionRequest
         raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per "
                          "request)", "prompt")
     return CompletionRequest(model=_model(body), prompt=parsed,
-                             sampling=_sampling(body, max_n, "max_tokens"))
+                             sampling=_parse_sampling(body, max_n, "max_tokens"))
 
 
 def _tools(tools: Any) -> tuple[dict[str, Any], ...]:

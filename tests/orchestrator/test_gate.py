@@ -5,13 +5,13 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from orchestrator.gate import Gate
+from orchestrator.rwlock import ReadWriteLock
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_shared_holders_run_together_and_exclusive_waits_for_them() -> None:
-    gate = Gate()
+    gate = ReadWriteLock()
     log: list[str] = []
     leave = anyio.Event()
 
@@ -40,7 +40,7 @@ async def test_shared_holders_run_together_and_exclusive_waits_for_them() -> Non
 
 
 async def test_a_waiting_writer_blocks_new_readers() -> None:
-    gate = Gate()
+    gate = ReadWriteLock()
     log: list[str] = []
     leave = anyio.Event()
 
@@ -72,7 +72,7 @@ async def test_a_waiting_writer_blocks_new_readers() -> None:
 
 
 async def test_exclusive_holder_keeps_readers_out_until_released() -> None:
-    gate = Gate()
+    gate = ReadWriteLock()
     entered: list[int] = []
 
     async def reader() -> None:
@@ -90,7 +90,7 @@ async def test_exclusive_holder_keeps_readers_out_until_released() -> None:
 
 
 async def test_a_cancelled_writer_does_not_leave_the_gate_shut() -> None:
-    gate = Gate()
+    gate = ReadWriteLock()
     leave = anyio.Event()
     entered: list[int] = []
 

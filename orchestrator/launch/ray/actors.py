@@ -67,7 +67,7 @@ class ActorInfo:
 
 
 @dataclass(frozen=True)
-class StepResult:
+class TrainStepResult:
     metrics: TrainStats
     version: int
 
@@ -216,12 +216,12 @@ class TrainerActor(_Reporting):
             raise RuntimeError(f"{self._name} was not started")
         return self._trainer
 
-    async def step(self, groups: Sequence[Group]) -> StepResult:
+    async def step(self, groups: Sequence[Group]) -> TrainStepResult:
         trainer = self._built()
         with self._spans.span("train_compute", trainer.version,
                               samples=sum(len(g) for g in groups)):
             metrics = await trainer.step(groups)
-        return StepResult(metrics, trainer.version)
+        return TrainStepResult(metrics, trainer.version)
 
     async def weights(self) -> WeightUpdate:
         """The current weights, put once into the object store; every engine pulls them."""

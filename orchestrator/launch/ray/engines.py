@@ -15,7 +15,7 @@ when the actor cannot be reached. :func:`ray_router` puts any number of them beh
 * **Faults** (:class:`RayKeeper`). A keeper task per engine holds the actor's long ``serve``
   call. When the actor dies that call fails; Ray restarts the process (``max_restarts=-1``);
   the keeper pings until it answers, starts an engine there from the latest weights and only
-  then routes to it again. Engines joining hold the :class:`~orchestrator.gate.Gate`'s shared
+  then routes to it again. Engines joining hold the :class:`~orchestrator.rwlock.ReadWriteLock`'s shared
   side and a weight sync its exclusive side, so an engine never joins with weights older than
   the others'. A request in flight on a lost engine fails with a Ray actor error and runs
   again on another engine: its episode goes on from the same tokens and nothing the lost
@@ -42,7 +42,7 @@ from anyio.abc import TaskStatus
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.router import EngineRouter, EnginesLost, Keeper, PrefixAffinity, Replica
 from orchestrator.errors import EngineClosed, RunAborted, first_line
-from orchestrator.gate import Gate
+from orchestrator.rwlock import ReadWriteLock
 from orchestrator.launch.ray.actors import ActorInfo
 from orchestrator.launch.ray.remote import RayActorError, result
 from orchestrator.launch.ray.spans import SpanCollector
@@ -137,7 +137,7 @@ class RayKeeper(Keeper):
         self.requests_rerun = 0
         self._latest = weights
         self._spans = spans
-        self._gate = Gate()  # shared: an engine joining; exclusive: a weight sync
+        self._gate = ReadWriteLock()  # shared: an engine joining; exclusive: a weight sync
         self._lost: dict[str, anyio.Event] = {}  # engine -> set when its incarnation is lost
         self._router: EngineRouter | None = None
         self._closed = False

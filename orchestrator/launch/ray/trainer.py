@@ -27,7 +27,7 @@ from typing import Any
 from ray.exceptions import ObjectLostError
 
 from orchestrator.errors import RunAborted, first_line
-from orchestrator.launch.ray.actors import ActorInfo, StepResult
+from orchestrator.launch.ray.actors import ActorInfo, TrainStepResult
 from orchestrator.launch.ray.remote import RayActorError, result, result_now
 from orchestrator.trainer.base import Forwarded, TrainStats
 from orchestrator.trainer.proxy import Answer, TrainerProxy
@@ -69,7 +69,7 @@ class RayTrainer(TrainerProxy):
             raise self._lost(doing, error) from error
 
     async def step(self, groups: Sequence[Group]) -> TrainStats:
-        done: StepResult = await self._call("a train step", self.actor.step.remote(list(groups)))
+        done: TrainStepResult = await self._call("a train step", self.actor.step.remote(list(groups)))
         self.version = done.version
         return done.metrics
 

@@ -1,4 +1,4 @@
-"""A shared/exclusive gate with writer preference, used around weight updates.
+"""A readers-writer lock with writer preference, used around weight updates.
 
 Holders of the shared side (episodes that must finish on the weights they started with;
 simulated decode chunks) run concurrently; the exclusive side (a weight update) waits for
@@ -10,8 +10,8 @@ from __future__ import annotations
 import anyio
 
 
-class Gate:
-    """``async with gate:`` holds the shared side; ``acquire_exclusive``/``release_exclusive``
+class ReadWriteLock:
+    """``async with lock:`` holds the shared side; ``acquire_exclusive``/``release_exclusive``
     the exclusive one."""
 
     def __init__(self) -> None:
