@@ -20,15 +20,17 @@ rollout, and what periodic evaluation costs a run.
    Figures: generated tokens per second of each (tokens over seconds, summed over its passes),
    and their ratio (target >= 0.9).
 
-2. **Periodic evaluation during RL** (``rl_cost``). Two runs of ``experiment=dataset_smol``
-   (``--steps`` RL steps; 20, 3 with ``--quick`` at 16 samples a step), one with no evaluation
-   during RL and one with ``eval.every`` (5; 1 with ``--quick``) on ``eval.num_tasks``
-   held-out questions (the experiment's 100; 8 with ``--quick``), greedy. Figures: each run's
-   RL samples/s (``summary.json``: trained samples over the steps' wall time; the
-   evaluations before and after RL are outside it), the cost ``1 - with / without``, and the
-   evaluation's share of the tokens the engine generated during RL (its samples' tokens over
-   theirs and the trained batches'). Evaluation episodes join rollout's in the engine's batch,
-   so the cost is expected to be at most about that share.
+2. **Periodic evaluation during RL** (``rl_cost``). Three runs of ``experiment=dataset_smol``
+   (``--steps`` RL steps; 20, 3 with ``--quick`` at 16 samples a step): one with no evaluation
+   during RL, and two with ``eval.every`` (5; 1 with ``--quick``) on ``eval.num_tasks``
+   held-out questions (the experiment's 100; 8 with ``--quick``), greedy: on an engine of its
+   own (``eval.engine=own``, the default here: one policy version) and on the rollout engine
+   (``shared``). Figures: each run's RL samples/s (``summary.json``: trained samples over the
+   steps' wall time; the evaluations before and after RL are outside it), the cost
+   ``1 - with / without`` of each, and the evaluation's share of the tokens generated during
+   RL (its samples' tokens over theirs and the trained batches'). The cost is expected to be
+   at most about that share: shared, its episodes join rollout's batch; own, its engine takes
+   its share of the cores.
 
 Limits: 2 CPU cores run the engine (and in part 2 the trainer) of a 135M model; on a GPU the
 engine's batch is cheaper per row and the share of the trainer larger. The rollout pass does
@@ -143,23 +145,26 @@ def throughput(tasks: int, n: int, rounds: int, overrides: Sequence[str]) -> dic
 def rl_cost(steps: int, every: int, eval_tasks: int, overrides: Sequence[str],
             out: Path) -> dict[str, float]:
     figures: dict[str, float] = {}
-    for period in (0, every):
+    for name, period, engine in (("without", 0, "own"), ("own", every, "own"),
+                                 ("shared", every, "shared")):
         cfg = config([f"pipeline.num_steps={steps}", f"eval.num_tasks={eval_tasks}",
-                      f"eval.every={period}", "checkpoint.every_s=0", *overrides])
-        result = run(cfg, out / f"every-{period}")
-        name = "with" if period else "without"
+                      f"eval.every={period}", f"eval.engine={engine}", "checkpoint.every_s=0",
+                      *overrides])
+        result = run(cfg, out / name)
         figures[f"{name}_samples_per_s"] = result.summary["samples_per_s"]
-        line = (f"RL {'with eval.every=' + str(period) if period else 'without evaluation'}: "
+        line = (f"RL {f'with eval.every={period} eval.engine={engine}' if period else 'without evaluation'}: "
                 f"{len(result.reports)} steps, {result.summary['samples_per_s']:.2f} samples/s")
         if period:
             evaluations = [r.evaluation for r in result.reports if r.evaluation is not None]
             eval_tokens = sum(e.overall.response_tokens * e.overall.samples for e in evaluations)
             trained = sum(r.tokens for r in result.reports)
-            figures["engine_share"] = eval_tokens / max(eval_tokens + trained, 1)
-            line += (f"; evaluations finished during RL: {len(evaluations)} of {eval_tasks} tasks, "
-                     f"{figures['engine_share']:.0%} of the tokens generated during RL")
+            figures[f"{name}_share"] = eval_tokens / max(eval_tokens + trained, 1)
+            figures[f"{name}_cost"] = 1 - (figures[f"{name}_samples_per_s"]
+                                           / figures["without_samples_per_s"])
+            line += (f"; {len(evaluations)} evaluations of {eval_tasks} tasks finished during RL, "
+                     f"{figures[f'{name}_share']:.0%} of the tokens generated during RL; "
+                     f"cost {figures[f'{name}_cost']:.1%}")
         print(line, flush=True)
-    figures["cost"] = 1 - figures["with_samples_per_s"] / figures["without_samples_per_s"]
     return figures
 
 
@@ -192,7 +197,9 @@ def main() -> None:
             cost = rl_cost(args.steps or (3 if quick else 20), args.every or (1 if quick else 5),
                            args.eval_tasks or (8 if quick else 100),
                            [*rl_overrides, *args.overrides], Path(out))
-        print(f"eval_rl_cost={cost['cost']:.3f} eval_engine_share={cost['engine_share']:.3f}")
+        print(f"eval_rl_cost={cost['own_cost']:.3f} eval_engine_share={cost['own_share']:.3f} "
+              f"eval_rl_cost_shared={cost['shared_cost']:.3f} "
+              f"eval_engine_share_shared={cost['shared_share']:.3f}")
     if ratio is not None:
         print(f"eval_vs_rollout_tokens={ratio:.3f}")
 
