@@ -37,6 +37,7 @@ live one level up; this package holds only what is Docker.
 
 from __future__ import annotations
 
-from sandboxes.docker.pool import DockerSandbox, DockerSandboxConfig, DockerSandboxPool
+from sandboxes.docker.pool import DockerSandboxConfig, DockerSandboxPool
+from sandboxes.docker.sandbox import DockerSandbox
 
 __all__ = ["DockerSandbox", "DockerSandboxConfig", "DockerSandboxPool"]
