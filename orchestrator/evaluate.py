@@ -57,7 +57,7 @@ class EvalConfig:
     # where an evaluation during RL runs: "own" an engine of its own, loaded with the weights
     # of the step it evaluates (one fixed policy version; one more copy of the model);
     # "shared" the rollout engine (weights may change under it); "auto" own for the in-process
-    # torch engine, else shared
+    # torch engine on the CPU, else shared
     engine: str = "auto"
 
     def __post_init__(self) -> None:

@@ -249,12 +249,16 @@ def environment(cfg: DictConfig, model_cfg: dict[str, Any],
 
 def eval_on_own_engine(eval_cfg: EvalConfig, cfg: DictConfig, launcher: Launcher) -> bool:
     """``eval.engine`` resolved: ``auto`` gives evaluations during RL an engine of their own
-    where one is cheap, the in-process torch engine without colocation (a model copy in
-    memory); a vLLM engine or remote engines would need another GPU's worth, so they share."""
+    where one is cheap, the in-process torch engine on the CPU (a model copy in memory); on a
+    GPU a second copy of the model and its KV cache would take GPU memory, and a vLLM engine
+    or remote engines another GPU's worth, so they share."""
     if eval_cfg.engine != "auto":
         return eval_cfg.engine == "own"
+    device = str(cfg.model.get("device", "auto"))
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     in_process = isinstance(launcher, LocalLauncher) and not launcher.colocate
-    return in_process and str(cfg.engine.get("_target_", "")).endswith(".TorchEngine")
+    return (in_process and not on_gpu
+            and str(cfg.engine.get("_target_", "")).endswith(".TorchEngine"))
 
 
 def engine_of(cfg: DictConfig) -> EngineRecipe:
