@@ -63,10 +63,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from envs.replay import EpisodePlan
-from orchestrator.pipeline import PipelineConfig
 from orchestrator.replay import (
     EngineFit,
-    ReplayConfig,
     ReplayResult,
     load_plans,
     replay,
@@ -75,6 +73,7 @@ from orchestrator.replay import (
 )
 from orchestrator.replay.bound import Bound, BoundMeter, mean_tokens, workload_bound
 from orchestrator.replay.run import TrainerModel
+from orchestrator.schema import PipelineConfig, ReplayConfig
 from orchestrator.trace.generate import generate_workload
 from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
 from orchestrator.types import StepReport

@@ -23,7 +23,8 @@ from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.evaluate import evaluate
 from orchestrator.models.policy import build_policy
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 from orchestrator.weights import WeightUpdate
 
 NUMBER = "Answer with just the number."

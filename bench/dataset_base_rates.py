@@ -29,7 +29,8 @@ from envs.dataset import DatasetSpec, DatasetTask
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import build_policy
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 from orchestrator.weights import WeightUpdate
 
 BOXED = "Put your final answer in \\boxed{}."

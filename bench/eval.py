@@ -57,10 +57,11 @@ from omegaconf import DictConfig
 from envs.base import Task
 from orchestrator.config import CONF, section, typed
 from orchestrator.engines.placement import Placement
-from orchestrator.evaluate import EvalConfig, evaluate
+from orchestrator.evaluate import evaluate
 from orchestrator.main import engine_of, environment, first_tasks, run, torch_settings
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import EvalConfig, RolloutConfig
 
 EXPERIMENT = ["experiment=dataset_smol", "logger=none", "progress=false"]
 

@@ -60,7 +60,8 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.gateway import Gateway, GatewayConfig, run_agent_episode
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 from orchestrator.types import Generation, SamplingParams
 
 TOK = CharTokenizer()

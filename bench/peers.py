@@ -103,7 +103,8 @@ from orchestrator.main import training_parts
 from orchestrator.models.policy import build_policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 from orchestrator.weights import WeightUpdate
 
 STEPS, QUICK_STEPS = 2000, 100
@@ -255,7 +256,7 @@ def evaluate_runs(runs: Sequence[Run], cfg: DictConfig) -> float:
     model_cfg = section(cfg, "model")
     policy = build_policy(model_cfg)
     spec = build_env(cfg)
-    tasks = list(spec.tasks("eval"))[: scalar(cfg, "eval.num_tasks", int)]
+    tasks = list(spec.tasks("eval"))[: scalar(cfg, "eval.num_tasks")]
     rollout = typed(RolloutConfig, cfg, "rollout")
     engine = LocalLauncher().engine(EngineRecipe(engine=section(cfg, "engine"), model=model_cfg),
                                     WeightUpdate.of_module(0, policy.model))

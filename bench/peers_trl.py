@@ -79,7 +79,7 @@ from envs.base import EnvSpec, Task
 from orchestrator.config import build_env, scalar, section, typed
 from orchestrator.models.policy import Policy, build_policy, checkpoint_dir, tiny_policy
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.rollout import RolloutConfig
+from orchestrator.schema import RolloutConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -131,7 +131,7 @@ class RLSettings:
     def of(cls, cfg: DictConfig) -> RLSettings:
         trainer, algo = section(cfg, "trainer"), section(cfg, "algo")
         rollout = typed(RolloutConfig, cfg, "rollout")
-        return cls(batch_size=scalar(cfg, "pipeline.batch_size", int),
+        return cls(batch_size=scalar(cfg, "pipeline.batch_size"),
                    group_size=rollout.group_size, temperature=rollout.temperature,
                    max_tokens=rollout.max_tokens,
                    lr=float(trainer["lr"]), warmup_steps=int(trainer["warmup_steps"]),

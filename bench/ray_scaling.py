@@ -65,10 +65,10 @@ from envs.registry import make_spec
 from orchestrator.launch.base import EngineRecipe
 from orchestrator.launch.ray import RayLauncher
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import PipelineConfig, TaskSampler
+from orchestrator.pipeline import TaskSampler
 from orchestrator.replay.fit import EngineFit
-from orchestrator.rollout import RolloutConfig
 from orchestrator.runloop import RunParts, RunResult, run_session
+from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.staleness import admission_budget
 from orchestrator.weights import WeightUpdate
 

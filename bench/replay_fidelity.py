@@ -31,7 +31,6 @@ from pathlib import Path
 
 from orchestrator.replay import (
     EngineFit,
-    ReplayConfig,
     fit_trace,
     plans_from_records,
     replay,
@@ -39,6 +38,7 @@ from orchestrator.replay import (
     run_virtual,
 )
 from orchestrator.replay.fit import episodes_from, ks_statistic, replay_fidelity
+from orchestrator.schema import ReplayConfig
 from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
 
 FULL_STEP = 2048

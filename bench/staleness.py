@@ -44,9 +44,10 @@ from bench.fixed_trainer import fixed_cost_trainer
 from envs.registry import make_spec
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
+from orchestrator.pipeline import Pipeline, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.staleness import admission_budget
 
 MEDIAN_TOKENS = 64

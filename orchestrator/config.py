@@ -1,22 +1,22 @@
 """Turning the composed Hydra config into typed settings, with one-sentence errors.
 
-Hydra's struct mode already rejects unknown keys; this module checks what it cannot: value
-types of the plain sections (``pipeline``, ``rollout``, ``warmstart``), ranges, and sizes that
-only make sense together (a batch must fit the dataset). :func:`explain` turns a
-configuration mistake, however Hydra or OmegaConf raised it, into the one line the command
-line prints.
+Hydra's struct mode already rejects unknown keys. :func:`typed` builds a plain section
+(``pipeline``, ``rollout``, …) as its class in :mod:`orchestrator.schema`, which pydantic
+validates; :func:`check_node` checks a ``_target_`` node's keys against the annotated
+constructor it names, before Hydra builds it; each turns a mistake into one line naming the
+key. Sizes that only make sense together (a batch must fit the dataset) are checked where the
+parts meet. :func:`explain` turns a configuration mistake, however Hydra or OmegaConf raised it,
+into the one line the command line prints.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import re
-import types
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from hydra.utils import get_object, instantiate
@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from envs.base import EnvSpec
+from orchestrator import schema
 from orchestrator.errors import ConfigError, RunAborted, chain
 from sandboxes.api import EngineUnavailable, ImageMissing
 
@@ -40,51 +41,27 @@ def section(cfg: DictConfig, key: str) -> dict[str, Any]:
 
 
 def _check(key: str, value: Any, annotation: Any) -> Any:
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        if value not in typing.get_args(annotation):
-            choices = " or ".join(repr(a) for a in typing.get_args(annotation))
-            raise ConfigError(f"{key}={value} must be {choices}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(annotation)
-        if value is None and type(None) in args:
-            return None
-        error: ConfigError | None = None
-        for arg in (a for a in args if a is not type(None)):  # the first member that takes it
-            try:
-                return _check(key, value, arg)
-            except ConfigError as e:
-                error = error or e
-        assert error is not None
-        raise error
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}={value} must be true or false")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}={value} must be a whole number")
-        return value
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}={value} must be a number")
-        return float(value)
-    if annotation is str and not isinstance(value, str):
-        raise ConfigError(f"{key}={value} must be a string")
-    return value
+    """``value`` as ``annotation`` takes it (an int as a float), or one line naming ``key``.
+    Only the annotations a config value can have are checked (numbers, strings, booleans, None,
+    literals, lists and their unions); a constructor checks the others itself."""
+    return schema.check(key, value, annotation)
 
 
 def typed(cls: type[T], cfg: DictConfig, key: str) -> T:
-    """Build the dataclass ``cls`` from ``cfg.<key>``, checking every value's type."""
+    """The section ``cfg.<key>`` built as ``cls`` (one of :mod:`orchestrator.schema`'s, which
+    checks every value against its field); a mistake is one line naming the key."""
     values = section(cfg, key)
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(values) - names)
+    fields = schema.fields(cls)
+    unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown config key '{key}.{unknown[0]}'; known: {', '.join(sorted(names))}")
-    checked = {k: _check(f"{key}.{k}", v, hints[k]) for k, v in values.items()}
-    return cls(**checked)
+        raise ConfigError(f"unknown config key '{key}.{unknown[0]}'; known: {', '.join(sorted(fields))}")
+    return cls(**values)
+
+
+def scalar(cfg: DictConfig, key: str) -> Any:
+    """The value of the dotted ``key`` (``seed``, ``pipeline.num_steps``), checked against its
+    type in :mod:`orchestrator.schema`."""
+    return schema.check(key, OmegaConf.select(cfg, key), schema.annotation(key))
 
 
 def check_accepts(fn: Callable[..., Any], values: dict[str, Any], key: str) -> None:
@@ -131,10 +108,6 @@ def check_node(values: dict[str, Any], key: str) -> None:
         raise ConfigError(f"{key}._target_={target} cannot be imported") from e
     check_accepts(fn, values, key)
 
-
-def scalar(cfg: DictConfig, key: str, annotation: Any) -> Any:
-    """A top-level value, type-checked."""
-    return _check(key, OmegaConf.select(cfg, key), annotation)
 
 
 def build_env(cfg: DictConfig) -> EnvSpec:

@@ -204,7 +204,7 @@ def check(items: Sequence[str], out: Print = print) -> int:
     # the run's modules (torch): here, so that score starts in a moment
     from orchestrator.main import prompt_budget
     from orchestrator.models.policy import build_tokenizer, model_context
-    from orchestrator.rollout import RolloutConfig
+    from orchestrator.schema import RolloutConfig
 
     paths, overrides = split_arguments(items)
     cfg = compose_config(overrides)

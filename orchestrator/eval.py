@@ -60,8 +60,9 @@ from orchestrator.errors import ConfigError
 from orchestrator.evaluate import evaluate
 from orchestrator.main import engine_of, environment, eval_config, first_tasks, torch_settings
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
 from orchestrator.rundir import write_json
+from orchestrator.schema import RolloutConfig
 from orchestrator.targets import (
     CONFIG,
     Checkpoint,
@@ -281,7 +282,7 @@ def evaluate_target(target: str | Path, overrides: Sequence[str] = (), step: Ste
     """Evaluate TARGET (see the module's docstring); the outcome and where ``eval.json`` went."""
     resolved = resolve(target, step)
     cfg = target_config(resolved, overrides)
-    outcome = run_evaluation(resolved, cfg, progress=scalar(cfg, "progress", bool))
+    outcome = run_evaluation(resolved, cfg, progress=scalar(cfg, "progress"))
     path = Path(out) if out is not None else resolved.default_out
     write_json(path, record(resolved, cfg, outcome))
     return outcome, path

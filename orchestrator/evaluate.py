@@ -31,75 +31,18 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import anyio
 
 from envs.agent import AgentSpec
 from envs.base import Task
-from orchestrator.errors import ConfigError
 from orchestrator.gateway import agent_gateway, evaluate_agents
 from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import EvalConfig
 from orchestrator.types import EvalSample, Evaluation, Scores
 
 EXAMPLES_PER_SOURCE = 4  # samples per data source kept for eval_samples.jsonl and W&B
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    num_tasks: int = 200  # episodes on the eval split before and after RL (0: skip)
-    every: int = 0  # also every this many RL steps, alongside rollout (0: never)
-    n: int = 1  # samples per task
-    temperature: float = 0.0  # 0: greedy
-    k: Sequence[int] | int | None = None  # pass@k for each k <= n (None: 1 and n)
-    success_threshold: float = 1.0  # a sample is correct (pass@k) at this reward or more
-    # where an evaluation during RL runs: "own" an engine of its own, loaded with the weights
-    # of the step it evaluates (one fixed policy version; one more copy of the model);
-    # "shared" the rollout engine (weights may change under it); "auto" own for the in-process
-    # torch engine on the CPU, else shared
-    engine: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.num_tasks < 0:
-            raise ConfigError(f"eval.num_tasks must be >= 0, got {self.num_tasks}")
-        if self.every < 0:
-            raise ConfigError(f"eval.every must be >= 0, got {self.every}")
-        if self.n < 1:
-            raise ConfigError(f"eval.n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}")
-        if self.engine not in ("auto", "own", "shared"):
-            raise ConfigError(f"eval.engine={self.engine} must be auto, own or shared")
-        ks = [1, self.n] if self.k is None else [self.k] if isinstance(self.k, int) else list(self.k)
-        for k in ks:
-            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n:
-                raise ConfigError(f"eval.k={_shown(self.k)} has k={k}: each k must be a whole "
-                                  f"number from 1 to eval.n={self.n} (raise eval.n or drop it)")
-        object.__setattr__(self, "k", tuple(sorted(set(ks))))
-
-    @property
-    def ks(self) -> tuple[int, ...]:
-        assert isinstance(self.k, tuple)
-        return self.k
-
-    def ranked_figures(self, sources: Iterable[str]) -> list[str]:
-        """The names ``checkpoint.keep_best`` may rank checkpoints by: the figures where higher
-        is better (``eval/accuracy``, mean@n, pass@k for each k, maj@n), over all tasks and per
-        data source (``eval/<source>/pass@4``)."""
-        figures = [f"mean@{self.n}", *(f"pass@{k}" for k in self.ks), f"maj@{self.n}"]
-        return (["eval/accuracy", *(f"eval/{f}" for f in figures)]
-                + [f"eval/{s}/{f}" for s in sorted(set(sources)) for f in figures])
-
-    def check_ranked_figure(self, name: str, sources: Iterable[str]) -> None:
-        """One line unless ``name`` is one of :meth:`ranked_figures`."""
-        names = self.ranked_figures(sources)
-        if name not in names:
-            overall = [n for n in names if n.count("/") == 1]
-            raise ConfigError(
-                f"checkpoint.keep_best={name} is not a figure this run's evaluation gives where "
-                f"higher is better; choose one of {', '.join(overall)}, or eval/<source>/<figure> "
-                f"for a data source of the eval tasks ({', '.join(sorted(set(sources)))})")
 
 
 def _shown(k: object) -> str:

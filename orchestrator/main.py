@@ -40,27 +40,26 @@ from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import build_env, check_node, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.errors import ConfigError
-from orchestrator.evaluate import EvalConfig, evaluate
+from orchestrator.evaluate import evaluate
 from orchestrator.faults import resumed_faults
 from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRecipe
 from orchestrator.loggers.base import Logger
 from orchestrator.models.policy import build_tokenizer, model_context
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.pipeline import PipelineConfig
 from orchestrator.recorder import Recorder
 from orchestrator.resume import restore
-from orchestrator.rollout import EpisodeRunner, RolloutConfig, data_source
+from orchestrator.rollout import EpisodeRunner, data_source
 from orchestrator.rundir import RunDir
-from orchestrator.runloop import (
-    CheckpointConfig,
-    Checkpointer,
-    RunParts,
-    RunResult,
-    run_session,
-    summarise,
-)
+from orchestrator.runloop import Checkpointer, RunParts, RunResult, run_session, summarise
 from orchestrator.sampler import TaskSampler
-from orchestrator.warmstart import WarmStartConfig, warm_start
+from orchestrator.schema import (
+    CheckpointConfig,
+    EvalConfig,
+    PipelineConfig,
+    RolloutConfig,
+    WarmStartConfig,
+)
+from orchestrator.warmstart import warm_start
 from orchestrator.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -207,8 +206,8 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         eval_tasks=eval_tasks,
         evaluation=eval_cfg,
         eval_own_engine=eval_on_own_engine(eval_cfg, cfg, launcher),
-        progress=scalar(cfg, "progress", bool),
-        progress_every=scalar(cfg, "progress_every", float),
+        progress=scalar(cfg, "progress"),
+        progress_every=scalar(cfg, "progress_every"),
     )
 
 
@@ -217,10 +216,8 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
 
 def torch_settings(cfg: DictConfig) -> tuple[int, int | None]:
     """``seed`` and ``torch_threads``, checked and applied to this process."""
-    seed: int = scalar(cfg, "seed", int)
-    threads: int | None = scalar(cfg, "torch_threads", int | None)
-    if threads is not None and threads < 1:
-        raise ConfigError(f"torch_threads must be >= 1 or null, got {threads}")
+    seed: int = scalar(cfg, "seed")
+    threads: int | None = scalar(cfg, "torch_threads")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)

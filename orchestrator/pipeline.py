@@ -66,7 +66,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
@@ -74,72 +74,19 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 from envs.base import Task
 from orchestrator.algo.filters import GroupFilter
 from orchestrator.engines.base import sync_weights
-from orchestrator.errors import ConfigError
 from orchestrator.faults import add_faults, kill_point
-from orchestrator.rwlock import ReadWriteLock
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.outcomes import GroupLedger, Outcome
 from orchestrator.rollout import EpisodeRunner
+from orchestrator.rwlock import ReadWriteLock
 from orchestrator.sampler import TaskSampler
-from orchestrator.staleness import StalenessController, admission_budget
+from orchestrator.schema import PipelineConfig
+from orchestrator.staleness import StalenessController
 from orchestrator.trainer.base import Trainer
 from orchestrator.types import Evaluation, FinishReason, StepReport, TimedGroup
 from orchestrator.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    batch_size: int = 64  # samples per train step; a multiple of the group size
-    max_staleness: int = 1
-    num_workers: int = 8
-    num_steps: int = 100
-    inflight_update: Literal["continue", "finish"] = "continue"
-    # null: bounded staleness, (k + 1) x B samples in flight; a number: partial rollout,
-    # (1 + overprovision) x B in flight, unfinished samples carried while within k
-    overprovision: float | None = None
-
-    @property
-    def budget(self) -> int:
-        """Samples that may be started and not yet trained or dropped (admission rounds it
-        down to whole groups)."""
-        return admission_budget(self.batch_size, self.max_staleness, self.overprovision)
-
-    def describe(self) -> str:
-        """The scheduling policy in a few characters: ``sync``, ``k=2``, ``partial+1B k=4``."""
-        if self.overprovision is None:
-            return "sync" if self.max_staleness == 0 else f"k={self.max_staleness}"
-        return f"partial+{self.overprovision:g}B k={self.max_staleness}"
-
-    def __post_init__(self) -> None:
-        if self.max_staleness < 0:
-            raise ConfigError(f"pipeline.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.batch_size < 1:
-            raise ConfigError(f"pipeline.batch_size must be >= 1, got {self.batch_size}")
-        if self.num_workers < 1:
-            raise ConfigError(f"pipeline.num_workers must be >= 1, got {self.num_workers}")
-        if self.num_steps < 1:
-            raise ConfigError(f"pipeline.num_steps must be >= 1, got {self.num_steps}")
-        if self.inflight_update not in ("continue", "finish"):
-            raise ConfigError(
-                f"pipeline.inflight_update={self.inflight_update} must be 'continue' or 'finish'"
-            )
-        if self.overprovision is not None:
-            if not self.overprovision >= 0:
-                raise ConfigError(f"pipeline.overprovision must be >= 0 or null, got "
-                                  f"{self.overprovision}")
-            if self.max_staleness < 1:
-                raise ConfigError("pipeline.overprovision carries unfinished samples into later "
-                                  "steps, which needs pipeline.max_staleness >= 1 (with 0 every "
-                                  "carried sample would be dropped as stale)")
-
-    def check_group_size(self, group_size: int) -> None:
-        if self.batch_size % group_size:
-            raise ConfigError(
-                f"pipeline.batch_size={self.batch_size} must be a positive multiple of "
-                f"rollout.group_size={group_size}"
-            )
 
 
 OnStep = Callable[[StepReport], Awaitable[None] | None]

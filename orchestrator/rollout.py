@@ -36,6 +36,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
+from orchestrator.schema import RolloutConfig
 from orchestrator.trace.episode import EpisodeTrace
 from orchestrator.trajectory import TrajectoryBuilder
 from orchestrator.types import (
@@ -47,27 +48,6 @@ from orchestrator.types import (
     TimedGroup,
     Trajectory,
 )
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    group_size: int = 8
-    max_tokens: int = 16
-    temperature: float = 1.0
-    max_turns: int = 1
-    max_total_tokens: int | None = None  # prompt + every turn; None: the engine's context
-    max_tool_response_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        for key in ("group_size", "max_tokens", "max_turns"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"rollout.{key} must be >= 1, got {getattr(self, key)}")
-        if self.temperature < 0:
-            raise ConfigError(f"rollout.temperature must be >= 0, got {self.temperature}")
-        for key in ("max_total_tokens", "max_tool_response_tokens"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"rollout.{key} must be >= 1 or null, got {value}")
 
 
 @dataclass(frozen=True)

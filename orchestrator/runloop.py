@@ -38,15 +38,16 @@ from orchestrator.algo.filters import GroupFilter
 from orchestrator.best import KeepBest
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.engines.base import InferenceEngine, sync_weights
-from orchestrator.errors import ConfigError, RunAborted
-from orchestrator.evaluate import EvalConfig, evaluate
+from orchestrator.errors import RunAborted
+from orchestrator.evaluate import evaluate
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.pipeline import PeriodicEval, Pipeline, PipelineConfig
+from orchestrator.pipeline import PeriodicEval, Pipeline
 from orchestrator.recorder import Recorder
 from orchestrator.resume import RunState, capture_rng
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
 from orchestrator.sampler import TaskSampler
+from orchestrator.schema import CheckpointConfig, EvalConfig, PipelineConfig, RolloutConfig
 from orchestrator.trainer.base import Snapshot, Trainer
 from orchestrator.types import Evaluation, StepReport
 from orchestrator.weights import WeightUpdate
@@ -57,22 +58,6 @@ log = logging.getLogger(__name__)
 WarmStart = Callable[[EpisodeRunner], Awaitable[int]]
 # (when: "before" or "after" RL, the steps trained before it began, the evaluation)
 OnEval = Callable[[str, int, Evaluation], None]
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    every_s: float = 60.0  # a checkpoint at the end of the first step this many wall seconds
-    #                        after the last one began (0: not by time)
-    every: int = 0  # and/or every this many steps (0: not by count); a signal always writes one
-    keep: int = 2  # the newest periodic checkpoints kept (CheckpointStore checks it)
-    # and the best by this evaluation figure, e.g. eval/pass@1 (orchestrator.best); None: not
-    keep_best: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ConfigError(f"checkpoint.every must be >= 0, got {self.every}")
-        if self.every_s < 0:
-            raise ConfigError(f"checkpoint.every_s must be >= 0, got {self.every_s}")
 
 
 class Checkpointer:

@@ -17,31 +17,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 
 from envs.base import Message, Task
-from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
+from orchestrator.schema import WarmStartConfig
 from orchestrator.trainer import Trainer
-
-
-@dataclass(frozen=True)
-class WarmStartConfig:
-    steps: int = 100  # at most
-    batch_size: int = 64
-    lr: float = 1e-3
-    target_accuracy: float | None = None  # stop once the greedy check reaches this
-    check_every: int = 25
-    check_tasks: int = 128  # train tasks the greedy check runs on
-
-    def __post_init__(self) -> None:
-        for key in ("batch_size", "check_every", "check_tasks"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"warmstart.{key} must be >= 1, got {getattr(self, key)}")
-        if self.steps < 0 or self.lr <= 0:
-            raise ConfigError("warmstart.steps must be >= 0 and warmstart.lr > 0")
-        if self.target_accuracy is not None and not 0.0 <= self.target_accuracy <= 1.0:
-            raise ConfigError(f"warmstart.target_accuracy={self.target_accuracy} must be in [0, 1]")
 
 
 def reference_answer(task: Task) -> tuple[Message, ...]:

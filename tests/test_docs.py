@@ -74,3 +74,10 @@ def test_slug_matches_mkdocs() -> None:
     assert slug(" Benchmarks (`bench/`)") == "benchmarks-bench"
     assert slug(" Learning from a file: `experiment=dataset_smol`") == \
         "learning-from-a-file-experimentdataset_smol"
+
+
+def test_the_configuration_reference_is_generated_from_the_schema_and_conf() -> None:
+    from orchestrator.reference import PAGE, page
+
+    assert PAGE.read_text() == page(), (
+        "docs/config-reference.md is out of date: run python -m orchestrator.reference")

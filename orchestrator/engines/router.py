@@ -35,23 +35,24 @@ Limits: requests are never split across replicas mid-generation.
 from __future__ import annotations
 
 import math
+import typing
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, Self
+from typing import Self
 
 import anyio
 from anyio import AsyncContextManagerMixin
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError, RunAborted
+from orchestrator.schema import Routing
 from orchestrator.types import Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 
-Routing = Literal["least_loaded", "round_robin"]
-ROUTING: tuple[Routing, ...] = ("least_loaded", "round_robin")
+ROUTING: tuple[Routing, ...] = typing.get_args(Routing)
 BLOCK = 16  # tokens per prefix block
 MAX_PREFIXES = 1 << 16  # prefix blocks remembered (least recently used dropped)
 

@@ -66,13 +66,13 @@ from anyio.abc import TaskGroup
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.slot_cache import ATTENTION, SlotCache
 from orchestrator.errors import ConfigError, EngineClosed
-from orchestrator.rwlock import ReadWriteLock
 from orchestrator.models.policy import (
     PASSTHROUGH_MASK,
     build_policy,
     cache_argument,
     forward_parameters,
 )
+from orchestrator.rwlock import ReadWriteLock
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 

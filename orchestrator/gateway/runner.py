@@ -20,7 +20,8 @@ import anyio
 from envs.agent import AgentOutcome, AgentSpec
 from envs.base import Reward, Task
 from orchestrator.gateway.server import Gateway, GatewayConfig
-from orchestrator.rollout import EpisodeRunner, RolloutConfig, data_source, fan_out
+from orchestrator.rollout import EpisodeRunner, data_source, fan_out
+from orchestrator.schema import RolloutConfig
 from orchestrator.types import EpisodeTiming, EvalSample, TimedGroup, Trajectory
 
 Segments = list[tuple[Trajectory, EpisodeTiming]]

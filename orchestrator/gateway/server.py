@@ -53,7 +53,7 @@ from orchestrator.gateway.protocol import (
 )
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig
+from orchestrator.schema import RolloutConfig
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "sk-polyrl-"

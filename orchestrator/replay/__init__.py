@@ -24,15 +24,9 @@ from orchestrator.replay.engine import FluidServer, PlanReplies, replay_engine
 from orchestrator.replay.fit import SHIPPED_FIT, EngineFit, fit_trace
 from orchestrator.replay.model import ServerParams
 from orchestrator.replay.plans import load_plans, plans_from_records, resample_groups
-from orchestrator.replay.run import (
-    ReplayConfig,
-    ReplayResult,
-    TrainerModel,
-    replay,
-    replay_parts,
-    run_virtual,
-)
+from orchestrator.replay.run import ReplayResult, TrainerModel, replay, replay_parts, run_virtual
 from orchestrator.replay.tokenizer import ReplayTokenizer
+from orchestrator.schema import ReplayConfig
 
 __all__ = [
     "SHIPPED_FIT", "Bound", "EngineFit", "FluidServer", "PlanReplies", "ReplayConfig",

@@ -33,7 +33,6 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-
 from envs.replay import EpisodePlan
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.router import EngineRouter, EpisodeAffinity

@@ -55,17 +55,15 @@ from envs.base import Task
 from envs.replay import EpisodePlan, LatencyModel, ReplaySpec
 from orchestrator.config import scalar, typed
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.engines.router import ROUTING, Routing
 from orchestrator.errors import ConfigError
-from orchestrator.pipeline import PipelineConfig
 from orchestrator.recorder import Recorder
 from orchestrator.replay.engine import busy_seconds, replay_engine, replay_router
 from orchestrator.replay.fit import EngineFit
 from orchestrator.replay.plans import load_plans, open_trace
 from orchestrator.replay.tokenizer import ReplayTokenizer
-from orchestrator.rollout import RolloutConfig
 from orchestrator.runloop import RunParts, RunResult, run_session
 from orchestrator.sampler import TaskSampler
+from orchestrator.schema import PipelineConfig, ReplayConfig, RolloutConfig
 from orchestrator.trainer.simulated import SimulatedTrainer, TokenCost
 from orchestrator.types import StepReport
 from orchestrator.weights import WeightUpdate
@@ -74,49 +72,6 @@ log = logging.getLogger(__name__)
 ROLLOUT_SHARE_NOTE = (
     "assumption: the trace records no training time; the trainer cost model is calibrated so "
     "rollout is {share:.0%} of a synchronous step (published systems: 50-80%, ROLL Flash, DORA)")
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    """The ``replay`` section of ``conf/experiment/replay.yaml``."""
-
-    engine: str | None = None  # an engine fit file; None: the shipped fit
-    steps: list[int] | None = None  # trace steps replayed, in order; None: all
-    groups_per_step: int | None = 256  # None: a step's recorded groups
-    num_steps: int | None = None  # None: pipeline.num_steps
-    rollout_share: float = 0.7
-    trainer_s: float | None = None  # seconds per step: a + b x tokens instead of rollout_share
-    trainer_s_per_1k_tokens: float = 0.0  # b, with trainer_s set
-    tool_latency: Literal["trace", "model"] = "trace"
-    sync_seconds: float = 0.0
-    engines: int = 1
-    routing: Routing = "least_loaded"
-    sticky: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.rollout_share < 1.0:
-            raise ConfigError(f"replay.rollout_share={self.rollout_share} must be between 0 and 1")
-        for key in ("groups_per_step", "num_steps"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"replay.{key} must be >= 1 or null, got {value}")
-        for key in ("sync_seconds", "trainer_s", "trainer_s_per_1k_tokens"):
-            value = getattr(self, key)
-            if value is not None and value < 0:
-                raise ConfigError(f"replay.{key} must be >= 0, got {value}")
-        if self.trainer_s is None and self.trainer_s_per_1k_tokens:
-            raise ConfigError("replay.trainer_s_per_1k_tokens needs replay.trainer_s (0 for none): "
-                              "without it the trainer follows replay.rollout_share")
-        if self.engines < 1:
-            raise ConfigError(f"replay.engines must be >= 1, got {self.engines}")
-        if self.routing not in ROUTING:
-            raise ConfigError(f"replay.routing={self.routing} must be "
-                              f"{' or '.join(repr(r) for r in ROUTING)}")
-
-    def trainer(self, fit: EngineFit) -> TrainerModel:
-        if self.trainer_s is None:
-            return TrainerModel.from_share(fit, self.rollout_share)
-        return TrainerModel(self.trainer_s, self.trainer_s_per_1k_tokens)
 
 
 @dataclass(frozen=True)
@@ -129,6 +84,14 @@ class TrainerModel:
     fixed_s: float = 0.0
     per_1k_tokens: float = 0.0
     rollout_share: float | None = None  # set when calibrated on a fit
+
+    @classmethod
+    def of(cls, settings: ReplayConfig, fit: EngineFit) -> TrainerModel:
+        """The trainer ``settings`` describe: ``replay.trainer_s`` if set, else calibrated on
+        ``fit`` by ``replay.rollout_share``."""
+        if settings.trainer_s is None:
+            return cls.from_share(fit, settings.rollout_share)
+        return cls(settings.trainer_s, settings.trainer_s_per_1k_tokens)
 
     @classmethod
     def from_share(cls, fit: EngineFit, rollout_share: float) -> TrainerModel:
@@ -228,19 +191,19 @@ def replay_parts(cfg: DictConfig) -> RunParts:
                               f"trace's group size: leave it null")
     if OmegaConf.select(cfg, "rollout") is not None:
         raise ConfigError("a replay takes its rollout shape from the trace: set rollout=null")
-    seed: int = scalar(cfg, "seed", int)
-    trace = open_trace(scalar(cfg, "trace", str | None))
+    seed: int = scalar(cfg, "seed")
+    trace = open_trace(scalar(cfg, "trace"))
     plans, per_step = load_plans(trace, settings.steps, settings.groups_per_step, seed)
     fit = EngineFit.load(settings.engine)
     settings = replace(settings, groups_per_step=per_step,
-                       num_steps=settings.num_steps or scalar(cfg, "pipeline.num_steps", int))
+                       num_steps=settings.num_steps or scalar(cfg, "pipeline.num_steps"))
     parts, _ = replay_session(
         plans, fit, settings,
-        k=scalar(cfg, "pipeline.max_staleness", int),
-        overprovision=scalar(cfg, "pipeline.overprovision", float | None),
-        inflight_update=scalar(cfg, "pipeline.inflight_update", Literal["continue", "finish"]),
-        seed=seed, progress=scalar(cfg, "progress", bool), trace=str(trace.path))
-    log.info(settings.trainer(fit).describe())
+        k=scalar(cfg, "pipeline.max_staleness"),
+        overprovision=scalar(cfg, "pipeline.overprovision"),
+        inflight_update=scalar(cfg, "pipeline.inflight_update"),
+        seed=seed, progress=scalar(cfg, "progress"), trace=str(trace.path))
+    log.info(TrainerModel.of(settings, fit).describe())
     return parts
 
 
@@ -298,7 +261,7 @@ def replay_session(
     if any(len(g) != group_size for g in spec.groups):
         raise ConfigError("every prompt group of a replayed trace must have the same size")
     groups = settings.groups_per_step or len(spec.groups)
-    cost = trainer or settings.trainer(fit)
+    cost = trainer or TrainerModel.of(settings, fit)
     simulated = cost.build()
     pipeline = PipelineConfig(batch_size=groups * group_size, max_staleness=k, num_workers=1,
                               num_steps=settings.num_steps, inflight_update=inflight_update,

@@ -51,9 +51,9 @@ import docker.errors
 
 from sandboxes import protocol
 from sandboxes.api import EngineUnavailable, SandboxError, SandboxPool
+from sandboxes.config import SandboxConfig
 from sandboxes.docker import engine
 from sandboxes.docker.channel import RunnerChannel, RunnerGone
-from sandboxes.config import SandboxConfig
 from sandboxes.docker.containers import Container, attach_runner, run_kwargs
 from sandboxes.docker.image import DEFAULT_IMAGE
 from sandboxes.docker.outage import ENGINE_ERRORS, EngineLink

@@ -21,7 +21,8 @@ from envs.parsers import HermesParser
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.main import run
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 from orchestrator.warmstart import demonstration_tokens
 from sandboxes.api import EngineUnavailable
 from sandboxes.docker import DockerSandboxConfig

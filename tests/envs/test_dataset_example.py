@@ -20,8 +20,7 @@ from envs.dataset import DatasetSpec, DatasetTask
 from envs.rewards import math_reward
 from orchestrator.config import build_env, typed
 from orchestrator.main import check_sizes
-from orchestrator.pipeline import PipelineConfig
-from orchestrator.rollout import RolloutConfig
+from orchestrator.schema import PipelineConfig, RolloutConfig
 
 DATA = REPO / "envs" / "data"
 FILES = {"train": DATA / "arith_train.parquet", "eval": DATA / "arith_eval.parquet"}

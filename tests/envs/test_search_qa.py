@@ -20,7 +20,8 @@ from envs.search_qa import SearchQASpec, exact_match, f1, normalize, tool_call_t
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.main import run
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 from orchestrator.warmstart import demonstration_tokens
 from sandboxes.search import SearchClient, SearchError, SearchServer
 

@@ -23,10 +23,8 @@ from orchestrator.launch import EngineRecipe
 from orchestrator.loggers.base import Logger
 from orchestrator.main import check_sizes
 from orchestrator.models.policy import Policy
-from orchestrator.pipeline import PipelineConfig
-from orchestrator.rollout import RolloutConfig
+from orchestrator.schema import PipelineConfig, RolloutConfig, WarmStartConfig
 from orchestrator.trainer import Trainer
-from orchestrator.warmstart import WarmStartConfig
 from orchestrator.weights import WeightUpdate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -12,7 +12,8 @@ from envs.arithmetic import ArithmeticSpec
 from orchestrator.errors import ConfigError
 from orchestrator.models.policy import pretrained_policy, tiny_policy
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 from orchestrator.weights import WeightUpdate
 
 

@@ -19,7 +19,8 @@ from orchestrator.engines.slot_cache import SlotCache
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import build_policy
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 from orchestrator.trainer import TorchTrainer, pack
 from orchestrator.types import Group, SamplingParams
 from orchestrator.weights import WeightUpdate

@@ -11,7 +11,8 @@ from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 
 pytestmark = pytest.mark.anyio
 TASK = Task(id=0, messages=({"role": "user", "content": "hi"},), answer="")

@@ -20,11 +20,12 @@ from envs.code import CodeSpec
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import typed
 from orchestrator.errors import ConfigError
-from orchestrator.evaluate import EvalConfig, evaluate, majority, pass_at_k, score
+from orchestrator.evaluate import evaluate, majority, pass_at_k, score
 from orchestrator.main import run
 from orchestrator.recorder import Recorder
 from orchestrator.resume import RunState
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import EvalConfig, RolloutConfig
 from orchestrator.types import EvalSample, Evaluation
 
 

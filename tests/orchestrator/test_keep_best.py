@@ -14,10 +14,11 @@ from orchestrator.best import KeepBest
 from orchestrator.checkpoint import Best, CheckpointStore
 from orchestrator.config import explain
 from orchestrator.errors import ConfigError
-from orchestrator.evaluate import EvalConfig, score
+from orchestrator.evaluate import score
 from orchestrator.export import export
 from orchestrator.main import run
 from orchestrator.resume import RunState
+from orchestrator.schema import EvalConfig
 from orchestrator.targets import locate
 from orchestrator.types import EvalSample, Evaluation
 

@@ -22,10 +22,11 @@ from envs.base import Task
 from orchestrator.algo.filters import DynamicSampling, GroupFilter, ZeroVarianceMask, equal_rewards
 from orchestrator.engines.simulated import ScriptedReplies, SimulatedEngine
 from orchestrator.outcomes import GroupLedger, Outcome
-from orchestrator.pipeline import OnStep, Pipeline, PipelineConfig
+from orchestrator.pipeline import OnStep, Pipeline
 from orchestrator.recorder import Recorder, Span
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
 from orchestrator.sampler import TaskSampler
+from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.staleness import StalenessController
 from orchestrator.trainer.simulated import SimulatedTrainer, UniformCost
 

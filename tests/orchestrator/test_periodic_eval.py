@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import quick_config
 
 from orchestrator.errors import ConfigError
-from orchestrator.main import EvalConfig, run
-from helpers import quick_config
+from orchestrator.main import run
+from orchestrator.schema import EvalConfig
 
 
 def test_evaluations_during_rl_land_in_the_step_metrics(tmp_path: Path) -> None:

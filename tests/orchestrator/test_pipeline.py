@@ -17,9 +17,10 @@ from envs.arithmetic import ArithmeticSpec
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
+from orchestrator.pipeline import Pipeline, TaskSampler
 from orchestrator.recorder import Recorder, Span
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.types import (
     FinishReason,
     Generation,

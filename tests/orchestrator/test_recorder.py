@@ -16,10 +16,11 @@ import pytest
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
+from orchestrator.pipeline import Pipeline, TaskSampler
 from orchestrator.recorder import Recorder, read_spans
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
 from orchestrator.rundir import RunDir
+from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.trace import timeline
 from orchestrator.trace.timeline import trace_events, write_timeline
 from orchestrator.types import StepReport

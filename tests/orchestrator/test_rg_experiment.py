@@ -17,8 +17,7 @@ from hydra import compose, initialize_config_dir
 from envs.reasoning_gym import ReasoningGymSpec
 from orchestrator.config import build_env, typed
 from orchestrator.main import check_sizes, run
-from orchestrator.pipeline import PipelineConfig
-from orchestrator.rollout import RolloutConfig
+from orchestrator.schema import PipelineConfig, RolloutConfig
 
 
 def test_the_experiment_composes_and_builds_its_environment() -> None:

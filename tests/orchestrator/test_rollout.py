@@ -13,7 +13,8 @@ from envs.arithmetic import ArithmeticSpec
 from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
 from orchestrator.evaluate import evaluate
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 from orchestrator.types import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.anyio

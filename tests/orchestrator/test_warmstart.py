@@ -8,8 +8,9 @@ import anyio
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
+from orchestrator.schema import WarmStartConfig
 from orchestrator.trainer import TorchTrainer
-from orchestrator.warmstart import WarmStartConfig, warm_start
+from orchestrator.warmstart import warm_start
 
 
 def test_no_steps_no_change(tiny: Any) -> None:

@@ -42,10 +42,10 @@ from anyio.abc import TaskStatus
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.router import EngineRouter, EnginesLost, Keeper, PrefixAffinity, Replica
 from orchestrator.errors import EngineClosed, RunAborted, first_line
-from orchestrator.rwlock import ReadWriteLock
 from orchestrator.launch.ray.actors import ActorInfo
 from orchestrator.launch.ray.remote import RayActorError, result
 from orchestrator.launch.ray.spans import SpanCollector
+from orchestrator.rwlock import ReadWriteLock
 from orchestrator.types import Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
 

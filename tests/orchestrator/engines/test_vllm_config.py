@@ -6,10 +6,10 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from helpers import TINY_MODEL, quick_config
 
 from orchestrator.engines.vllm_engine import VLLMEngine, parse_bytes
 from orchestrator.errors import ConfigError
-from helpers import TINY_MODEL, quick_config
 
 
 @pytest.mark.parametrize(("option", "message"), [

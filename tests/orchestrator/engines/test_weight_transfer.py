@@ -185,7 +185,7 @@ def test_the_new_keys_compose_from_conf(launcher: str) -> None:
     ("engine.weight_transfer=tcp",
      "engine.weight_transfer=tcp must be 'auto' or 'rpc' or 'nccl' or 'ipc'"),
     ("engine.gpu_memory_utilization=most",
-     "engine.gpu_memory_utilization=most must be a number"),
+     "engine.gpu_memory_utilization=most must be a number or 'auto'"),
     ("launcher.colocate=maybe", "launcher.colocate=maybe must be true or false"),
 ])
 def test_a_wrong_value_is_named_where_the_other_keys_are(override: str, message: str) -> None:

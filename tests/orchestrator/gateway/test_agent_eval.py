@@ -10,10 +10,11 @@ import pytest
 
 from envs.agent import AgentSpec
 from orchestrator.engines.simulated import SimulatedEngine
-from orchestrator.evaluate import EvalConfig, evaluate
+from orchestrator.evaluate import evaluate
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import EvalConfig, RolloutConfig
 
 pytestmark = pytest.mark.anyio
 

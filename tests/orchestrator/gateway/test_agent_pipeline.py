@@ -11,9 +11,10 @@ import pytest
 from envs.agent import AgentSpec
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
+from orchestrator.pipeline import Pipeline, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.types import StepReport
 
 pytestmark = pytest.mark.anyio

@@ -21,7 +21,7 @@ from envs.base import Task
 from envs.parsers import HermesParser
 from orchestrator.gateway import Gateway, GatewayConfig, run_agent_episode
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import RolloutConfig
+from orchestrator.schema import RolloutConfig
 
 pytestmark = pytest.mark.anyio
 

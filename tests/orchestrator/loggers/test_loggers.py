@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import ConfigError
-from orchestrator.evaluate import EvalConfig, score
+from orchestrator.evaluate import score
 from orchestrator.loggers.base import JsonlMetrics, NullLogger, step_metrics
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.loggers.wandb_logger import WandbLogger
+from orchestrator.schema import EvalConfig
 from orchestrator.types import EvalSample, Evaluation, StepReport
 
 

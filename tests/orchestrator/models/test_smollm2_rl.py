@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 from hydra import compose, initialize_config_dir
 
 from orchestrator.main import run
-from helpers import REPO
 
 pytestmark = [
     pytest.mark.skipif(

@@ -21,8 +21,9 @@ from orchestrator.replay.bound import sample_cost, workload_bound
 from orchestrator.replay.engine import busy_seconds, cache_misses, replay_engine, replay_router
 from orchestrator.replay.fit import EngineFit
 from orchestrator.replay.model import RequestSpec, ServerModel, ServerParams
-from orchestrator.replay.run import ReplayConfig, ReplayResult, TrainerModel, replay
+from orchestrator.replay.run import ReplayResult, TrainerModel, replay
 from orchestrator.replay.tokenizer import FILL, KEY_BASE, OBS, STOP
+from orchestrator.schema import ReplayConfig
 from orchestrator.trace import SHIPPED_SAMPLE
 from orchestrator.trainer.simulated import SimulatedTrainer, TokenCost
 from orchestrator.types import SamplingParams, Trajectory

@@ -146,7 +146,7 @@ def test_a_missing_trace_is_a_config_error(tmp_path: Path) -> None:
 def test_settings_a_replay_derives_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="pipeline.batch_size is set by the replay"):
         replay_parts(replay_config("pipeline.batch_size=64"))
-    with pytest.raises(ConfigError, match="replay.rollout_share=1.5 must be between 0 and 1"):
+    with pytest.raises(ConfigError, match="replay.rollout_share must be > 0 and < 1, got 1.5"):
         replay_parts(replay_config("replay.rollout_share=1.5"))
     with pytest.raises(ConfigError, match="replay.engine=.* is not an engine fit"):
         replay_parts(replay_config(f"replay.engine={tmp_path / 'missing.json'}"))

@@ -19,9 +19,10 @@ from envs.tools import ToolOutput, tool
 from envs.toolset import ToolSet
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.evaluate import evaluate
-from orchestrator.pipeline import Pipeline, PipelineConfig, TaskSampler
+from orchestrator.pipeline import Pipeline, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.trace.writer import TraceWriter, workload_record
 from orchestrator.types import (
     EpisodeTiming,

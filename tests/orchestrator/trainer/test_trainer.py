@@ -14,7 +14,8 @@ from helpers import engine_for, group_prefixes, threads_held
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner, RolloutConfig
+from orchestrator.rollout import EpisodeRunner
+from orchestrator.schema import RolloutConfig
 from orchestrator.trainer import TorchTrainer, pack
 from orchestrator.trainer.torch_trainer import shared_prefix
 from orchestrator.types import Group
