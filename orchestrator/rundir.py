@@ -47,7 +47,7 @@ TIMELINE_STEPS = 50  # the steps timeline.json shows at the end of a run (the la
 
 class RunDir:
     def __init__(self, path: Path, config: Mapping[str, Any], loggers: Sequence[Logger] = (),
-                 max_model_len: int | None = None, codec: Codec = CODEC,
+                 max_total_tokens: int | None = None, codec: Codec = CODEC,
                  timeline_steps: int | None = TIMELINE_STEPS,
                  resume_step: int | None = None) -> None:
         self.path = Path(path)
@@ -71,7 +71,7 @@ class RunDir:
             logger.start(dict(config), self.path)
         self.codec = codec
         self.timeline_steps = timeline_steps  # None: the whole run
-        self._trace = TraceWriter(self.path / RUN_TRACE, max_model_len, codec)
+        self._trace = TraceWriter(self.path / RUN_TRACE, max_total_tokens, codec)
         self._samples = (self.path / "samples.jsonl").open("a")
         self._eval_samples = (self.path / EVAL_SAMPLES).open("a")
         self.recorder: Recorder | None = None

@@ -81,12 +81,14 @@ def query_count(call: ToolTiming) -> int:
 
 def workload_record(trajectory: Trajectory, timing: EpisodeTiming, step: int,
                     train_version: int | None = None, queue_wait: float = 0.0,
-                    max_model_len: int | None = None) -> WorkloadRecord:
-    """One episode's record: its tokens from ``trajectory``, its timings from ``timing``."""
+                    max_total_tokens: int | None = None) -> WorkloadRecord:
+    """One episode's record: its tokens from ``trajectory``, its timings from ``timing``; the
+    record's ``max_model_len`` (PolyTrace's name) is the run's ``rollout.max_total_tokens``,
+    else the episode's own cap (its prompt and each turn's ``max_tokens``)."""
     t, e = trajectory, timing
     prompt_len = t.prompt_tokens
     response_mask = t.loss_mask[prompt_len:]
-    total_max = max_model_len or prompt_len + t.max_tokens * max(len(e.turns), 1)
+    total_max = max_total_tokens or prompt_len + t.max_tokens * max(len(e.turns), 1)
     turns = []
     length = prompt_len
     for turn in e.turns:
@@ -168,10 +170,10 @@ class TraceWriter:
     """Writes each trained step's PolyTrace records into ``directory``: rolled and compressed
     with ``codec`` (``zst``, ``gz``), or as the published per-step files (``none``)."""
 
-    def __init__(self, directory: Path, max_model_len: int | None = None, codec: Codec = CODEC,
+    def __init__(self, directory: Path, max_total_tokens: int | None = None, codec: Codec = CODEC,
                  roll_steps: int = ROLL_STEPS) -> None:
         self.directory = Path(directory)
-        self.max_model_len = max_model_len
+        self.max_total_tokens = max_total_tokens
         self.codec = check_codec(codec)
         if roll_steps < 1:
             raise ValueError(f"roll_steps must be >= 1, got {roll_steps}")
@@ -186,7 +188,7 @@ class TraceWriter:
         they ran (``timings``, in the groups' order)."""
         records: dict[str, list[Record]] = {
             "multiturn_workload": [
-                workload_record(t, e, step, version, timing.queue_wait, self.max_model_len)
+                workload_record(t, e, step, version, timing.queue_wait, self.max_total_tokens)
                 for g, timing in zip(groups, timings, strict=True)
                 for t, e in zip(g.trajectories, timing.episodes, strict=True)],
             "reward_timings": list(reward_timing_records(groups, timings, step)),

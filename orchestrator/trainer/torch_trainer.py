@@ -66,7 +66,7 @@ class PackedBatch:
     mask: torch.Tensor  # float: 1.0 where the target token is trained
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
-    fresh: torch.Tensor  # float: 1.0 where a trained token was sampled by the current weights
+    on_policy: torch.Tensor  # float: 1.0 where a trained token was sampled by the current weights
     group: torch.Tensor  # long, per row: the rows of a group may share a prefix
     prefix: torch.Tensor  # long, per row: its group's shared, untrained prefix (0: none)
 
@@ -86,7 +86,7 @@ class PackedBatch:
             return replace(self, advantages=adv.contiguous())
         keep = torch.tensor(list(trained), dtype=torch.float32)[:, None]
         return replace(self, advantages=adv.contiguous(), mask=self.mask * keep,
-                       fresh=self.fresh * keep)
+                       on_policy=self.on_policy * keep)
 
 
 def shared_prefix(sequences: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]]) -> int:
@@ -108,7 +108,7 @@ def pack(
     pad_id: int,
     behaviour: Sequence[Sequence[float]] | None = None,
     advantages: Sequence[float] | None = None,
-    fresh: Sequence[Sequence[bool]] | None = None,
+    on_policy: Sequence[Sequence[bool]] | None = None,
     group: Sequence[int] | None = None,
     prefix: Sequence[int] | None = None,
 ) -> PackedBatch:
@@ -121,7 +121,7 @@ def pack(
     ids = padded(sequences, pad_id, torch.long)
     mask = padded(masks, False, torch.float32)
     behav = padded(behaviour, 0.0, torch.float32) if behaviour is not None else torch.zeros((n, width + 1))
-    current = padded(fresh, False, torch.float32) if fresh is not None else torch.zeros((n, width + 1))
+    current = padded(on_policy, False, torch.float32) if on_policy is not None else torch.zeros((n, width + 1))
     lengths = torch.tensor([len(s) for s in sequences])
     attention = (torch.arange(width) < lengths[:, None] - 1).long()
     adv = torch.tensor(advantages if advantages is not None else [0.0] * n, dtype=torch.float32)
@@ -132,7 +132,7 @@ def pack(
         mask=mask[:, 1:],
         behaviour_logprobs=behav[:, 1:],
         advantages=adv[:, None].expand(n, width).contiguous(),
-        fresh=current[:, 1:] * mask[:, 1:],
+        on_policy=current[:, 1:] * mask[:, 1:],
         group=torch.tensor(group if group is not None else range(n), dtype=torch.long),
         prefix=torch.tensor(prefix if prefix is not None else [0] * n, dtype=torch.long),
     )
@@ -172,11 +172,11 @@ class LogprobAgreement:
     def add(self, trainer_logprobs: torch.Tensor, batch: PackedBatch) -> None:
         """Kept on the device; read once, by :meth:`settle`."""
         device = trainer_logprobs.device
-        fresh = batch.fresh.to(device, non_blocking=True)
+        on_policy = batch.on_policy.to(device, non_blocking=True)
         behaviour = batch.behaviour_logprobs.to(device, non_blocking=True)
-        gap = (trainer_logprobs.detach() - behaviour).abs() * fresh
+        gap = (trainer_logprobs.detach() - behaviour).abs() * on_policy
         if gap.numel():
-            self._parts.append(torch.stack([gap.sum(), fresh.sum(), gap.max()]).double())
+            self._parts.append(torch.stack([gap.sum(), on_policy.sum(), gap.max()]).double())
 
     def settle(self) -> LogprobAgreement:
         """The sums and the maximum as numbers (one wait for the device)."""
@@ -515,7 +515,7 @@ class TorchTrainer(Trainer):
                     offset += len(mb)
                     if proximal is None:
                         prox = logp.detach()
-                        if start == 0:  # before any update: the weights that sampled fresh tokens
+                        if start == 0:  # before any update: the weights that sampled on-policy tokens
                             agreement.add(prox, mb)
                     else:
                         prox = proximal[rows]
@@ -650,7 +650,7 @@ class TorchTrainer(Trainer):
             [t.loss_mask for t in trajectories],
             self.policy.tokenizer.pad_id,
             behaviour=[t.logprobs for t in trajectories],
-            fresh=[[v == self.version for v in t.versions] for t in trajectories],
+            on_policy=[[v == self.version for v in t.versions] for t in trajectories],
             group=[i for i, g in enumerate(groups) for _ in g.trajectories],
             prefix=[p for g in groups for p in [shared_prefix(
                 [t.token_ids for t in g.trajectories], [t.loss_mask for t in g.trajectories]

@@ -95,6 +95,8 @@ def _bad(message: str) -> web.Response:
 
 
 class SearchServer:
+    SHUTDOWN_S = 1.0  # seconds requests in flight get to finish once the server closes
+
     def __init__(self, index: BM25Index, faults: FaultModel | None = None, host: str = "127.0.0.1",
                  port: int = 0, time_scale: float = 1.0, control: bool = False) -> None:
         self.index = index
@@ -117,7 +119,9 @@ class SearchServer:
         if self.control is not None:
             app.router.add_post("/faults", self._set_faults)
             app.router.add_get("/faults", self._get_faults)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A request still held when the server closes (a hang fault's) is cancelled after
+        # SHUTDOWN_S, not aiohttp's default minute.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.SHUTDOWN_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=2048)
         await site.start()

@@ -207,9 +207,9 @@ def test_the_engine_gap_keeps_a_nan_in_its_max() -> None:
 
     agreement = LogprobAgreement()
     ones = torch.ones(1, 3)
-    agreement.add(torch.zeros(1, 3), SimpleNamespace(fresh=ones, behaviour_logprobs=ones * 0.5))
+    agreement.add(torch.zeros(1, 3), SimpleNamespace(on_policy=ones, behaviour_logprobs=ones * 0.5))
     agreement.add(torch.zeros(1, 3), SimpleNamespace(
-        fresh=ones, behaviour_logprobs=torch.tensor([[0.1, float("nan"), 0.2]])))
-    agreement.add(torch.zeros(1, 3), SimpleNamespace(fresh=ones, behaviour_logprobs=ones * 2.0))
+        on_policy=ones, behaviour_logprobs=torch.tensor([[0.1, float("nan"), 0.2]])))
+    agreement.add(torch.zeros(1, 3), SimpleNamespace(on_policy=ones, behaviour_logprobs=ones * 2.0))
     metrics = agreement.metrics(warn_above=10.0)
     assert math.isnan(metrics["engine/logprob_diff_max"])
