@@ -7,15 +7,21 @@
 #   bash scripts/test.sh --quick [pytest args …]
 # is the inner loop: the unit and fast integration tests (not marked slow, docker, ray or
 # vllm), with the import contracts and the docs build, in .venv alone (no .venv-vllm, no
-# Docker set-up): about two minutes after set-up on a 2-core machine.
+# Docker set-up): about a minute and a half after set-up on a 2-core machine.
+#
+# Tests run in POLYRL_TEST_WORKERS processes (pytest-xdist; default 2), a test file to a
+# process, so a file's fixtures are built once: many tests wait on subprocesses, containers and
+# Ray actors rather than compute, so two processes fit two cores. POLYRL_TEST_WORKERS=0 runs
+# them in this process, one at a time (for pdb, or -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+workers=(-n "${POLYRL_TEST_WORKERS:-2}" --dist loadfile)
 if [ "${1:-}" = "--quick" ]; then
   shift
   bash scripts/setup.sh
   .venv/bin/lint-imports
   NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir site
-  exec .venv/bin/python -m pytest -m "not slow and not docker and not ray and not vllm" "$@"
+  exec .venv/bin/python -m pytest "${workers[@]}" -m "not slow and not docker and not ray and not vllm" "$@"
 fi
 bash scripts/setup.sh
 bash scripts/setup_vllm.sh
@@ -23,10 +29,10 @@ bash scripts/docker_setup.sh  # Docker engine + sandbox image for tests/sandboxe
 .venv/bin/lint-imports  # the import contracts in pyproject.toml (ARCHITECTURE.md's dependency rule)
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir site  # docs/: a broken link or page fails here (not --quiet: it hides the warnings --strict counts)
 status=0
-.venv/bin/python -m pytest "$@" || status=$?
+.venv/bin/python -m pytest "${workers[@]}" "$@" || status=$?
 echo "test: engine=vllm's tests in .venv-vllm" >&2
 vllm_status=0
-.venv-vllm/bin/python -m pytest -m vllm "$@" || vllm_status=$?
+.venv-vllm/bin/python -m pytest "${workers[@]}" -m vllm "$@" || vllm_status=$?
 if [ "$vllm_status" -ne 0 ] && [ "$vllm_status" -ne 5 ]; then  # 5: none selected by "$@"
   status=$vllm_status
 fi
