@@ -54,8 +54,12 @@ def page() -> str:
             "starts. A plug-in's option works the same way: its constructor is its schema.", ""]
     for group in GROUPS:
         out += [f"### `{group}`", ""]
-        for path in sorted((CONF / group).glob("*.yaml")):
-            out += _option(group, path)
+        paths = sorted((CONF / group).glob("*.yaml"))
+        said: dict[str, str] = {}  # a key's comment in any option of the group, for the others
+        for path in paths:
+            said = {**{k: v for k, v in _comments(path.read_text()).items() if v}, **said}
+        for path in paths:
+            out += _option(group, path, said)
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -83,16 +87,24 @@ def _rows(cls: type, key: str) -> list[str]:
     return rows
 
 
-def _option(group: str, path: Path) -> list[str]:
+def _option(group: str, path: Path, said: dict[str, str]) -> list[str]:
     text = path.read_text()
     values = yaml.safe_load(text) or {}
-    comments = _comments(text)
+    comments = {**said, **{k: v for k, v in _comments(text).items() if v}}
     target = values.get("_target_")
+    bases = [d for d in values.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+    for base in bases:  # an option on top of another (sandbox=docker_small on docker)
+        target = target or (yaml.safe_load((path.parent / f"{base}.yaml").read_text()) or {}).get("_target_")
+    if target:
+        values = {"_target_": target, **values}
     about = _file_comment(text)
-    lines = [f"#### `{group}={path.stem}`" + (f": `{target}`" if target else ""), ""]
+    extends = f" (on top of `{group}={', '.join(bases)}`)" if bases else ""
+    lines = [f"#### `{group}={path.stem}`" + (f": `{target}`" if target else "") + extends, ""]
     if about:
         lines += [about, ""]
-    keys = list(_leaves(values, ""))
+    source: dict[str, str] = {}
+    keys = list(_leaves(values, "", source))
+    comments = {**source, **comments}
     if keys:
         lines += ["| key | type | value | meaning |", "| --- | --- | --- | --- |"]
         for dotted, value, annotation in keys:
@@ -102,20 +114,60 @@ def _option(group: str, path: Path) -> list[str]:
     return lines
 
 
-def _leaves(node: dict[str, Any], prefix: str) -> Iterator[tuple[str, Any, str]]:
+def _leaves(node: dict[str, Any], prefix: str,
+            source: dict[str, str]) -> Iterator[tuple[str, Any, str]]:
     """``(dotted key, value, type)`` for every key of a node but ``_target_`` and ``defaults``,
-    nested nodes flattened; the type is read from the constructor the node names."""
-    hints = _hints(node.get("_target_"))
+    nested nodes flattened; the type is read from the constructor the node names, and the
+    comment beside each of its arguments in the code goes into ``source``."""
+    target = node.get("_target_")
+    hints = _hints(target)
+    said = _code_comments(target)
     for key, value in node.items():
         if key in ("_target_", "defaults"):
             continue
         dotted = f"{prefix}{key}"
+        if key in said:
+            source.setdefault(dotted, said[key])
         if isinstance(value, dict) and value:
             if "_target_" in value:
                 yield dotted, value["_target_"], "a piece (`_target_`)"
-            yield from _leaves(value, f"{dotted}.")
+            yield from _leaves(value, f"{dotted}.", source)
             continue
         yield dotted, value, type_name(hints[key]) if key in hints else ""
+
+
+def _code_comments(target: Any) -> dict[str, str]:
+    """The comment beside each field or argument where the class or function ``target`` names
+    is written (``timeout_s: float = 10.0  # wall time of a call``), with the comment lines
+    that continue it; a class's bases too."""
+    if not isinstance(target, str):
+        return {}
+    try:
+        fn = get_object(target)
+    except Exception:  # noqa: BLE001 - an optional dependency missing: nothing to read
+        return {}
+    found: dict[str, str] = {}
+    owners = [c for c in inspect.getmro(fn) if c.__module__ != "builtins"] if inspect.isclass(fn) else [fn]
+    for owner in owners:
+        for code in (owner, getattr(owner, "__init__", None)):
+            try:
+                lines = inspect.getsource(code).splitlines()  # type: ignore[arg-type]
+            except (OSError, TypeError):
+                continue
+            last: list[str] | None = None
+            for line in lines:
+                field = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.+)$", line)
+                if field and not line.lstrip().startswith("#"):
+                    last = [field.group(2).strip()]
+                    found.setdefault(field.group(1), " ".join(last))
+                    name = field.group(1)
+                elif last is not None and re.match(r"\s+#", line) and line.index("#") > 8:
+                    last.append(line.strip().lstrip("#").strip())
+                    if found.get(name) == " ".join(last[:-1]):
+                        found[name] = " ".join(last)
+                else:
+                    last = None
+    return found
 
 
 def _hints(target: Any) -> dict[str, Any]:

@@ -11,7 +11,15 @@ from orchestrator.models.policy import Policy, tiny_policy
 from orchestrator.trainer.simulated import SimulatedTrainer, UniformCost
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # scripts/test.sh runs the tests in two processes (--dist loadgroup): a test file to a
+    # process, so its fixtures are built once, and every Docker test in the same one, one at a
+    # time, since some stop the engine or its proxy under everything else using it.
+    for item in items:
+        group = "docker" if "docker" in item.keywords else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
     import torch
 
     if torch.cuda.is_available():

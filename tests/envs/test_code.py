@@ -9,8 +9,9 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -43,8 +44,12 @@ def docker_available() -> bool:
         client.close()
 
 
-needs_docker = pytest.mark.skipif(not docker_available(),
-                                  reason="no Docker engine or image; run `bash scripts/docker_setup.sh`")
+def needs_docker(test: Callable[..., Any]) -> Callable[..., Any]:
+    """Marked ``docker`` (left out of --quick, run with the other Docker tests) and skipped
+    without an engine and the image."""
+    skip = pytest.mark.skipif(not docker_available(),
+                              reason="no Docker engine or image; run `bash scripts/docker_setup.sh`")
+    return pytest.mark.docker(skip(test))
 
 
 def test_tasks_are_reproducible_disjoint_and_their_reference_answers_pass() -> None:
