@@ -10,12 +10,13 @@
 # Docker set-up): about a minute and a half after set-up on a 2-core machine.
 #
 # Tests run in POLYRL_TEST_WORKERS processes (pytest-xdist; default 2), a test file to a
-# process, so a file's fixtures are built once, and the Docker tests all in one: many tests wait
-# on subprocesses, containers and Ray actors rather than compute, so two processes fit two cores. POLYRL_TEST_WORKERS=0 runs
+# process, so a file's fixtures are built once (Docker tests take turns: tests/conftest.py): many
+# tests wait on subprocesses, containers and Ray actors rather than compute, so two processes fit
+# two cores. POLYRL_TEST_WORKERS=0 runs
 # them in this process, one at a time (for pdb, or -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-workers=(-n "${POLYRL_TEST_WORKERS:-2}" --dist loadgroup)  # groups: tests/conftest.py
+workers=(-n "${POLYRL_TEST_WORKERS:-2}" --dist loadfile)
 if [ "${1:-}" = "--quick" ]; then
   shift
   bash scripts/setup.sh

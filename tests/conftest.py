@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from helpers import TINY_MODEL
 
 from orchestrator.models.policy import Policy, tiny_policy
 from orchestrator.trainer.simulated import SimulatedTrainer, UniformCost
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # scripts/test.sh runs the tests in two processes (--dist loadgroup): a test file to a
-    # process, so its fixtures are built once, and every Docker test in the same one, one at a
-    # time, since some stop the engine or its proxy under everything else using it.
-    for item in items:
-        group = "docker" if "docker" in item.keywords else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-
     import torch
 
     if torch.cuda.is_available():
@@ -28,6 +23,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def one_docker_test_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests marked ``docker`` take turns on the machine's Docker engine, across the processes
+    scripts/test.sh runs the tests in (and across test runs): some stop the engine or kill
+    containers by label, and reaping counts every run's leftovers."""
+    if "docker" not in request.keywords:
+        yield
+        return
+    with FileLock(Path(tempfile.gettempdir()) / "polyrl-tests-docker.lock"):
+        yield
 
 
 @pytest.fixture
