@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -25,15 +26,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+TAKE_TURNS = ("docker", "ray")  # markers whose tests never run at once
+
+
 @pytest.fixture(autouse=True)
-def one_docker_test_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Tests marked ``docker`` take turns on the machine's Docker engine, across the processes
-    scripts/test.sh runs the tests in (and across test runs): some stop the engine or kill
-    containers by label, and reaping counts every run's leftovers."""
-    if "docker" not in request.keywords:
-        yield
-        return
-    with FileLock(Path(tempfile.gettempdir()) / "polyrl-tests-docker.lock"):
+def take_turns(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests marked ``docker`` take turns on the machine's Docker engine, and tests marked
+    ``ray`` on its memory, across the processes scripts/test.sh runs the tests in (and across
+    test runs): some stop the engine or kill containers by label, reaping counts every run's
+    leftovers, and two Ray clusters (each an object store of ~30% of memory) with SmolLM2's
+    actors exceed 24 GB. A test with both takes both, in this order."""
+    with ExitStack() as held:
+        for marker in TAKE_TURNS:
+            if marker in request.keywords:
+                held.enter_context(FileLock(Path(tempfile.gettempdir()) / f"polyrl-tests-{marker}.lock"))
         yield
 
 

@@ -26,7 +26,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("launcher", ["local", "ray"])
+@pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: Path,
                                                                      launcher: str) -> None:
     """launcher=ray puts the vLLM engine in a Ray actor (a local Ray started for the run)."""
