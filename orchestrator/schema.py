@@ -3,11 +3,12 @@ default, allowed values and meaning, in one place.
 
 Each section is a frozen dataclass whose fields pydantic validates as it is built (strict: a
 string is not a number, a number is not true or false), ranges and choices included; what
-ties keys of one section together is checked in its ``__post_init__``. :func:`register`
-gives Hydra the defaults (``conf/config.yaml`` composes them as ``schema`` and holds only its
-groups), :func:`orchestrator.config.typed` builds a section from a composed config and turns a
-pydantic error into one line naming the key, and ``python -m orchestrator.schema`` writes the
-configuration reference page (``docs/config-reference.md``) from the same fields.
+ties keys of one section together is checked in its ``__post_init__``; a mistake, however the
+section is built, is one :class:`ConfigError` line naming the key. :func:`register` gives
+Hydra the defaults (``conf/config.yaml`` composes them as ``schema`` and holds only its
+groups), :func:`orchestrator.config.typed` builds a section from a composed config, and
+``python -m orchestrator.reference`` writes the configuration reference page
+(``docs/config-reference.md``) from the same fields.
 
 The ``_target_`` groups (``model``, ``engine``, ``env``, ``algo``, ``trainer``, ``sandbox``,
 ``launcher``, ``logger``) are not here: each option names the class it builds, whose annotated
