@@ -42,6 +42,7 @@ import copy
 import datetime
 import heapq
 import os
+import random
 import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -77,10 +78,30 @@ class RankSpec:
 
 
 def free_port() -> int:
-    """A TCP port free on this host now (rank 0 binds it moments later)."""
-    with socket.socket() as s:
+    """A TCP port free on this host now, for rank 0 to bind moments later. It is drawn below the
+    kernel's ephemeral range, which every outgoing connection takes its local port from (and a
+    port asked of the kernel with bind(0) too): on a busy host such a port may be taken again
+    before rank 0 binds it. (With Linux's default range, 20000-32767: above Ray's worker ports.)"""
+    low = _ephemeral_low()
+    rng = random.Random()  # not the run's seeded generator: two runs must not draw alike
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12768), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that whole range busy: any port the kernel gives
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere the range below it is as good a guess
 
 
 def host_address() -> str:
