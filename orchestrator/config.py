@@ -40,13 +40,6 @@ def section(cfg: DictConfig, key: str) -> dict[str, Any]:
     return OmegaConf.to_container(node, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
 
 
-def _check(key: str, value: Any, annotation: Any) -> Any:
-    """``value`` as ``annotation`` takes it (an int as a float), or one line naming ``key``.
-    Only the annotations a config value can have are checked (numbers, strings, booleans, None,
-    literals, lists and their unions); a constructor checks the others itself."""
-    return schema.check(key, value, annotation)
-
-
 def typed(cls: type[T], cfg: DictConfig, key: str) -> T:
     """The section ``cfg.<key>`` built as ``cls`` (one of :mod:`orchestrator.schema`'s, which
     checks every value against its field); a mistake is one line naming the key."""
@@ -89,7 +82,7 @@ def check_accepts(fn: Callable[..., Any], values: dict[str, Any], key: str) -> N
                     check_node(node, f"{key}.{name}.{piece}")
             continue
         if name in hints:
-            _check(f"{key}.{name}", value, hints[name])
+            schema.check(f"{key}.{name}", value, hints[name])
 
 
 def check_target(cfg: DictConfig, key: str) -> None:

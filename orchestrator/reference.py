@@ -49,9 +49,9 @@ def page() -> str:
     out += _section("`replay` (`experiment=replay`)", schema.ReplayConfig, "replay")
     out += _rows(schema.ReplaySettings, "")
     out += ["", "## Groups", "",
-            "An option names the class or function it builds (`_target_`); its other keys are "
-            "that constructor's arguments, checked against its annotations before anything "
-            "starts. A plug-in's option works the same way: its constructor is its schema.", ""]
+            ("An option names the class or function it builds (`_target_`); its other keys are "
+             "that constructor's arguments, checked against its annotations before anything "
+             "starts. A plug-in's option works the same way: its constructor is its schema."), ""]
     for group in GROUPS:
         out += [f"### `{group}`", ""]
         paths = sorted((CONF / group).glob("*.yaml"))
@@ -146,7 +146,7 @@ def _code_comments(target: Any) -> dict[str, str]:
         fn = get_object(target)
     except Exception:  # noqa: BLE001 - an optional dependency missing: nothing to read
         return {}
-    found: dict[str, str] = {}
+    found: dict[str, list[str]] = {}  # the first place a name is commented wins (a subclass)
     owners = [c for c in inspect.getmro(fn) if c.__module__ != "builtins"] if inspect.isclass(fn) else [fn]
     for owner in owners:
         for code in (owner, getattr(owner, "__init__", None)):
@@ -154,20 +154,18 @@ def _code_comments(target: Any) -> dict[str, str]:
                 lines = inspect.getsource(code).splitlines()  # type: ignore[arg-type]
             except (OSError, TypeError):
                 continue
-            last: list[str] | None = None
+            last: list[str] | None = None  # the comment being continued, if it is this one's
             for line in lines:
                 field = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.+)$", line)
                 if field and not line.lstrip().startswith("#"):
-                    last = [field.group(2).strip()]
-                    found.setdefault(field.group(1), " ".join(last))
-                    name = field.group(1)
+                    last = [field.group(2).strip()] if field.group(1) not in found else None
+                    if last is not None:
+                        found[field.group(1)] = last
                 elif last is not None and re.match(r"\s+#", line) and line.index("#") > 8:
                     last.append(line.strip().lstrip("#").strip())
-                    if found.get(name) == " ".join(last[:-1]):
-                        found[name] = " ".join(last)
                 else:
                     last = None
-    return found
+    return {name: " ".join(parts) for name, parts in found.items()}
 
 
 def _hints(target: Any) -> dict[str, Any]:
