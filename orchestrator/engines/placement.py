@@ -36,6 +36,7 @@ WeightTransfer = Literal["auto", "rpc", "nccl", "ipc"]
 TRAINER_BYTES_PER_PARAM = 16
 MEMORY_MARGIN = 0.1  # of the GPU: CUDA contexts, allocator fragmentation, vLLM's own buffers
 MIN_ENGINE_SHARE = 0.1
+ALONE_SHARE = 0.9  # gpu_memory_utilization=auto on a GPU no trainer is on (vLLM's default)
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,14 @@ class Placement:
     cuda: bool = False  # the engine runs on CUDA
     engine_gpus: tuple[int, ...] = ()  # its workers' devices, in this process's numbering
     trainer_here: bool = True  # the trainer's tensors live in the engine's process
-    trainer_gpu: int | None = None  # the trainer's CUDA device; None: CPU or not known here
+    trainer_gpu: int | None = None  # the trainer's (rank 0's) CUDA device; None: CPU or unknown
     colocate: bool = False  # launcher.colocate: the trainer and the engine take turns on one GPU
+
+    @property
+    def trainer_beside(self) -> bool:
+        """A trainer keeps memory on the engine's GPU: colocated, or on one of its GPUs (the
+        trainer in this process, or trainer rank 0 beside it on the same device)."""
+        return self.colocate or (self.trainer_gpu is not None and self.trainer_gpu in self.engine_gpus)
 
     @property
     def shares_gpu(self) -> bool:
@@ -103,18 +110,31 @@ def check_colocation(placement: Placement) -> None:
                           "or launcher.colocate=false")
 
 
+def engine_memory_share(placement: Placement, total_bytes: int, parameters: int) -> float:
+    """vLLM's ``gpu_memory_utilization=auto`` on a GPU of ``total_bytes``: :data:`ALONE_SHARE`
+    when no trainer is on it, else what is left beside a trainer of ``parameters`` parameters
+    (:func:`colocated_memory_share`). A trainer beside the engine without colocation is there
+    all the time, so it needs at least what a colocated one keeps while the engine generates;
+    vLLM would otherwise take 90% of the GPU and fail to start beside the trainer's weights, or
+    leave the trainer's first step out of memory."""
+    if not placement.trainer_beside:
+        return ALONE_SHARE
+    return colocated_memory_share(total_bytes, parameters)
+
+
 def colocated_memory_share(total_bytes: int, parameters: int) -> float:
-    """vLLM's ``gpu_memory_utilization`` beside a colocated trainer of ``parameters``
-    parameters on a GPU of ``total_bytes``: what the trainer keeps resident while the engine
-    generates (:data:`TRAINER_BYTES_PER_PARAM` a parameter) and a margin left out."""
+    """vLLM's ``gpu_memory_utilization`` beside a trainer of ``parameters`` parameters on a GPU
+    of ``total_bytes``: what the trainer keeps resident while the engine generates
+    (:data:`TRAINER_BYTES_PER_PARAM` a parameter) and a margin left out."""
     trainer = TRAINER_BYTES_PER_PARAM * parameters
     share = 1.0 - MEMORY_MARGIN - trainer / total_bytes
     if share < MIN_ENGINE_SHARE:
         raise ConfigError(
-            f"engine.gpu_memory_utilization=auto: a colocated trainer of {parameters / 1e9:.2f} B "
-            f"parameters keeps about {trainer / (1 << 30):.1f} GiB of this "
+            f"engine.gpu_memory_utilization=auto: a trainer of {parameters / 1e9:.2f} B "
+            f"parameters on the engine's GPU keeps about {trainer / (1 << 30):.1f} GiB of this "
             f"{total_bytes / (1 << 30):.1f} GiB GPU, too little is left for the engine: give the "
-            "engine a GPU of its own (launcher.colocate=false) or set the share yourself")
+            "trainer a GPU of its own (model.device=cuda:N, launcher.colocate=false) or set "
+            "engine.gpu_memory_utilization yourself")
     return round(share, 3)
 
 

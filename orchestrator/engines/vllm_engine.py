@@ -32,7 +32,8 @@ processes. What it does for the pipeline:
   :meth:`resume` wakes the KV cache (``wake_up(tags=["kv_cache"])``), which lets vLLM's
   scheduler go on. ``engine.gpu_memory_utilization=auto`` then leaves the trainer what it
   keeps resident while the engine generates (:func:`~orchestrator.engines.placement.
-  colocated_memory_share`); alone on its GPU, auto is 0.9.
+  engine_memory_share`), as it does for a trainer on the engine's GPU without colocation;
+  alone on its GPU, auto is 0.9.
 * **LoRA updates** (``trainer.lora``) are merged here, ``W0 + scale * B @ A`` from the base
   weights the first update carried (:class:`~orchestrator.weights.AdapterMerger`), and only
   the layers they touch are reloaded, each whole: vLLM fuses ``q_proj``, ``k_proj`` and
@@ -74,11 +75,12 @@ import torch
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.placement import (
+    ALONE_SHARE,
     Placement,
     WeightTransfer,
     check_colocation,
     choose_weight_transfer,
-    colocated_memory_share,
+    engine_memory_share,
 )
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.models.policy import build_policy, checkpoint_dir
@@ -86,7 +88,6 @@ from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-GPU_MEMORY_UTILIZATION = 0.9  # gpu_memory_utilization=auto on a GPU of the engine's own
 CPU_KV_CACHE_BYTES = 1 << 30  # kv_cache_bytes=auto on CPU
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
           "GB": 10**9}
@@ -165,8 +166,7 @@ class VLLMEngine(InferenceEngine):
         # fused layers, once vLLM has built it)
         self._adapters = AdapterMerger()
         if gpu_memory_utilization == "auto":
-            gpu_memory_utilization = (self._colocated_share(weights) if self.placement.colocate
-                                      else GPU_MEMORY_UTILIZATION)
+            gpu_memory_utilization = self._memory_share(weights)
         self._options: dict[str, Any] = {
             "gpu_memory_utilization": gpu_memory_utilization,
             "max_num_seqs": max_num_seqs,
@@ -200,13 +200,16 @@ class VLLMEngine(InferenceEngine):
         self._sender: Any = None  # the trainer side of nccl / ipc (vllm_transfer.Sender)
         self._closed = False
 
-    def _colocated_share(self, weights: WeightUpdate | None) -> float:
+    def _memory_share(self, weights: WeightUpdate | None) -> float:
+        if not self.placement.trainer_beside:
+            return ALONE_SHARE
         if weights is None:
-            raise ConfigError("engine.gpu_memory_utilization=auto beside a colocated trainer "
-                              "needs the starting weights to size it: set it to a share")
+            raise ConfigError("engine.gpu_memory_utilization=auto beside a trainer on the "
+                              "engine's GPU needs the starting weights to size it: set it to a "
+                              "share")
         parameters = sum(t.numel() for t in weights.tensors().values())
         total = torch.cuda.get_device_properties(self.placement.engine_gpus[0]).total_memory
-        return colocated_memory_share(total, parameters)
+        return engine_memory_share(self.placement, total, parameters)
 
     # -- lifecycle ---------------------------------------------------------------------
 

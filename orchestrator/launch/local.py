@@ -49,11 +49,11 @@ class LocalLauncher(Launcher):
         return replace(recipe, placement=self.placement(recipe)).build(weights)
 
     def placement(self, recipe: EngineRecipe) -> Placement:
-        """The trainer's side of the engine's placement: the trainer shares the model node."""
+        """The trainer's side of the engine's placement: the trainer shares the model node (rank
+        0 of trainer ranks is on that device too: :func:`~orchestrator.launch.ranks.rank_gpus`)."""
         device = str(recipe.model.get("device", "auto"))
         return Placement(trainer_here=self._trainer_here, colocate=self.colocate,
-                         trainer_gpu=device_index(device, torch.cuda.is_available())
-                         if self._trainer_here else None)
+                         trainer_gpu=device_index(device, torch.cuda.is_available()))
 
     def close(self) -> None:
         for group in self._groups:

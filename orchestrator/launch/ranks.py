@@ -254,13 +254,13 @@ class RankSnapshot:
 # -- local processes (launcher=local) ---------------------------------------------------------
 
 
-def _serve(conn: Any, recipe: TrainerRecipe, threads: int | None, gpu: int | None) -> None:
+def _serve(conn: Any, recipe: TrainerRecipe, threads: int | None, gpu: str | None) -> None:
     """A rank process: build the server, then answer calls until the pipe closes."""
     from orchestrator.allocator import keep_freed_memory
 
     keep_freed_memory()
     if gpu is not None:  # one GPU per rank, seen as cuda:0
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     import torch
 
     torch.set_num_threads(threads or 1)
@@ -302,7 +302,7 @@ class ProcessRank(RankHandle):
     """A rank in a local process, over a pipe."""
 
     def __init__(self, rank: int, recipe: TrainerRecipe, threads: int | None,
-                 gpu: int | None) -> None:
+                 gpu: str | None) -> None:
         self.rank = rank
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
@@ -354,23 +354,50 @@ class ProcessRank(RankHandle):
         self._conn.close()
 
 
+def rank_gpus(size: int, model_device: str, visible: int,
+              mask: str | None) -> list[str] | None:
+    """The ``CUDA_VISIBLE_DEVICES`` of each of ``size`` local rank processes, or None when
+    ``model.device`` puts the model on the CPU. Rank 0 takes the GPU ``model.device`` names
+    (``auto`` and ``cuda``: the first this process sees; the engine, in this process, is there
+    too) and rank i the i-th after it; each rank sees only its own, as ``cuda:0``. ``visible``
+    is how many GPUs this process sees and ``mask`` its own ``CUDA_VISIBLE_DEVICES`` (indices,
+    UUIDs or MIG names, passed on as written: a rank given ``str(i)`` would take the machine's
+    GPU i, which the mask may have left out)."""
+    from orchestrator.engines.placement import device_index
+
+    first = device_index(model_device, visible > 0)
+    if first is None:
+        return None
+    if visible < first + size:
+        seen = f"{visible} {'is' if visible == 1 else 'are'} visible here" + (
+            f" (CUDA_VISIBLE_DEVICES={mask})" if mask is not None else "")
+        raise ConfigError(f"trainer.world_size={size} from model.device={model_device} asks for "
+                          f"GPUs {first} to {first + size - 1}, a GPU per rank, but {seen}")
+    names = [n.strip() for n in mask.split(",")] if mask is not None else []
+    if len(names) < visible:  # unset (or fewer names than CUDA found): plain indices
+        names = [str(i) for i in range(visible)]
+    return names[first:first + size]
+
+
 def process_group(recipe: TrainerRecipe, size: int) -> RankGroup:
-    """``size`` ranks in local processes on this machine (one GPU each when it has that many)."""
+    """``size`` ranks in local processes on this machine (one GPU each, unless ``model.device``
+    is the CPU: :func:`rank_gpus`)."""
     import torch
 
     from orchestrator.trainer.distributed import RankSpec, free_port
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if 0 < gpus < size:
-        raise ConfigError(f"trainer.world_size={size} asks for a GPU per rank but this machine "
-                          f"has {gpus}")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = rank_gpus(size, str(recipe.model.get("device", "auto")), visible,
+                     os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if gpus is not None:  # each rank sees its one GPU as cuda:0
+        recipe = replace(recipe, model={**recipe.model, "device": "cuda"})
     port = free_port()
     handles = []
     try:
         for rank in range(size):
             spec = RankSpec(rank, size, "127.0.0.1", port)
             handles.append(ProcessRank(rank, rank_recipe(recipe, spec), recipe.torch_threads,
-                                       rank if gpus else None))
+                                       gpus[rank] if gpus else None))
         for handle in handles:
             handle.started()
         return RankGroup(handles)

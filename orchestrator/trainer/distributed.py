@@ -2,7 +2,7 @@
 
 ``trainer.world_size=N`` makes the launcher start N processes (Ray actors, or local processes)
 that each build a :class:`RankTrainer` from the same recipe and join one process group (gloo
-on CPU, NCCL when the rank has a GPU) at rank 0's address. The model is sharded with FSDP2
+when the model is on the CPU, NCCL when it is on the rank's GPU) at rank 0's address. The model is sharded with FSDP2
 (``fully_shard`` on every decoder layer, then on the whole model): at rest each rank holds
 ``1/N`` of the weights and of the optimiser's state. The driver sends every step's whole batch
 to every rank; the maths is the one-process trainer's:
@@ -41,7 +41,6 @@ from __future__ import annotations
 import copy
 import datetime
 import heapq
-import os
 import random
 import socket
 import time
@@ -55,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.errors import ConfigError
+from orchestrator.models.policy import Policy
 from orchestrator.trainer.lora import adapter_update
 from orchestrator.trainer.snapshot import SHARDS, TRAINER_STATE, load_shards
 from orchestrator.trainer.torch_trainer import LogprobAgreement, TorchTrainer
@@ -69,7 +69,7 @@ class RankSpec:
     world_size: int
     address: str
     port: int
-    backend: str = "auto"  # auto: nccl when this rank has a GPU, else gloo
+    backend: str = "auto"  # auto: nccl when the model is on a GPU, else gloo (backend_for)
     timeout_s: float = 300.0  # a collective that waits longer than this fails
 
     def __post_init__(self) -> None:
@@ -124,18 +124,25 @@ def balance(sizes: Sequence[int], world_size: int) -> list[list[int]]:
     return [sorted(share) for share in shares]
 
 
-def join(spec: RankSpec) -> torch.device | None:
-    """Join the process group ``spec`` names (once per process); the rank's GPU, if any."""
-    device = None
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+def backend_for(spec: RankSpec, device: torch.device) -> str:
+    """The collectives' backend: ``spec.backend``, or for ``auto`` NCCL when the rank's model is
+    on a GPU and gloo when it is on the CPU (NCCL cannot reduce host tensors; a GPU being
+    present says nothing about where ``model.device`` put the model)."""
+    if spec.backend != "auto":
+        return spec.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join(spec: RankSpec, device: torch.device) -> None:
+    """Join the process group ``spec`` names (once per process), from a rank whose model is on
+    ``device``."""
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = spec.backend if spec.backend != "auto" else ("nccl" if device else "gloo")
+    backend = backend_for(spec, device)
     if not dist.is_initialized():
         dist.init_process_group(
             backend, init_method=f"tcp://{spec.address}:{spec.port}", rank=spec.rank,
             world_size=spec.world_size, timeout=datetime.timedelta(seconds=spec.timeout_s))
-    return device
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -169,12 +176,12 @@ def unsharded_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class RankTrainer(TorchTrainer):
     """A :class:`TorchTrainer` that is rank ``rank.rank`` of ``rank.world_size``."""
 
-    def __init__(self, *args: Any, rank: RankSpec, **options: Any) -> None:
+    def __init__(self, policy: Policy, *args: Any, rank: RankSpec, **options: Any) -> None:
         self.spec = rank
-        join(rank)
+        join(rank, policy.device)
         self._sharded: list[Any] = []
         self._staged: tuple[dict[str, Any], dict[str, Any]] | None = None
-        super().__init__(*args, **options)
+        super().__init__(policy, *args, **options)
 
     @property
     def rank(self) -> int:

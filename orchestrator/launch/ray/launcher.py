@@ -183,6 +183,7 @@ class RayLauncher(Launcher):
         self.colocate = colocate
         if colocate:
             _check_colocation(self.config, self.ranks)
+        _check_rank_gpus(self.config, self.ranks)
         self.run_id = f"polyrl-{uuid.uuid4().hex[:8]}"  # names this run's actors in the cluster
         self.spans = SpanCollector()
         self._owns_ray = False
@@ -375,14 +376,29 @@ class RayLauncher(Launcher):
             self._owns_ray = False
 
 
+def _check_rank_gpus(config: RayConfig, ranks: int) -> None:
+    """Trainer ranks on GPUs take a whole one each: Ray packs fractions of a GPU onto one
+    device, and NCCL refuses two ranks of a group on one device."""
+    share = config.trainer.num_gpus
+    if ranks > 1 and 0 < share < 1:
+        raise ConfigError(
+            f"trainer.world_size={ranks} with launcher.trainer.num_gpus={share:g}: Ray may put "
+            "two ranks on one GPU, which NCCL refuses; give each rank a whole GPU "
+            "(launcher.trainer.num_gpus=1) or none (0: the ranks train on CPUs over gloo)")
+
+
 def _check_colocation(config: RayConfig, ranks: int) -> None:
     """``launcher.colocate=true``: fractions of one GPU that fit in it together."""
+    if ranks > 1:  # NCCL: one rank of a group per device
+        raise ConfigError(f"launcher.colocate=true shares one GPU, which holds one trainer rank, "
+                          f"not trainer.world_size={ranks}: set trainer.world_size=1 or "
+                          "launcher.colocate=false")
     trainer, engine = config.trainer.num_gpus, config.engine.num_gpus
-    total = trainer * ranks + engine * config.num_engines
+    total = trainer + engine * config.num_engines
     if trainer <= 0 or engine <= 0 or total > 1 + 1e-9:
         raise ConfigError(
             f"launcher.colocate=true needs the trainer and the engines on one GPU: "
-            f"launcher.trainer.num_gpus={trainer:g} (x{ranks}) and launcher.engine.num_gpus="
+            f"launcher.trainer.num_gpus={trainer:g} and launcher.engine.num_gpus="
             f"{engine:g} (x{config.num_engines}) must each be above 0 and add up to at most 1, "
             "e.g. 0.5 each")
 

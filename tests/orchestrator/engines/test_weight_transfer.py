@@ -18,6 +18,7 @@ from orchestrator.engines.placement import (
     choose_weight_transfer,
     colocated_memory_share,
     device_index,
+    engine_memory_share,
 )
 from orchestrator.engines.vllm_engine import VLLMEngine
 from orchestrator.errors import ConfigError
@@ -96,9 +97,27 @@ def test_a_colocated_engine_leaves_the_trainer_its_resident_memory() -> None:
     assert colocated_memory_share(80 * gib, 1_500_000_000) == pytest.approx(
         0.9 - 16 * 1.5e9 / (80 * gib), abs=1e-3)
     assert colocated_memory_share(80 * gib, 135_000_000) > 0.8  # SmolLM2: nearly everything
-    with pytest.raises(ConfigError, match=r"^engine.gpu_memory_utilization=auto: a colocated "
-                                          r"trainer of 7.00 B parameters"):
+    with pytest.raises(ConfigError, match=r"^engine.gpu_memory_utilization=auto: a trainer of "
+                                          r"7.00 B parameters on the engine's GPU"):
         colocated_memory_share(80 * gib, 7_000_000_000)
+
+
+@pytest.mark.parametrize(("placement", "beside"), [
+    (Placement(cuda=True, engine_gpus=(0,), trainer_gpu=1), False),  # a GPU each
+    (Placement(cuda=True, engine_gpus=(0,), trainer_here=False), False),  # Ray, not colocated
+    (Placement(cuda=True, engine_gpus=(0,), trainer_gpu=0), True),  # one GPU, not colocated
+    (Placement(cuda=True, engine_gpus=(0, 1), trainer_gpu=1), True),  # on one of the engine's
+    (Placement(cuda=True, engine_gpus=(0,), trainer_here=False, trainer_gpu=0), True),  # rank 0
+    (Placement(cuda=True, engine_gpus=(0,), trainer_here=False, colocate=True), True),
+])
+def test_auto_memory_leaves_room_for_any_trainer_on_the_engines_gpu(placement: Placement,
+                                                                     beside: bool) -> None:
+    """Not only under colocation: a trainer beside the engine all the time needs at least what
+    a colocated one keeps, or vLLM's 90% fails to start beside its weights."""
+    gib = 1 << 30
+    share = engine_memory_share(placement, 80 * gib, 1_500_000_000)
+    assert placement.trainer_beside is beside
+    assert share == (colocated_memory_share(80 * gib, 1_500_000_000) if beside else 0.9)
 
 
 @pytest.mark.parametrize(("device", "cuda", "index"), [
@@ -133,6 +152,9 @@ def test_the_local_launcher_tells_the_engine_where_the_trainer_is() -> None:
     assert placement == Placement(trainer_here=True, trainer_gpu=1, colocate=False)
     on_cpu = LocalLauncher().placement(EngineRecipe(engine={}, model=TINY_MODEL))
     assert on_cpu.trainer_gpu is None
+    launcher = LocalLauncher()
+    launcher._trainer_here = False  # trainer ranks: rank 0 takes model.device's GPU
+    assert launcher.placement(recipe) == Placement(trainer_here=False, trainer_gpu=1)
 
 
 @pytest.mark.anyio
@@ -160,6 +182,26 @@ def test_ray_colocation_asks_for_fractions_of_one_gpu(trainer: float, engine: fl
                                        "engines on one GPU")
     RayLauncher(num_engines=2, colocate=True, trainer={"num_gpus": 0.5},
                 engine={"num_gpus": 0.25})  # fits: nothing raised
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
+def test_ray_trainer_ranks_on_gpus_take_a_whole_gpu_each() -> None:
+    """Ray packs fractions of a GPU onto one device; NCCL refuses two ranks on one device."""
+    from orchestrator.launch.ray import RayLauncher
+
+    with pytest.raises(ConfigError) as error:
+        RayLauncher(trainer_ranks=2, trainer={"num_gpus": 0.5}, engine={"num_cpus": 1})
+    assert str(error.value).startswith("trainer.world_size=2 with launcher.trainer.num_gpus=0.5: "
+                                       "Ray may put two ranks on one GPU")
+    with pytest.raises(ConfigError) as error:
+        RayLauncher(trainer_ranks=2, colocate=True, trainer={"num_gpus": 0.25},
+                    engine={"num_gpus": 0.5})
+    assert str(error.value).startswith("launcher.colocate=true shares one GPU, which holds one "
+                                       "trainer rank, not trainer.world_size=2")
+    for share in (0, 1):  # CPU ranks over gloo, or a GPU each: nothing raised
+        RayLauncher(trainer_ranks=2, trainer={"num_gpus": share, "num_cpus": 1})
+    RayLauncher(trainer_ranks=1, colocate=True, trainer={"num_gpus": 0.5},
+                engine={"num_gpus": 0.5})
 
 
 # -- the real conf/ ------------------------------------------------------------------------

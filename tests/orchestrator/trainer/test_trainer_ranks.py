@@ -15,11 +15,12 @@ import torch.multiprocessing as mp
 from helpers import make_groups
 
 from orchestrator.algo.grpo import GRPO
+from orchestrator.errors import ConfigError
 from orchestrator.launch import LocalLauncher, TrainerRecipe
-from orchestrator.launch.ranks import RankGroup, RankLost, process_group
+from orchestrator.launch.ranks import RankGroup, RankLost, process_group, rank_gpus
 from orchestrator.models.policy import tiny_policy
 from orchestrator.trainer import TorchTrainer
-from orchestrator.trainer.distributed import RankSpec, balance, free_port
+from orchestrator.trainer.distributed import RankSpec, backend_for, balance, free_port
 
 MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 32,
          "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "seed": 0, "device": "cpu"}
@@ -92,6 +93,35 @@ def test_groups_are_balanced_by_tokens_and_kept_whole() -> None:
     assert shares == [[0, 1, 2], [3, 4]]  # largest first onto the lighter rank: 80 and 70
     assert sorted(i for s in shares for i in s) == [0, 1, 2, 3, 4]
     assert balance([5], 3) == [[0], [], []]
+
+
+@pytest.mark.parametrize(("device", "mask", "expected"), [
+    ("auto", None, ["0", "1"]),
+    ("cuda", "4,6,7", ["4", "6"]),  # the launch's own mask, not the machine's GPUs 0 and 1
+    ("cuda:1", "4,6,7", ["6", "7"]),  # rank 0 on model.device's GPU, the next ranks after it
+    ("cuda:0", "GPU-aa, GPU-bb", ["GPU-aa", "GPU-bb"]),  # UUIDs passed on as written
+    ("cpu", "4,6,7", None),  # the model on the CPU: no GPU for any rank
+])
+def test_each_local_rank_gets_one_gpu_of_those_this_process_sees(
+        device: str, mask: str | None, expected: list[str] | None) -> None:
+    visible = len(mask.split(",")) if mask else 4
+    assert rank_gpus(2, device, visible, mask) == expected
+
+
+def test_too_few_gpus_for_the_ranks_is_one_line_naming_the_keys() -> None:
+    with pytest.raises(ConfigError) as caught:
+        rank_gpus(2, "cuda:2", 3, "4,6,7")
+    assert str(caught.value) == (
+        "trainer.world_size=2 from model.device=cuda:2 asks for GPUs 2 to 3, a GPU per rank, "
+        "but 3 are visible here (CUDA_VISIBLE_DEVICES=4,6,7)")
+    assert rank_gpus(4, "auto", 0, None) is None  # no GPU: CPU ranks over gloo
+
+
+def test_the_backend_follows_the_models_device_not_the_machine() -> None:
+    spec = RankSpec(0, 2, "127.0.0.1", 1)
+    assert backend_for(spec, torch.device("cuda", 0)) == "nccl"
+    assert backend_for(spec, torch.device("cpu")) == "gloo"  # model.device=cpu on a GPU machine
+    assert backend_for(replace(spec, backend="gloo"), torch.device("cuda", 0)) == "gloo"
 
 
 def recipe(**trainer: Any) -> TrainerRecipe:
