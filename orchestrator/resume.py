@@ -118,8 +118,9 @@ def restore_rng(directory: Path) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and torch.cuda.is_available():  # as many GPUs as both runs have
+        for index, generator in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(generator, index)
 
 
 def find_checkpoint(run_dir: Path) -> Path:
