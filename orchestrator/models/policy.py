@@ -112,7 +112,15 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"model.device={device} but no CUDA device is visible; use model.device=cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is not None:
+        visible = torch.cuda.device_count()
+        if resolved.index >= visible:
+            raise ConfigError(
+                f"model.device={device} but this process sees {visible} GPU(s), cuda:0 to "
+                f"cuda:{visible - 1} (a Ray actor sees only the GPUs it was given, each as from "
+                "cuda:0): use model.device=cuda, or choose the GPUs with CUDA_VISIBLE_DEVICES")
+    return resolved
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -118,3 +118,16 @@ def test_mixed_under_trainer_ranks_is_fsdp2_mixed_precision() -> None:
         group.close()
     assert group.version == 1 and all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
+def test_a_gpu_index_this_process_does_not_see_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.models.policy import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(ConfigError) as caught:  # before: CUDA's "invalid device ordinal", later
+        resolve_device("cuda:2")
+    assert str(caught.value).startswith("model.device=cuda:2 but this process sees 2 GPU(s), "
+                                        "cuda:0 to cuda:1")
