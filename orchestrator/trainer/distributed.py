@@ -136,8 +136,8 @@ def backend_for(spec: RankSpec, device: torch.device) -> str:
 def join(spec: RankSpec, device: torch.device) -> None:
     """Join the process group ``spec`` names (once per process), from a rank whose model is on
     ``device``."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # model.device=cuda (or auto) has no index: the first visible GPU
+        torch.cuda.set_device(device.index if device.index is not None else 0)
     backend = backend_for(spec, device)
     if not dist.is_initialized():
         dist.init_process_group(

@@ -117,6 +117,24 @@ def test_too_few_gpus_for_the_ranks_is_one_line_naming_the_keys() -> None:
     assert rank_gpus(4, "auto", 0, None) is None  # no GPU: CPU ranks over gloo
 
 
+def test_a_rank_on_cuda_without_an_index_joins_on_its_first_visible_gpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.device=cuda (a local rank's, or auto under Ray) has no index, which
+    torch.cuda.set_device refuses: the rank sets the first GPU it sees."""
+    from torch._utils import _get_device_index
+
+    from orchestrator.trainer import distributed
+
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: chosen.append(_get_device_index(device)))  # as torch checks
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)  # no group to join here
+    distributed.join(RankSpec(0, 2, "127.0.0.1", 1), torch.device("cuda"))
+    distributed.join(RankSpec(0, 2, "127.0.0.1", 1), torch.device("cuda", 1))
+    distributed.join(RankSpec(0, 2, "127.0.0.1", 1), torch.device("cpu"))
+    assert chosen == [0, 1]
+
+
 def test_the_backend_follows_the_models_device_not_the_machine() -> None:
     spec = RankSpec(0, 2, "127.0.0.1", 1)
     assert backend_for(spec, torch.device("cuda", 0)) == "nccl"
