@@ -145,6 +145,13 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     launcher = launcher or LocalLauncher()
     seed, threads = torch_settings(cfg)
     pipeline_cfg = typed(PipelineConfig, cfg, "pipeline")
+    if launcher.colocate and pipeline_cfg.inflight_update == "finish":
+        # the engine sleeps through each train step with its requests in flight, and the sync
+        # that would wake it waits for them to finish first
+        raise ConfigError("pipeline.inflight_update=finish cannot run with launcher.colocate=true: "
+                          "the engine sleeps through each train step with episodes in flight, "
+                          "which could then never finish before the weight sync that wakes it; "
+                          "use pipeline.inflight_update=continue or launcher.colocate=false")
     rollout_cfg = typed(RolloutConfig, cfg, "rollout")
     warm = typed(WarmStartConfig, cfg, "warmstart")
     eval_cfg = eval_config(cfg)

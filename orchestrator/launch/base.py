@@ -77,6 +77,8 @@ class TrainerRecipe:
 class Launcher(ABC):
     """Places a run's trainer and engines; a context manager around the run."""
 
+    colocate: bool = False  # launcher.colocate: the trainer and the engines take turns on a GPU
+
     @abstractmethod
     def trainer(self, recipe: TrainerRecipe) -> Trainer:
         """The run's trainer (built now: its starting weights are the engines')."""

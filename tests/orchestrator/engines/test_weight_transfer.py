@@ -145,6 +145,20 @@ def test_colocate_without_a_gpu_fails_before_anything_starts(tmp_path) -> None:
     assert not (tmp_path / "run").exists()  # nothing built, nothing written
 
 
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
+def test_colocation_refuses_finishing_episodes_before_the_sync() -> None:
+    """A colocated engine sleeps through the train step with its requests in flight; the
+    sync that wakes it would wait for them to finish first: a deadlock, refused up front."""
+    from orchestrator.launch.ray import RayLauncher
+    from orchestrator.main import training_parts
+
+    launcher = RayLauncher(colocate=True, trainer={"num_gpus": 0.5}, engine={"num_gpus": 0.5})
+    with pytest.raises(ConfigError) as error:  # before Ray starts or anything is built
+        training_parts(quick_config("smoke", "pipeline.inflight_update=finish"), launcher)
+    assert str(error.value).startswith("pipeline.inflight_update=finish cannot run with "
+                                       "launcher.colocate=true")
+
+
 def test_the_local_launcher_tells_the_engine_where_the_trainer_is() -> None:
     recipe = EngineRecipe(engine={}, model={**TINY_MODEL, "device": "cuda:1"})
     with LocalLauncher() as launcher:
