@@ -56,6 +56,17 @@ class TrainerRecipe:
     seed: int = 0
     torch_threads: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # Set by a launcher whose colocated engine is in another process (Ray actors, trainer
+    # ranks): the trainer's process gives back the GPU memory torch cached during a step and
+    # the weights' gather, which the engine's wake would otherwise find taken.
+    colocated: bool = False
+
+    def release_cached_memory(self) -> None:
+        """Under :attr:`colocated`, the GPU blocks torch's allocator holds free go back."""
+        import torch
+
+        if self.colocated and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def build(self) -> Trainer:
         import torch

@@ -40,7 +40,7 @@ class LocalLauncher(Launcher):
         self._trainer_here = size is None
         if size is None:
             return recipe.build()
-        group = process_group(recipe, size)
+        group = process_group(replace(recipe, colocated=self.colocate), size)
         self._groups.append(group)
         return group
 

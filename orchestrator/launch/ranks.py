@@ -82,16 +82,20 @@ class RankServer:
         trainer = recipe.build()
         assert isinstance(trainer, RankTrainer)
         self.trainer = trainer
+        self.recipe = recipe
 
     def version(self) -> int:
         return self.trainer.version
 
     def step(self, groups: Sequence[Group]) -> RankStep:
         metrics = self.trainer.train_step(groups)
+        self.recipe.release_cached_memory()
         return RankStep(metrics, self.trainer.version)
 
     def gather(self) -> WeightUpdate | None:
-        return self.trainer.gather()
+        update = self.trainer.gather()
+        self.recipe.release_cached_memory()
+        return update
 
     def call(self, name: str, args: Sequence[Any]) -> Answer:
         """A forwarded :class:`Trainer` method (:mod:`orchestrator.trainer.proxy`)."""

@@ -221,6 +221,7 @@ class TrainerActor(_Reporting):
         with self._spans.span("train_compute", trainer.version,
                               samples=sum(len(g) for g in groups)):
             metrics = await trainer.step(groups)
+        self._recipe.release_cached_memory()
         return TrainStepResult(metrics, trainer.version)
 
     async def weights(self) -> WeightUpdate:
@@ -231,6 +232,7 @@ class TrainerActor(_Reporting):
             shared = await anyio.to_thread.run_sync(view.to_object_store)
             attrs["bytes"] = shared.nbytes
         update.release()  # in the loop that made its lease; the store holds a copy
+        self._recipe.release_cached_memory()
         return shared
 
     async def call(self, name: str, args: Sequence[Any]) -> Answer:

@@ -276,6 +276,7 @@ class RayLauncher(Launcher):
     # -- Launcher --------------------------------------------------------------------------
 
     def trainer(self, recipe: TrainerRecipe) -> Trainer:
+        recipe = replace(recipe, colocated=self.colocate)  # its engines are in other actors
         size = world_size(recipe)
         if size is not None:
             return self._rank_group(recipe, size)

@@ -5,6 +5,8 @@ naming the key for each that does not fit, and the keys composed from the real `
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -157,6 +159,30 @@ def test_colocation_refuses_finishing_episodes_before_the_sync() -> None:
         training_parts(quick_config("smoke", "pipeline.inflight_update=finish"), launcher)
     assert str(error.value).startswith("pipeline.inflight_update=finish cannot run with "
                                        "launcher.colocate=true")
+
+
+def test_a_trainer_in_another_process_than_its_colocated_engine_gives_back_cached_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine empties torch's cache in its own process before it wakes; a trainer actor or
+    rank must empty its own, or the wake finds the step's peak still held."""
+    from orchestrator.launch import TrainerRecipe
+    from orchestrator.launch.ranks import RankServer
+
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    recipe = TrainerRecipe(trainer={}, model=TINY_MODEL, algo={})
+    recipe.release_cached_memory()
+    assert emptied == []  # not colocated: the cache stays for the next step
+    colocated = replace(recipe, colocated=True)
+    colocated.release_cached_memory()
+    assert emptied == [True]
+    server = RankServer.__new__(RankServer)  # a rank's server, around a stand-in trainer
+    server.recipe, server.trainer = colocated, SimpleNamespace(
+        version=3, train_step=lambda groups: {"loss": 0.0}, gather=lambda: None)
+    server.step([])
+    server.gather()
+    assert emptied == [True] * 3
 
 
 def test_the_local_launcher_tells_the_engine_where_the_trainer_is() -> None:
