@@ -469,6 +469,9 @@ class TorchTrainer(Trainer):
 
     def train_step(self, groups: Sequence[Group]) -> TrainStats:
         """The blocking optimiser step (:meth:`step` runs it in a worker thread)."""
+        # The warm start is over: its AdamW's state (8 bytes a parameter) would stay on the
+        # device for the whole run, beside the RL optimiser's, with nothing to use it.
+        self._warm_optimizer = None
         algorithm = self.algorithm
         mine = self._share(groups)  # all of them here; a rank's part in a group of ranks
         batch = self._pack_groups([groups[i] for i in mine])

@@ -4,12 +4,13 @@ produced through the episode runner."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import anyio
 import pytest
 import torch
-from helpers import engine_for, group_prefixes, threads_held
+from helpers import engine_for, group_prefixes, make_groups, threads_held
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
@@ -314,3 +315,16 @@ def test_supervised_step_lowers_the_loss_and_keeps_the_version(tiny: Any) -> Non
     losses += [anyio.run(trainer.supervised_step, seq, mask, 1e-2) for _ in range(3)]
     assert losses[-1] < losses[0]
     assert trainer.version == 0
+
+
+def test_the_warm_starts_optimiser_state_goes_at_the_first_rl_step(tiny: Any) -> None:
+    trainer = TorchTrainer(tiny, GRPO())
+    tok = tiny.tokenizer
+    task = SPEC.tasks("train")[0]
+    prompt, answer = tok.chat_prompt(task.messages), tok.completion(task.answer)
+    anyio.run(trainer.supervised_step, [prompt + answer],
+              [[False] * len(prompt) + [True] * len(answer)], 1e-2)
+    state = weakref.ref(next(iter(trainer._warm_optimizer.state.values()))["exp_avg"])
+    assert state() is not None
+    trainer.train_step(make_groups())
+    assert trainer._warm_optimizer is None and state() is None  # its memory is free
