@@ -104,14 +104,6 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default; elsewhere the range below it is as good a guess
 
 
-def host_address() -> str:
-    """This host's address as the other ranks can reach it."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 def balance(sizes: Sequence[int], world_size: int) -> list[list[int]]:
     """Indices of ``sizes`` for each rank, the largest first onto the least-loaded rank (ties to
     the lowest rank), each rank's in their original order: deterministic on every rank."""

@@ -48,10 +48,12 @@ class RankActor(_Reporting):
         self._server: RankServer | None = None
 
     async def rendezvous(self) -> tuple[str, int]:
-        """Rank 0's address and a free port on its node, for the process group."""
-        from orchestrator.trainer.distributed import free_port, host_address
+        """Rank 0's address and a free port on its node, for the process group: the address
+        Ray reaches the node by (the host name's may be a loopback one, 127.0.1.1 under
+        Debian's /etc/hosts, which ranks on other nodes cannot reach)."""
+        from orchestrator.trainer.distributed import free_port
 
-        return host_address(), free_port()
+        return ray.util.get_node_ip_address(), free_port()
 
     async def start(self, recipe: TrainerRecipe) -> int:
         self._server = await anyio.to_thread.run_sync(RankServer, recipe)
