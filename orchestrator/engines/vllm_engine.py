@@ -177,6 +177,11 @@ class VLLMEngine(InferenceEngine):
             "enforce_eager": enforce_eager,
             "seed": seed,
         }
+        if tensor_parallel_size > 1:
+            # vLLM's own worker processes on this machine's GPUs. Its default inside a Ray
+            # actor of a placement group (launcher=ray) is its Ray executor, which places the
+            # workers in that group's bundles, sized for the actor alone.
+            self._options["distributed_executor_backend"] = "mp"
         if self.transfer != "rpc":
             from vllm.config import WeightTransferConfig
 

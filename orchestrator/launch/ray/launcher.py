@@ -301,6 +301,11 @@ class RayLauncher(Launcher):
         if recorder is not None:
             self.record_to(recorder)
         spec = self.config.engine
+        tp = recipe.engine.get("tensor_parallel_size", 1)
+        if isinstance(tp, int) and tp > 1 and spec.num_gpus < tp:
+            raise ConfigError(f"engine.tensor_parallel_size={tp} splits each engine over {tp} GPUs "
+                              f"of its actor, which launcher.engine.num_gpus={spec.num_gpus:g} "
+                              f"does not give it: set launcher.engine.num_gpus={tp}")
         # the trainer is another actor: its tensors are not in the engines' processes
         recipe = replace(recipe, placement=Placement(trainer_here=False, colocate=self.colocate))
         engines = []

@@ -170,3 +170,12 @@ def test_the_source_declares_what_it_yields() -> None:
     assert [(m.name, m.dtype, m.shape) for m in meta] == [
         (n, t.dtype, tuple(t.shape)) for n, t in pairs]
     assert list(source) and [m.name for m in meta] == ["a", "b"]  # a fresh pass each round
+
+
+def test_tensor_parallel_workers_are_vllms_own_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a Ray actor of a placement group (launcher=ray) vLLM would otherwise choose its
+    Ray executor and place its workers in the group's bundles, sized for the actor alone."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    split = VLLMEngine(TINY_MODEL, tensor_parallel_size=2, gpu_memory_utilization=0.5)
+    assert split._options["distributed_executor_backend"] == "mp"
+    assert "distributed_executor_backend" not in VLLMEngine(TINY_MODEL)._options  # vLLM's "uni"

@@ -225,6 +225,18 @@ def test_ray_colocation_asks_for_fractions_of_one_gpu(trainer: float, engine: fl
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
+def test_ray_gives_a_tensor_parallel_engine_its_gpus_or_says_so() -> None:
+    from orchestrator.launch.ray import RayLauncher
+
+    recipe = EngineRecipe(engine={"tensor_parallel_size": 2}, model=TINY_MODEL)
+    with pytest.raises(ConfigError) as error:  # before any actor is asked for
+        RayLauncher(engine={"num_gpus": 1}).engine(recipe, WeightUpdate.by_reference(0, {}))
+    assert str(error.value) == (
+        "engine.tensor_parallel_size=2 splits each engine over 2 GPUs of its actor, which "
+        "launcher.engine.num_gpus=1 does not give it: set launcher.engine.num_gpus=2")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
 def test_ray_trainer_ranks_on_gpus_take_a_whole_gpu_each() -> None:
     """Ray packs fractions of a GPU onto one device; NCCL refuses two ranks on one device."""
     from orchestrator.launch.ray import RayLauncher
