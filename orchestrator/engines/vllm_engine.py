@@ -88,6 +88,10 @@ from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Updates above this go to the workers through a file, not as bytes in a collective_rpc: vLLM's
+# msgpack channel to its engine core holds at most 4 GiB in one value.
+RPC_BYTES_MAX = 1 << 30
+SHM = Path("/dev/shm")
 CPU_KV_CACHE_BYTES = 1 << 30  # kv_cache_bytes=auto on CPU
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
           "GB": 10**9}
@@ -354,11 +358,26 @@ class VLLMEngine(InferenceEngine):
             await anyio.to_thread.run_sync(self._sender.send, update.tensors())
         elif update.path is not None:
             await self._llm.collective_rpc("polyrl_load_file", args=(str(update.path), partial))
+        elif update.nbytes > RPC_BYTES_MAX:
+            await self._load_through_file(update, partial)
         else:
             data = await anyio.to_thread.run_sync(update.to_bytes)
             await self._llm.collective_rpc("polyrl_load_bytes", args=(data, partial))
         await self._llm.update_weight_version(str(update.version))
         self.version = update.version
+
+    async def _load_through_file(self, update: WeightUpdate, partial: bool) -> None:
+        """``update`` written to a safetensors file on this host, the workers load it, and it
+        goes: vLLM carries a call's arguments to its engine core through msgpack, which holds
+        at most 4 GiB in one value (about 2 B parameters in bf16). In shared memory when it has
+        room (a container's /dev/shm is often 64 MiB), else the temporary directory."""
+        room = _room(SHM, update.nbytes)
+        path = (SHM if room else Path(tempfile.gettempdir())) / f"polyrl-{uuid.uuid4().hex}.safetensors"
+        try:
+            await anyio.to_thread.run_sync(update.to_file, path)
+            await self._llm.collective_rpc("polyrl_load_file", args=(str(path), partial))
+        finally:
+            path.unlink(missing_ok=True)
 
     async def _start_sender(self) -> None:
         from orchestrator.engines.vllm_transfer import Sender
@@ -408,6 +427,14 @@ class VLLMEngine(InferenceEngine):
             _free_cached_memory(self.placement)
             await self._llm.wake_up(tags=[tag])
             self._asleep.discard(tag)
+
+
+def _room(directory: Path, nbytes: int) -> bool:
+    """Whether ``directory`` exists with room for ``nbytes`` and a tenth more."""
+    try:
+        return shutil.disk_usage(directory).free > 1.1 * nbytes
+    except OSError:
+        return False
 
 
 def _free_cached_memory(placement: Placement) -> None:

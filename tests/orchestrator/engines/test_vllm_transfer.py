@@ -179,3 +179,33 @@ def test_tensor_parallel_workers_are_vllms_own_processes(monkeypatch: pytest.Mon
     split = VLLMEngine(TINY_MODEL, tensor_parallel_size=2, gpu_memory_utilization=0.5)
     assert split._options["distributed_executor_backend"] == "mp"
     assert "distributed_executor_backend" not in VLLMEngine(TINY_MODEL)._options  # vLLM's "uni"
+
+
+async def test_an_update_too_large_for_one_rpc_value_goes_through_a_file(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """vLLM's msgpack channel holds at most 4 GiB in one value (about 2 B bf16 parameters):
+    past RPC_BYTES_MAX the update is written to shared memory and loaded from there."""
+    from orchestrator.engines import vllm_engine
+
+    engine = engine_on_pretend_gpu(monkeypatch, colocate=False)
+    monkeypatch.setattr(vllm_engine, "SHM", tmp_path)
+    await sync_weights(engine, an_update(1))  # 8 bytes: as bytes, as before
+    monkeypatch.setattr(vllm_engine, "RPC_BYTES_MAX", 4)
+    loaded: list[tuple[str, dict[str, torch.Tensor]]] = []
+    calls = engine._llm.calls
+
+    async def collective_rpc(method: str, args: tuple[Any, ...]) -> list[int]:
+        from safetensors.torch import load_file
+
+        calls.append(("collective_rpc", method))
+        loaded.append((args[0], load_file(args[0])))  # what a worker reads, there at the call
+        return [1]
+
+    engine._llm.collective_rpc = collective_rpc
+    await sync_weights(engine, an_update(2))
+    rpcs = [c[1] for c in calls if c[0] == "collective_rpc"]
+    assert rpcs == ["polyrl_load_bytes", "polyrl_load_file"]
+    [(path, tensors)] = loaded
+    assert path.startswith(str(tmp_path)) and torch.equal(tensors["w"], torch.ones(2))
+    assert list(tmp_path.iterdir()) == []  # removed once loaded
+    assert engine.version == 2
