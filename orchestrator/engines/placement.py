@@ -46,6 +46,9 @@ class Placement:
     trainer_here: bool = True  # the trainer's tensors live in the engine's process
     trainer_gpu: int | None = None  # the trainer's (rank 0's) CUDA device; None: CPU or unknown
     colocate: bool = False  # launcher.colocate: the trainer and the engine take turns on one GPU
+    # This engine's part of what its GPU has for engines: below 1 when engines share a GPU
+    # (launcher=ray: launcher.engine.num_gpus below 1, or several engines colocated).
+    gpu_fraction: float = 1.0
 
     @property
     def trainer_beside(self) -> bool:
@@ -113,13 +116,15 @@ def check_colocation(placement: Placement) -> None:
 def engine_memory_share(placement: Placement, total_bytes: int, parameters: int) -> float:
     """vLLM's ``gpu_memory_utilization=auto`` on a GPU of ``total_bytes``: :data:`ALONE_SHARE`
     when no trainer is on it, else what is left beside a trainer of ``parameters`` parameters
-    (:func:`colocated_memory_share`). A trainer beside the engine without colocation is there
-    all the time, so it needs at least what a colocated one keeps while the engine generates;
-    vLLM would otherwise take 90% of the GPU and fail to start beside the trainer's weights, or
-    leave the trainer's first step out of memory."""
-    if not placement.trainer_beside:
-        return ALONE_SHARE
-    return colocated_memory_share(total_bytes, parameters)
+    (:func:`colocated_memory_share`); times the engine's ``gpu_fraction`` of that, where
+    engines share the GPU (each would otherwise claim it all, and the second fail to start).
+    A trainer beside the engine without colocation is there all the time, so it needs at least
+    what a colocated one keeps while the engine generates; vLLM would otherwise take 90% of
+    the GPU and fail to start beside the trainer's weights, or leave the trainer's first step
+    out of memory."""
+    room = (colocated_memory_share(total_bytes, parameters) if placement.trainer_beside
+            else ALONE_SHARE)
+    return round(room * placement.gpu_fraction, 3)
 
 
 def colocated_memory_share(total_bytes: int, parameters: int) -> float:

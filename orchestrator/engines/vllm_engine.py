@@ -75,7 +75,6 @@ import torch
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.placement import (
-    ALONE_SHARE,
     Placement,
     WeightTransfer,
     check_colocation,
@@ -210,14 +209,14 @@ class VLLMEngine(InferenceEngine):
         self._closed = False
 
     def _memory_share(self, weights: WeightUpdate | None) -> float:
-        if not self.placement.trainer_beside:
-            return ALONE_SHARE
-        if weights is None:
-            raise ConfigError("engine.gpu_memory_utilization=auto beside a trainer on the "
-                              "engine's GPU needs the starting weights to size it: set it to a "
-                              "share")
-        parameters = sum(t.numel() for t in weights.tensors().values())
-        total = torch.cuda.get_device_properties(self.placement.engine_gpus[0]).total_memory
+        total = parameters = 0  # what a trainer beside the engine keeps: none here
+        if self.placement.trainer_beside:
+            if weights is None:
+                raise ConfigError("engine.gpu_memory_utilization=auto beside a trainer on the "
+                                  "engine's GPU needs the starting weights to size it: set it "
+                                  "to a share")
+            parameters = sum(t.numel() for t in weights.tensors().values())
+            total = torch.cuda.get_device_properties(self.placement.engine_gpus[0]).total_memory
         return engine_memory_share(self.placement, total, parameters)
 
     # -- lifecycle ---------------------------------------------------------------------

@@ -306,8 +306,7 @@ class RayLauncher(Launcher):
             raise ConfigError(f"engine.tensor_parallel_size={tp} splits each engine over {tp} GPUs "
                               f"of its actor, which launcher.engine.num_gpus={spec.num_gpus:g} "
                               f"does not give it: set launcher.engine.num_gpus={tp}")
-        # the trainer is another actor: its tensors are not in the engines' processes
-        recipe = replace(recipe, placement=Placement(trainer_here=False, colocate=self.colocate))
+        recipe = replace(recipe, placement=self.engine_placement())
         engines = []
         for i in range(self.config.num_engines):
             name = f"engine-{i}"
@@ -323,6 +322,15 @@ class RayLauncher(Launcher):
                           restart_timeout_s=self.config.engine_restart_timeout_s,
                           span_flush_s=self.config.span_flush_s,
                           affinity_slack=self.config.affinity_slack)
+
+    def engine_placement(self) -> Placement:
+        """Where each engine actor stands: the trainer is another actor (its tensors are not in
+        the engines' processes); engines that share a GPU (colocated, or asking for a fraction
+        of one) each plan for their part of its memory."""
+        share = self.config.engine.num_gpus
+        fraction = (1 / self.config.num_engines if self.colocate
+                    else min(share, 1.0) if share > 0 else 1.0)
+        return Placement(trainer_here=False, colocate=self.colocate, gpu_fraction=fraction)
 
     def record_to(self, recorder: Recorder) -> None:
         """Send the actors' spans to the run's ``recorder`` (on its clock)."""

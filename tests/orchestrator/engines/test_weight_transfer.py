@@ -122,6 +122,31 @@ def test_auto_memory_leaves_room_for_any_trainer_on_the_engines_gpu(placement: P
     assert share == (colocated_memory_share(80 * gib, 1_500_000_000) if beside else 0.9)
 
 
+def test_engines_sharing_a_gpu_each_plan_for_their_part() -> None:
+    gib = 1 << 30
+    half = Placement(cuda=True, engine_gpus=(0,), trainer_here=False, gpu_fraction=0.5)
+    assert engine_memory_share(half, 80 * gib, 1_500_000_000) == 0.45  # two engines at 0.5
+    both = replace(half, colocate=True)
+    assert engine_memory_share(both, 80 * gib, 1_500_000_000) == pytest.approx(
+        colocated_memory_share(80 * gib, 1_500_000_000) / 2, abs=1e-3)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")
+@pytest.mark.parametrize(("options", "fraction"), [
+    ({"engine": {"num_gpus": 1}}, 1.0),
+    ({"engine": {"num_gpus": 2}}, 1.0),  # tensor parallel: a GPU per worker
+    ({"engine": {"num_gpus": 0.5}, "num_engines": 2}, 0.5),
+    ({"engine": {"num_cpus": 1}}, 1.0),  # no GPU: nothing to share
+    ({"colocate": True, "num_engines": 2, "trainer": {"num_gpus": 0.5},
+      "engine": {"num_gpus": 0.25}}, 0.5),  # what the trainer leaves, split
+])
+def test_ray_tells_each_engine_its_part_of_a_shared_gpu(options: dict, fraction: float) -> None:
+    from orchestrator.launch.ray import RayLauncher
+
+    placement = RayLauncher(**options).engine_placement()
+    assert placement.gpu_fraction == fraction and not placement.trainer_here
+
+
 @pytest.mark.parametrize(("device", "cuda", "index"), [
     ("cpu", True, None), ("auto", False, None), ("auto", True, 0), ("cuda", True, 0),
     ("cuda:1", True, 1),
