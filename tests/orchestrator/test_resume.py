@@ -286,6 +286,24 @@ def test_rng_state_round_trips(tmp_path: Path) -> None:
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
 
 
+def test_cuda_generators_go_back_onto_the_gpus_this_machine_has(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run saved on 2 GPUs resumes on 1: its first generator goes back, the second has no
+    GPU (set_rng_state_all would have asked CUDA for a device 1 and failed)."""
+    from orchestrator.resume import capture_rng, restore_rng
+
+    state = capture_rng()
+    state["cuda"] = [torch.full((16,), 1, dtype=torch.uint8), torch.full((16,), 2, dtype=torch.uint8)]
+    RunState(pipeline={"step": 1, "dropped": 0, "sampler": {}}, version=1).write(tmp_path, state)
+    restored: list[tuple[int, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda generator, device: restored.append((int(generator[0]), device)))
+    restore_rng(tmp_path)
+    assert restored == [(1, 0)]
+
+
 @pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_a_resumed_run_continues_the_same_offline_wandb_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
