@@ -17,6 +17,11 @@ it to the engines (``await engine.update_weights(update)``). Four transports, on
   by every engine actor with ``ray.get`` (zero-copy on a node: the tensors it reads share the
   store's read-only memory). Ray is imported only when this transport is used.
 
+:attr:`wire_dtype`, when set, is the dtype the floating tensors take on the three transports
+that copy them (the engines' own, ``model.dtype``): a ``mixed`` trainer's float32 master
+weights of a bf16 model travel as bf16, half the bytes, cast on their device before they leave
+it. By reference they stay as they are (an engine's load casts them).
+
 :meth:`tensors` gives the weights back as a name → tensor mapping whichever way they came;
 :attr:`nbytes` is what a transfer moves (the weight-sync span records it), :attr:`stats` what
 producing it cost (``gather_seconds`` when trainer ranks gathered their shards).
@@ -60,6 +65,7 @@ class WeightUpdate:
     _lease: anyio.Event | None = field(default=None, repr=False)
     adapters: Adapters | None = None  # LoRA: the tensors are adapters (see AdapterMerger)
     stats: Mapping[str, float] = field(default_factory=dict)  # e.g. gather_seconds
+    wire_dtype: torch.dtype | None = None  # floating tensors' dtype once copied (module doc)
 
     # -- making one --------------------------------------------------------------------------
 
@@ -94,9 +100,13 @@ class WeightUpdate:
     def with_stats(self, **stats: float) -> WeightUpdate:
         return replace(self, stats={**self.stats, **stats})
 
+    def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightUpdate:
+        return replace(self, wire_dtype=dtype)
+
     def _carry(self, other: WeightUpdate) -> WeightUpdate:
-        """``other`` (the same weights over another transport) with this one's adapters and stats."""
-        return replace(other, adapters=self.adapters, stats=self.stats)
+        """``other`` (the same weights over another transport) with this one's adapters, stats
+        and wire dtype."""
+        return replace(other, adapters=self.adapters, stats=self.stats, wire_dtype=self.wire_dtype)
 
     # -- other transports ---------------------------------------------------------------------
 
@@ -106,7 +116,7 @@ class WeightUpdate:
 
         if self.transport == "bytes":
             return self
-        data = save(_savable(self.tensors()))
+        data = save(_savable(self.tensors(), self.wire_dtype))
         self.release()
         return self._carry(WeightUpdate.from_bytes(self.version, data))
 
@@ -123,7 +133,7 @@ class WeightUpdate:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        save_file(_savable(self.tensors()), str(tmp))
+        save_file(_savable(self.tensors(), self.wire_dtype), str(tmp))
         tmp.replace(path)
         self.release()
         return self._carry(WeightUpdate.from_file(self.version, path))
@@ -132,7 +142,7 @@ class WeightUpdate:
         """The same weights put once into the Ray object store; releases the lease."""
         import ray
 
-        arrays = _to_arrays(self.tensors())  # views of CPU tensors: put before the release
+        arrays = _to_arrays(self.tensors(), self.wire_dtype)  # CPU views: put before the release
         ref = ray.put(arrays)
         self.release()
         return self._carry(WeightUpdate.from_object_ref(
@@ -269,13 +279,23 @@ class AdapterMerger:
             model.load_state_dict(weights, strict=update.adapters is None)
 
 
-def _savable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU tensors safetensors can write: tied weights (one storage under two names, as a
-    tied embedding and LM head are) become separate tensors."""
+def _wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` as it travels: a floating one in ``dtype`` (cast where it is), else as is."""
+    tensor = tensor.detach()
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        return tensor.to(dtype)
+    return tensor
+
+
+def _savable(tensors: Mapping[str, torch.Tensor],
+             dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """CPU tensors safetensors can write (floating ones in ``dtype``, if given): tied weights
+    (one storage under two names, as a tied embedding and LM head are) become separate
+    tensors."""
     seen: set[int] = set()
     out = {}
     for name, tensor in tensors.items():
-        t = tensor.detach().contiguous().cpu()
+        t = _wire(tensor, dtype).contiguous().cpu()
         ptr = t.untyped_storage().data_ptr()
         out[name] = t.clone() if ptr in seen else t
         seen.add(ptr)
@@ -286,12 +306,15 @@ def _copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tensors.items()}
 
 
-def _to_arrays(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], Any]]:
-    """Name -> (dtype, shape, raw bytes as a uint8 numpy array): numpy arrays leave the object
-    store without a copy, and a byte view carries any dtype (bfloat16 has no numpy type)."""
+def _to_arrays(tensors: Mapping[str, torch.Tensor],
+               dtype: torch.dtype | None = None) -> dict[str, tuple[str, tuple[int, ...], Any]]:
+    """Name -> (dtype, shape, raw bytes as a uint8 numpy array), floating tensors in ``dtype``
+    if given: numpy arrays leave the object store without a copy, and a byte view carries any
+    dtype (bfloat16 has no numpy type)."""
+    wired = {k: _wire(v, dtype) for k, v in tensors.items()}
     return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape),
-                v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-            for k, v in tensors.items()}
+                v.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            for k, v in wired.items()}
 
 
 def _from_arrays(arrays: Mapping[str, tuple[str, tuple[int, ...], Any]]) -> dict[str, torch.Tensor]:

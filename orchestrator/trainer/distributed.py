@@ -302,7 +302,8 @@ class RankTrainer(TorchTrainer):
             self._base_sent = True
         else:
             update = WeightUpdate.by_reference(
-                self.version, {k: v.clone() for k, v in state.items()}, leased=False)
+                self.version, {k: v.clone() for k, v in state.items()},
+                leased=False).with_wire_dtype(self._wire_dtype)
         return update.with_stats(gather_seconds=time.perf_counter() - started)
 
     async def weights(self) -> WeightUpdate:

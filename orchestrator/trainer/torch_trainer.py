@@ -256,6 +256,10 @@ class TorchTrainer(Trainer):
         self.precision = Precision.resolve(precision, self.device, loaded)
         if loaded != self.precision.weights:  # e.g. fp32 master weights of a bf16 checkpoint
             policy.model.to(self.precision.weights)
+        # Updates travel in the engines' dtype (they load model.dtype) where that is smaller:
+        # a mixed trainer's float32 master weights of a bf16 model, as bf16.
+        self._wire_dtype = (loaded if loaded.itemsize < self.precision.weights.itemsize
+                            else None)
         self._autocasts = True  # a rank under FSDP2's mixed precision does not (its _prepare)
         self.lora = LoraConfig.of(lora)
         if self.lora is not None:  # only the adapters train (orchestrator.trainer.lora)
@@ -777,7 +781,8 @@ class TorchTrainer(Trainer):
                                     with_base=not self._base_sent)
             self._base_sent = True
             return update
-        self._published = WeightUpdate.by_reference(self.version, self.model.state_dict())
+        self._published = WeightUpdate.by_reference(
+            self.version, self.model.state_dict()).with_wire_dtype(self._wire_dtype)
         return self._published
 
     # -- checkpoints ---------------------------------------------------------------------

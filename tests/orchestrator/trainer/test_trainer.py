@@ -291,6 +291,40 @@ def test_weight_update_transports_carry_the_same_tensors(tiny: Any, tmp_path: An
     assert set(live.to_file(tmp_path / "live.safetensors").tensors()) == set(live.tensors())
 
 
+def test_a_mixed_trainer_of_a_bf16_model_sends_bf16(tmp_path: Any) -> None:
+    """Its master weights are float32; the engines load bf16 (model.dtype): copies travel as
+    bf16, half the bytes, and an update by reference stays the trainer's own tensors."""
+    from orchestrator.models.policy import tiny_policy
+
+    def policy(dtype: str = "bfloat16") -> Any:
+        return tiny_policy(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                           dtype=dtype, seed=0, device="cpu")
+
+    trainer = TorchTrainer(policy(), GRPO(), precision="mixed")
+    update = anyio.run(trainer.weights)
+    assert update.wire_dtype == torch.bfloat16
+    own = update.tensors()
+    assert {t.dtype for t in own.values() if t.is_floating_point()} == {torch.float32}
+    for copy in (update.serialised(), update.to_file(tmp_path / "w.safetensors")):
+        got = copy.tensors()
+        assert {t.dtype for t in got.values() if t.is_floating_point()} == {torch.bfloat16}
+        assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in own.items())
+        assert copy.wire_dtype == torch.bfloat16  # carried: a copy's copy stays small
+    assert update.serialised().nbytes < 0.6 * WeightUpdate.by_reference(
+        0, own, leased=False).serialised().nbytes
+    from orchestrator.weights import _from_arrays, _to_arrays  # the object store's payload
+
+    stored = _from_arrays(_to_arrays(own, update.wire_dtype))
+    assert all(torch.equal(stored[k], v.to(torch.bfloat16)) for k, v in own.items())
+    update.release()
+    fp32 = TorchTrainer(policy("float32"), GRPO())
+    assert anyio.run(fp32.weights).wire_dtype is None  # float32 model: as it is
+    bf16 = TorchTrainer(policy("float32"), GRPO(), precision="bf16")  # smaller than the engines'
+    assert anyio.run(bf16.weights).wire_dtype is None
+    loaded = TorchTrainer(policy(), GRPO(), precision="fp32")  # float32 training of bf16
+    assert anyio.run(loaded.weights).wire_dtype == torch.bfloat16
+
+
 def test_state_dict_round_trips_weights_optimiser_and_version(make_policy: Any) -> None:
     groups = [with_rewards(g, [1.0, 0.0, 0.0, 1.0]) for g in rollout_groups(make_policy(0))]
     trainer = TorchTrainer(make_policy(0), GRPO(), lr=1e-2, warmup_steps=5)
