@@ -147,10 +147,15 @@ def _numbers(values: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
     return dict(zip(values, torch.stack([t.to(device) for t in tensors]).tolist(), strict=True))
 
 
-def _placed(keep: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``values`` (one per True of ``keep``, in row order) at their places in a zero tensor
-    shaped like ``keep`` (differentiable)."""
-    return values.new_zeros(keep.shape).masked_scatter(keep, values)
+def _placed(keep: torch.Tensor, values: torch.Tensor,
+            into: torch.Tensor | None = None) -> torch.Tensor:
+    """``values`` (one per True of ``keep``, a host mask, in row order) at their places in
+    ``into`` (default: zeros) shaped like ``keep``, differentiably. By positions found on the
+    host: a mask on the device (``masked_scatter``) makes its backward wait for the GPU to
+    count the mask (``masked_select``)."""
+    at = keep.flatten().nonzero().squeeze(1).to(values.device, non_blocking=True)
+    base = values.new_zeros(keep.numel()) if into is None else into.flatten()
+    return base.index_put((at,), values).view(keep.shape)
 
 
 class LogprobAgreement:
@@ -321,7 +326,6 @@ class TorchTrainer(Trainer):
                                  attention_mask=self._on(batch.attention))
         logp, entropy = self._score(logits, self._on(batch.targets[keep]),
                                     entropy_grad=entropy_grad)
-        keep = self._on(keep)
         return _placed(keep, logp), _placed(keep, entropy)
 
     def _score(self, logits: torch.Tensor, targets: torch.Tensor,
@@ -389,7 +393,6 @@ class TorchTrainer(Trainer):
             )
         logp, entropy = self._score(logits, self._on(batch.targets[trained]), self._on(packing.rows),
                                     entropy_grad)
-        trained = self._on(trained)
         return _placed(trained, logp), _placed(trained, entropy)
 
     def _two_pass_logprobs(self, batch: PackedBatch, model: torch.nn.Module,
@@ -404,55 +407,55 @@ class TorchTrainer(Trainer):
         sharing a 10-token prompt before ~5 tokens each, the trainer computes 30 positions
         instead of 60.
         """
-        dev = self.device
-        inputs, prefix = self._on(batch.inputs), self._on(batch.prefix)
-        groups, row_group = torch.unique(self._on(batch.group), return_inverse=True)
-        first_row = torch.full((len(groups),), len(batch), dtype=torch.long, device=dev)
-        first_row.scatter_reduce_(0, row_group, torch.arange(len(batch), device=dev), "amin")
-        group_prefix = prefix[first_row].clamp(min=1)  # a row with none shares its first token
+        # Every index and mask is found on the host, from the batch's own copy, and copied
+        # once: on the device, unique(), boolean indexing and the shapes they give would each
+        # make the host wait for the GPU.
+        groups, row_group = torch.unique(batch.group, return_inverse=True)
+        first_row = torch.full((len(groups),), len(batch), dtype=torch.long)
+        first_row.scatter_reduce_(0, row_group, torch.arange(len(batch)), "amin")
+        group_prefix = batch.prefix[first_row].clamp(min=1)  # a row with none shares its first token
         prefix = group_prefix[row_group]
-        # sizes from the host's copy of the batch (every row of a group has its prefix), so
-        # the device is never waited on for a shape
-        host_prefix = batch.prefix.clamp(min=1)
-        longest = int(host_prefix.max())
-        columns = torch.arange(longest, device=dev)
+        longest = int(group_prefix.max())
+        columns = torch.arange(longest)
         prefix_attention = (columns < group_prefix[:, None]).long()
         last = columns == group_prefix[:, None] - 1  # predicts each row's token `prefix`
-        head_logits, head = self._logits(model, last, input_ids=inputs[first_row, :longest],
-                                         attention_mask=prefix_attention, use_cache=True)
+        head_logits, head = self._logits(model, last,
+                                         input_ids=self._on(batch.inputs[first_row, :longest]),
+                                         attention_mask=self._on(prefix_attention), use_cache=True)
         cache = getattr(head, self._cache_argument)
+        on_rows = self._on(row_group)
         for layer in cache.layers:  # each row sees its group's prefix (gradients flow back)
-            layer.keys = layer.keys.index_select(0, row_group)
-            layer.values = layer.values.index_select(0, row_group)
+            layer.keys = layer.keys.index_select(0, on_rows)
+            layer.values = layer.values.index_select(0, on_rows)
 
         # Trained target positions: the last prefix one (from the prefix pass), then the rows'.
-        full = inputs.shape[1]
-        trained = self._on(batch.mask) > 0
-        position = torch.arange(full, device=dev)
+        full = batch.inputs.shape[1]
+        trained = batch.mask > 0
+        position = torch.arange(full)
         first = trained & (position == prefix[:, None] - 1)
         rest = trained & (position >= prefix[:, None])
-        targets = self._on(batch.targets)
-        logp, entropy = self._score(head_logits[row_group[first.any(1)]], targets[first],
-                                    entropy_grad=entropy_grad)
+        logp, entropy = self._score(head_logits[self._on(row_group[first.any(1)])],
+                                    self._on(batch.targets[first]), entropy_grad=entropy_grad)
         logp_full, entropy_full = _placed(first, logp), _placed(first, entropy)
 
-        own = self._on(batch.attention).sum(1) - prefix  # each row's inputs after its prefix
-        width = int((batch.attention.sum(1) - host_prefix).max())
+        own = batch.attention.sum(1) - prefix  # each row's inputs after its prefix
+        width = int(own.max())
         if width > 0:
-            offsets = torch.arange(width, device=dev)
+            offsets = torch.arange(width)
             positions = prefix[:, None] + offsets
             valid = offsets < own[:, None]
             at = positions.clamp(max=full - 1)
             logits, _ = self._logits(
                 model, valid & rest.gather(1, at),
-                input_ids=inputs.gather(1, at),
-                attention_mask=torch.cat([prefix_attention[row_group], valid.long()], dim=1),
-                position_ids=positions,
+                input_ids=self._on(batch.inputs.gather(1, at)),
+                attention_mask=self._on(torch.cat([prefix_attention[row_group], valid.long()], dim=1)),
+                position_ids=self._on(positions),
                 **{self._cache_argument: cache},
             )
-            logp, entropy = self._score(logits, targets[rest], entropy_grad=entropy_grad)
-            logp_full = logp_full.masked_scatter(rest, logp)
-            entropy_full = entropy_full.masked_scatter(rest, entropy)
+            logp, entropy = self._score(logits, self._on(batch.targets[rest]),
+                                        entropy_grad=entropy_grad)
+            logp_full = _placed(rest, logp, into=logp_full)
+            entropy_full = _placed(rest, entropy, into=entropy_full)
         return logp_full, entropy_full
 
     def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:

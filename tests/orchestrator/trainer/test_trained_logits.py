@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TINY_MODEL, group_prefixes
+from helpers import TINY_MODEL, group_prefixes, make_groups
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from orchestrator.algo.base import LossInputs
@@ -213,3 +213,22 @@ def test_the_engine_gap_keeps_a_nan_in_its_max() -> None:
     agreement.add(torch.zeros(1, 3), SimpleNamespace(on_policy=ones, behaviour_logprobs=ones * 2.0))
     metrics = agreement.metrics(warn_above=10.0)
     assert math.isnan(metrics["engine/logprob_diff_max"])
+
+
+def test_the_passes_read_nothing_back_from_the_device(share: bool) -> None:
+    """Every index and mask of a layout is found on the host and copied: on the ``meta``
+    device, which holds no values, an op whose result depends on the device's values
+    (``unique``, ``nonzero``, a boolean index: each a wait for the GPU on CUDA) fails. The
+    forward and the backward run there whole. (transformers' own slicing by a boolean
+    ``logits_to_keep`` is such an index, one per forward; it is turned off here.)"""
+    policy = tiny_policy(**{k: v for k, v in TINY_MODEL.items() if k != "_target_"}, seed=0)
+    trainer = TorchTrainer(policy, GRPO(), share_prefix=share)
+    batch = trainer._pack_groups(make_groups())
+    assert batch is not None and int(batch.prefix.max()) > 1  # the groups share prompts
+    trainer.model.to("meta")
+    trainer.device, trainer._keeps_logits = torch.device("meta"), False
+    logp, entropy = trainer._logprobs(batch, entropy_grad=True)
+    (logp.sum() + entropy.sum()).backward()
+    assert logp.device.type == "meta" and logp.shape == batch.mask.shape
+    assert all(p.grad is not None and p.grad.device.type == "meta"
+               for p in trainer.model.parameters() if p.requires_grad)
