@@ -148,10 +148,15 @@ class WeightUpdate:
         return self._carry(WeightUpdate.from_object_ref(
             self.version, ref, sum(a.nbytes for _, _, a in arrays.values())))
 
+    def unleased(self) -> WeightUpdate:
+        """The same tensors by reference, with this one's adapters, stats and wire dtype but no
+        lease: a view for a reader done with them before this update is released."""
+        return self._carry(WeightUpdate.by_reference(self.version, self.tensors(), leased=False))
+
     def detached(self) -> WeightUpdate:
         """A private copy in this process; releases the lease at once."""
         if self._lease is None and self.transport != "reference":
-            return self._carry(WeightUpdate.by_reference(self.version, self.tensors(), leased=False))
+            return self.unleased()
         copy = WeightUpdate.by_reference(self.version, _copy(self.tensors()), leased=False)
         self.release()
         return self._carry(copy)

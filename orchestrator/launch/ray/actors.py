@@ -228,9 +228,8 @@ class TrainerActor(_Reporting):
         """The current weights, put once into the object store; every engine pulls them."""
         update = await self._built().weights()
         with self._spans.span("weights_put", update.version) as attrs:
-            view = WeightUpdate.by_reference(update.version, update.tensors(),
-                                             leased=False).with_wire_dtype(update.wire_dtype)
-            shared = await anyio.to_thread.run_sync(view.to_object_store)
+            # a view that keeps the update's adapters (LoRA), stats and wire dtype
+            shared = await anyio.to_thread.run_sync(update.unleased().to_object_store)
             attrs["bytes"] = shared.nbytes
         update.release()  # in the loop that made its lease; the store holds a copy
         self._recipe.release_cached_memory()

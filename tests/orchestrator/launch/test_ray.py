@@ -168,6 +168,14 @@ def test_a_run_spreads_engines_over_worker_nodes_and_the_trainer_on_the_head(
     assert "train/kl_penalty" in metrics[1]
 
 
+def test_lora_updates_reach_the_engine_actors_as_adapters(cluster: Cluster,
+                                                         tmp_path: Path) -> None:
+    """The trainer actor's update goes into the object store with its adapters marked: without
+    them an engine took ``<weight>::lora_A`` tensors for whole weights and failed to load."""
+    result = run(ray_config(cluster, unique_run(), "trainer.lora.r=4"), tmp_path / "run")
+    check_run(result, tmp_path / "run", num_steps=2, k=1, batch=8)
+
+
 def test_spans_come_from_every_node_onto_the_driver_timeline(
         cluster: Cluster, smoke_run: tuple[RunResult, Path]) -> None:
     _, run_dir = smoke_run
