@@ -2,10 +2,10 @@
 
 ``trainer.world_size=N`` makes the launcher start N processes (Ray actors, or local processes)
 that each build a :class:`RankTrainer` from the same recipe and join one process group (gloo
-when the model is on the CPU, NCCL when it is on the rank's GPU) at rank 0's address. The model is sharded with FSDP2
-(``fully_shard`` on every decoder layer, then on the whole model): at rest each rank holds
-``1/N`` of the weights and of the optimiser's state. The driver sends every step's whole batch
-to every rank; the maths is the one-process trainer's:
+when the model is on the CPU, NCCL when it is on the rank's GPU) at rank 0's address. The model
+is sharded with FSDP2 (``fully_shard`` on every decoder layer, then on the whole model): at rest
+each rank holds ``1/N`` of the weights and of the optimiser's state. The driver sends every
+step's whole batch to every rank; the maths is the one-process trainer's:
 
 * the groups are split across ranks by token count (:func:`balance`, largest first onto the
   least-loaded rank; a group stays whole, so advantages and shared prefixes are unchanged);
