@@ -68,6 +68,8 @@ def main() -> None:
         if resumed is None:
             sys.argv[1:] = args
             _entry()
+        elif resumed.finished is not None:
+            print(resumed.finished_line())
         else:
             resumed.log_to_run_dir()
             _run_and_report(resumed.config, resumed.run_dir, resumed.checkpoint)

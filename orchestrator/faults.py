@@ -3,7 +3,9 @@ the run's fault counters across resumes.
 
 A run started with that variable SIGKILLs itself the first time it passes ``point`` at policy
 version ``version`` or later: no handler runs, no file is closed, exactly as when a machine
-dies. The points are ``generate`` (a rollout starting, other episodes in flight),
+dies. ``<point>@<version>:TERM`` sends SIGTERM instead, once: the run's own handler stops it
+after the step in progress, as when a scheduler preempts it; placed by the run's own progress,
+never by a clock, so a test of it does not depend on the machine's speed. The points are ``generate`` (a rollout starting, other episodes in flight),
 ``train_step`` (between the backward pass and the optimiser step), ``weight_sync`` (the
 engine paused, the weights not loaded) and ``checkpoint`` (the files written, not the
 manifest). Unset, :func:`kill_point` costs one dictionary lookup.
@@ -46,10 +48,21 @@ def resumed_faults(checkpoint: Mapping[str, float],
     return totals
 
 
+_signalled = False  # a SIGTERM point fires once (the run stops after the step in progress)
+
+
 def kill_point(point: str, version: int) -> None:
+    global _signalled
     target = os.environ.get(ENV)
     if not target:
         return
+    target, _, how = target.partition(":")
     name, _, at = target.partition("@")
-    if name == point and version >= int(at or 0):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if name != point or version < int(at or 0):
+        return
+    if how == "TERM":
+        if not _signalled:
+            _signalled = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return
+    os.kill(os.getpid(), signal.SIGKILL)

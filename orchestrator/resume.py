@@ -145,11 +145,21 @@ RESUMABLE = ("pipeline.num_steps", "progress", "progress_every", "logger", "chec
 
 @dataclass(frozen=True)
 class Resumed:
-    """A run to go on with: its config, its directory and the checkpoint to start from."""
+    """A run to go on with: its config, its directory and the checkpoint to start from.
+    ``finished``: the run already ran its ``pipeline.num_steps`` (that many steps): there is
+    nothing to train, unless the resume asks for more steps."""
 
     config: DictConfig
     run_dir: Path
     checkpoint: Path
+    finished: int | None = None
+
+    def finished_line(self) -> str:
+        """What ``resume=`` of a finished run says (it trains nothing and exits 0)."""
+        assert self.finished is not None
+        return (f"resume={self.run_dir}: the run finished at step {self.finished} (its model: "
+                f"{self.run_dir / 'checkpoints' / 'final'}); nothing to train. To train it "
+                f"further, resume with more steps, e.g. pipeline.num_steps={2 * self.finished}")
 
     def log_to_run_dir(self) -> None:
         """Log as a fresh run does (Hydra sets that up for those), into the run's ``train.log``."""
@@ -167,7 +177,24 @@ def from_command_line(args: list[str]) -> Resumed | None:
         return None
     checkpoint = find_checkpoint(target)
     cfg = same_command_config(target, args) if auto else resumed_config(target, args)
+    done = finished_steps(target)
+    if done is not None and done >= int(cfg.pipeline.num_steps):
+        return Resumed(cfg, target, checkpoint, finished=done)
     return Resumed(cfg, target, checkpoint)
+
+
+def finished_steps(run_dir: Path) -> int | None:
+    """The steps of ``run_dir`` if it finished (its ``checkpoints/final`` and ``summary.json``
+    written), else None. A finished run resumed with a larger ``pipeline.num_steps`` goes on
+    from its last step's checkpoint (written as every run ends); a crash in that continuation
+    leaves a summary of fewer steps than the config, so resuming it goes on again."""
+    summary = run_dir / "summary.json"
+    if not (run_dir / "checkpoints" / "final").is_dir() or not summary.is_file():
+        return None
+    try:
+        return int(json.loads(summary.read_text())["steps"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def resume_target(args: list[str]) -> tuple[Path | None, bool]:

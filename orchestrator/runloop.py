@@ -372,9 +372,11 @@ async def run_session(parts: RunParts, result: RunResult,
                          if saved is not None else "no step had finished: nothing to resume")
                 raise RunAborted(f"stopped by {result.stopped_by} after "
                                  f"{start + len(result.reports)} steps; {where}")
+            if checkpointer is not None:
+                # the last step's state: a finished run resumed with more steps goes on from
+                # its end, not its last periodic checkpoint (and keep_best ranks these weights)
+                await checkpointer.save()
             if parts.eval_tasks:
-                if checkpointer is not None and checkpointer.keep_best is not None:
-                    await checkpointer.save()  # the weights the evaluation after RL ranks
                 result.eval_after = await evaluation()
                 log.info("eval after RL: %.3f  %s", result.eval_after.mean,
                          result.eval_after.describe())

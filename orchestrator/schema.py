@@ -221,7 +221,8 @@ class CheckpointConfig:
                                 "so a crash loses at most the step in progress and a minute "
                                 "(0: not by time)")
     every: int = Field(0, ge=0, description="and/or every this many steps (0: not by count; "
-                                            "with every_s=0 too, only SIGTERM/SIGINT write one)")
+                                            "with every_s=0 too, only SIGTERM/SIGINT and the "
+                                            "run's end write one)")
     keep: int = Field(2, ge=1, description="the newest kept in <run_dir>/checkpoints/step-<N>/")
     keep_best: str | None = Field(
         None, description="and the best by this evaluation figure (eval/pass@1, eval/accuracy, "
