@@ -15,6 +15,10 @@ import sys
 from typing import NoReturn
 
 REFUSED = 3  # the exit status of a benchmark that could not measure (argparse uses 2)
+# The toy model a smoke size runs (the tests' own: tests/helpers.py TINY_MODEL), as overrides
+# of any experiment's model: the tiny Llama with the character tokenizer, built from config.
+TOY_MODEL = ("model=tiny", "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2",
+             "model.intermediate_size=64")
 
 
 def refuse(name: str, why: str) -> NoReturn:
@@ -31,10 +35,11 @@ def add_smoke(parser: argparse.ArgumentParser) -> None:
                              "benchmark works, its figures say nothing")
 
 
-def headline(name: str, value: float, digits: int = 3) -> None:
-    """Print the headline as the last line; a value that is not finite is a refusal, never a
-    figure."""
+def headline(name: str, value: float, digits: int = 3, spec: str | None = None) -> None:
+    """Print the headline as the last line (``spec``: a format of its own, ``.3g`` for a
+    figure that spans magnitudes, instead of ``digits`` decimals); a value that is not finite
+    is a refusal, never a figure."""
     if not math.isfinite(value):
         print(f"{name}: cannot measure: it came out {value}", file=sys.stderr, flush=True)
         raise SystemExit(REFUSED)
-    print(f"{name}={value:.{digits}f}", flush=True)
+    print(f"{name}={value:{spec or f'.{digits}f'}}", flush=True)

@@ -49,6 +49,9 @@ Observations are a few ids, not the trace's hundreds of tokens, which would fill
 256 episodes, 32 with ``--quick``), its context capped at the tiny model's 256 so the
 workload is the same; random ids from its vocabulary.
 
+``--smoke`` (seconds, the tests'): 16 episodes of the same workload on the tiny model, both
+modes once (and the vLLM row where vLLM imports); its figures say nothing.
+
 Last line: ``continuous_vs_waves=<tokens/s ratio>``.
 """
 
@@ -71,6 +74,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from bench.cli import add_smoke, headline
 from bench.machine import machine, spread
 from orchestrator.allocator import keep_freed_memory
 from orchestrator.engines.base import InferenceEngine
@@ -84,6 +88,7 @@ from sandboxes.search.latency import TraceFaultModel
 
 TINY = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny.yaml"
 CLIENTS = 64
+SMOKE_EPISODES = 16
 LENGTH_SCALE = 1 / 5
 OBSERVATION_IDS = 4  # appended per tool call
 FIRST_ID = 7  # ids below are the char tokenizer's specials: prompts hold ordinary characters
@@ -261,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.engine",
                                      description="Torch engine: continuous batching against waves.")
     parser.add_argument("--quick", action="store_true", help="fewer episodes")
+    add_smoke(parser)
     parser.add_argument("--episodes", type=int, default=None)
     parser.add_argument("--time-scale", type=float, default=0.1,
                         help="multiplies the search latency model's tool pauses")
@@ -273,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     kept = keep_freed_memory()  # glibc's allocator as python -m orchestrator sets it
     real = args.model == "smollm2"
-    episodes = args.episodes or ((32 if args.quick else 256) if real else (128 if args.quick else 1024))
+    episodes = args.episodes or (SMOKE_EPISODES if args.smoke else (32 if args.quick else 256)
+                                 if real else (128 if args.quick else 1024))
     torch.set_num_threads(1)
     model = smollm2_model() if real else tiny_model(args.seed)
     policy = build_policy(model)
@@ -289,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"engine: torch, {args.model} model on {policy.device}, torch threads "
           f"{torch.get_num_threads()}, max_batch_size {CLIENTS}, freed memory kept: {kept}")
     print(machine())
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick or args.smoke else 3)
     print(f"{'run':<4} {'mode':<11} {'tokens/s':>9} {'p50_ms':>8} {'p99_ms':>8} {'requests':>8}")
     ratios = []
     for run in range(1, repeats + 1):
@@ -304,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{row.latency_ms(99):>8.1f} {len(row.latencies_s):>8}", flush=True)
         ratios.append(rows["continuous"].tokens_per_s / rows["waves"].tokens_per_s)
     print(f"continuous against waves, tokens/s: {spread(ratios)}")
-    print(f"continuous_vs_waves={statistics.median(ratios):.2f}")
+    headline("continuous_vs_waves", statistics.median(ratios), 2)
 
 
 if __name__ == "__main__":

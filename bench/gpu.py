@@ -16,13 +16,19 @@ Small model, small batches: a 135 M-parameter model with ~1,500 tokens a step is
 what saturates an H100; the figures say what this code does with the model the project's
 experiments use, and where the time goes, not what a GPU can do with a 7 B model.
 
-Last line: ``gpu_trainer_peak_fraction=<value>`` (mixed precision).
+Last line: ``gpu_trainer_peak_fraction=<value>`` (mixed precision). Without a CUDA device it
+refuses in one line (exit 3), except ``--smoke`` (seconds, the tests'): every step above on
+the toy model (:data:`bench.cli.TOY_MODEL`) instead of SmolLM2, on the GPU where there is one,
+else on the CPU (the peak then a 256-wide bf16 product on the CPU's cores, and no host waits
+to count: the host is the device), 1 and 2 sequences of 4 tokens, one timed step of one
+group of 2 samples; its figures say nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -32,6 +38,7 @@ from typing import Any, Self
 import anyio
 import torch
 
+from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from bench.engine import torch_engine
 from bench.real_model import Budget, _engine_rows, config, print_training, prompts, training
 from orchestrator.config import section
@@ -42,18 +49,23 @@ from orchestrator.types import Group, SamplingParams
 CONCURRENCY = (1, 8, 32, 64)
 
 
-def bf16_peak(size: int = 8192, repeats: int = 10) -> float:
-    """FLOP/s of a bf16 matrix product of ``size`` on the current GPU."""
-    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+def bf16_peak(size: int = 8192, repeats: int = 10, device: str = "cuda") -> float:
+    """FLOP/s of a bf16 matrix product of ``size`` on ``device`` (the current GPU)."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    torch.cuda.synchronize()
+    synchronize(device)
     return 2 * size**3 * repeats / (time.perf_counter() - started)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 class HostSyncs:
@@ -77,11 +89,14 @@ class HostSyncs:
         self.count = sum("synchroniz" in str(w.message) for w in self._records)
 
 
-def syncs(budget: Budget) -> None:
+def syncs(budget: Budget, device: str = "cuda") -> None:
     """Host waits in a round of 8 sequences x ``decode_tokens`` (the train step's are counted
     by :func:`main`)."""
-    model = {**section(config(), "model"), "device": "cuda"}
-    prompt = prompts()[:8]
+    if not device.startswith("cuda"):
+        print("host waits: none to count (the model runs on the host)", flush=True)
+        return
+    model = {**section(config(*budget.model), "model"), "device": device}
+    prompt = prompts(*budget.model)[:8]
 
     sampling = SamplingParams(max_tokens=budget.decode_tokens, temperature=1.0)
 
@@ -102,18 +117,20 @@ def syncs(budget: Budget) -> None:
 
 
 def train_syncs(trainer: TorchTrainer, batches: list[list[Group]]) -> dict[str, float]:
-    """Host waits in one more train step, on the last batch."""
+    """Host waits in one more train step, on the last batch (none to count on the CPU)."""
+    if not torch.cuda.is_available():
+        return {"syncs": math.nan}
     with HostSyncs() as waits:
         trainer.train_step(batches[-1])
     return {"syncs": waits.count}
 
 
-def generation(budget: Budget) -> None:
-    ids = prompts()
-    model = section(config(), "model")
+def generation(budget: Budget, device: str = "cuda") -> None:
+    ids = prompts(*budget.model)
+    model = section(config(*budget.model), "model")
     print(f"{'engine':<14} {'seqs':>5} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for dtype in ("bfloat16", "float32"):
-        node = {**model, "device": "cuda", "dtype": dtype}
+        node = {**model, "device": device, "dtype": dtype}
         engine = torch_engine(node, None, 0, max_batch_size=max(budget.concurrency))
         for r in anyio.run(_engine_rows, f"torch-{dtype}", engine, ids, budget):
             print(f"{r['engine']:<14} {r['concurrency']:>5} {r['prefill_tokens_per_s']:>14.1f} "
@@ -124,31 +141,44 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed training steps")
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    add_smoke(parser)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.gpu needs a CUDA device; none is visible")
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        refuse("gpu", "it needs a CUDA device; none is visible (--smoke runs it on the CPU)")
+    device = "cuda" if cuda else "cpu"
     quick = args.quick
-    steps = 2 if quick else args.steps
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    peak = bf16_peak()
-    print(f"bf16 matmul 8192^3: {peak / 1e12:.0f} TFLOP/s", flush=True)
-    budget = Budget(CONCURRENCY, 32 if quick else 64, 2, 2 if quick else 3, steps, None, 0, 1,
-                    False, False)
-    generation(budget)
-    syncs(budget)
+    steps = 1 if args.smoke else 2 if quick else args.steps
+    print(f"{torch.cuda.get_device_name() if cuda else 'CPU (no CUDA device)'}, torch "
+          f"{torch.__version__}" + (", the toy model" if args.smoke else ""), flush=True)
+    size = 8192 if cuda else 256
+    peak = bf16_peak(size, device=device)
+    print(f"bf16 matmul {size}^3: {peak / 1e12:.3g} TFLOP/s", flush=True)
+    if args.smoke:
+        budget = Budget((1, 2), 4, 1, 1, steps, 1, 0, 1, False, False, model=TOY_MODEL)
+        shrink: tuple[str, ...] = ("rollout.group_size=2", "pipeline.batch_size=2",
+                                   "rollout.max_tokens=4")
+    else:
+        budget = Budget(CONCURRENCY, 32 if quick else 64, 2, 2 if quick else 3, steps, None, 0,
+                        1, False, False)
+        shrink = ()
+    generation(budget, device)
+    syncs(budget, device)
     fraction = float("nan")
     for precision in ("mixed", "fp32"):
-        t = training(replace(budget, shrink=(f"trainer.precision={precision}",)), threads=4,
-                     microbenchmark=False, device="cuda", after=train_syncs)
+        t = training(replace(budget, shrink=(*shrink, f"trainer.precision={precision}")),
+                     threads=4 if cuda else 1, microbenchmark=False, device=device,
+                     after=train_syncs)
         print(f"trainer.precision={precision}:")
         print_training(t)
         share = t["gflops"] * 1e9 / peak
-        print(f"  useful {t['gflops'] / 1e3:.2f} TFLOP/s (forward + backward), "
-              f"{share:.4f} of the bf16 peak; the host waited for the GPU {t['syncs']:.0f} "
-              f"times in a step", flush=True)
+        waits = (f"the host waited for the GPU {t['syncs']:.0f} times in a step"
+                 if math.isfinite(t["syncs"]) else "no host waits to count on the CPU")
+        print(f"  useful {t['gflops'] / 1e3:.3g} TFLOP/s (forward + backward), "
+              f"{share:.4f} of the bf16 peak; {waits}", flush=True)
         if precision == "mixed":
             fraction = share
-    print(f"gpu_trainer_peak_fraction={fraction:.4f}")
+    headline("gpu_trainer_peak_fraction", fraction, 4)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ allocations between the same two moments and prints where they grew (it slows th
 the RSS figures then include its own bookkeeping).
 
 Prints the RSS at both steps, the size of the run's spans (``spans/``), and last
-``rss_growth_200_to_<N>=<growth>%``: ``N`` is 2000 for the full run, 400 with ``--quick``.
-The target: within 10% for the full run.
+``rss_growth_200_to_<N>=<growth in percent>`` (a bare number, as every headline): ``N`` is
+2000 for the full run, 400 with ``--quick``. The target: within 10% for the full run.
+``--smoke`` (seconds, the tests'): the toy model
+(:data:`bench.cli.TOY_MODEL`), a 2-step warm start, RSS at steps 2 and 6:
+``rss_growth_2_to_6=``; its figure says nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from orchestrator.main import run
 from orchestrator.recorder import span_files, spans_path
 
@@ -80,16 +84,18 @@ class StepSampler(threading.Thread):
             self.snapshots[step] = tracemalloc.take_snapshot()
 
 
-def measure(steps: int, trace: bool, as_configured: bool = False) -> None:
+def measure(steps: int, trace: bool, as_configured: bool = False, first_step: int = FIRST,
+            warm_start: int = WARM_START_STEPS, overrides: Sequence[str] = ()) -> None:
+    """RSS at step ``first_step`` against step ``steps``; ``overrides``: of the experiment."""
     with tempfile.TemporaryDirectory(prefix="polyrl-memory-") as tmp:
         run_dir = Path(tmp) / "run"
         short_warm_start = [] if as_configured else [
-            f"warmstart.steps={WARM_START_STEPS}", "warmstart.target_accuracy=null"]
+            f"warmstart.steps={warm_start}", "warmstart.target_accuracy=null"]
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
             cfg = compose("config", overrides=[
                 "experiment=arithmetic", "logger=none", "progress=false",
-                f"pipeline.num_steps={steps}", *short_warm_start])
-        sampler = StepSampler(run_dir / "metrics.jsonl", [FIRST, steps])
+                f"pipeline.num_steps={steps}", *short_warm_start, *overrides])
+        sampler = StepSampler(run_dir / "metrics.jsonl", [first_step, steps])
         if trace:
             tracemalloc.start(4)
         sampler.start()
@@ -98,21 +104,21 @@ def measure(steps: int, trace: bool, as_configured: bool = False) -> None:
         finally:
             sampler.stop.set()
             sampler.join()
-        if set(sampler.rss) != {FIRST, steps}:
-            raise SystemExit(f"the run ended before step {steps}")
+        if set(sampler.rss) != {first_step, steps}:
+            refuse("memory", f"the run ended before step {steps}")
         if trace:
-            report_growth(sampler.snapshots[FIRST], sampler.snapshots[steps])
+            report_growth(sampler.snapshots[first_step], sampler.snapshots[steps])
         summary = result.summary
         print(f"run: reward {summary['reward_first_10pct']:.3f} -> "
               f"{summary['reward_last_10pct']:.3f} (first/last 10% of steps), eval "
               f"{summary['eval_before']} -> {summary['eval_after']}, warm start "
               f"{summary['warm_start_steps']} steps, {summary['samples_per_s']:.1f} samples/s")
-        first, last = sampler.rss[FIRST], sampler.rss[steps]
-        print(f"rss_at_step_{FIRST}={first / 2**20:.1f}MiB")
+        first, last = sampler.rss[first_step], sampler.rss[steps]
+        print(f"rss_at_step_{first_step}={first / 2**20:.1f}MiB")
         print(f"rss_at_step_{steps}={last / 2**20:.1f}MiB")
         spans = sum(p.stat().st_size for p in span_files(spans_path(run_dir)))
         print(f"spans={spans / 2**20:.1f}MiB (compressed)")
-        print(f"rss_growth_{FIRST}_to_{steps}={100 * (last / first - 1):.1f}%")
+        headline(f"rss_growth_{first_step}_to_{steps}", 100 * (last / first - 1), 1)
 
 
 def report_growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot) -> None:
@@ -134,8 +140,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--as-configured", action="store_true",
                         help="the experiment's own warm start (to its accuracy target): the "
                              "default experiment exactly, its learning figures included")
+    add_smoke(parser)
     args = parser.parse_args(argv)
-    measure(400 if args.quick else 2000, args.tracemalloc, args.as_configured)
+    if args.smoke:
+        measure(6, args.tracemalloc, args.as_configured, first_step=2, warm_start=2,
+                overrides=TOY_MODEL)
+    else:
+        measure(400 if args.quick else 2000, args.tracemalloc, args.as_configured)
 
 
 if __name__ == "__main__":

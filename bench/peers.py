@@ -55,10 +55,18 @@ of steps), writes ``<out>/peers.png`` (reward per step, and accuracy against wal
 ``<out>/results.json``, then ``bound_fraction=``, ``throughput_vs_trl_k0=`` and last
 ``speedup_vs_trl=<TRL's wall time to the target / this project's at k = 1>``. When a run does
 not reach the target within its steps, the speed-up is taken at the highest accuracy all
-three reached (a line says so). ``--quick``: 100 steps per run instead of 2,000 (a few
-minutes in all on 2 idle cores, most of it the warm start and TRL); the target stays 0.8,
-which 100 steps do not reach, so the speed-up is then taken at a lower accuracy and says
-little: it is for checking that the benchmark runs.
+three reached (a line says so). When that is no more than the warm start's (no run's
+accuracy rose, or not every run's), there is no time to compare (each run is there at 0 s):
+the speed-up is then k = 1's samples/s over TRL's, at the same batch and hyper-parameters
+(equal learning per step), as ``bench.real_model`` takes it, and a line says so.
+``--quick``: 100 steps per run instead of 2,000 (a few minutes in all on 2 idle cores, most
+of it the warm start and TRL); the target stays 0.8, which 100 steps do not reach, so the
+speed-up is then taken at a lower accuracy and says little: it is for checking that the
+benchmark runs. ``--smoke`` (seconds of work, the tests'): the same three runs and their
+evaluation on the toy model (:data:`bench.cli.TOY_MODEL`), 16 samples a step, a 2-step
+warm start without a target, 2 RL steps a run with a snapshot after each, 8 eval tasks,
+TRL on one thread (``--trl-threads``) and the FLOP bound's microbenchmark at short rounds;
+its figures say nothing.
 
 Needs TRL (``pip install -e '.[peers]'``). Limits: one seed; wall times on a shared machine;
 TRL generates with ``transformers``' ``generate`` (no vLLM on CPU), which is what a CPU user
@@ -85,10 +93,12 @@ import anyio
 import torch
 from omegaconf import DictConfig
 
+from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from bench.flops import Shapes
 from bench.peers_trl import (
     BASE,
     REPO,
+    NotComparable,
     RLSettings,
     arithmetic_spec,
     char_tokenizer_fast,
@@ -107,7 +117,11 @@ from orchestrator.rollout import EpisodeRunner
 from orchestrator.schema import RolloutConfig
 from orchestrator.weights import WeightUpdate
 
-STEPS, QUICK_STEPS = 2000, 100
+STEPS, QUICK_STEPS, SMOKE_STEPS = 2000, 100, 2
+# --smoke: the toy model, 16 samples a step, a 2-step warm start without a target, 8 eval tasks
+SMOKE = (*TOY_MODEL, "pipeline.batch_size=16", "pipeline.num_workers=8", "warmstart.steps=2",
+         "warmstart.target_accuracy=null", "eval.num_tasks=8")
+SMOKE_TIMING = {"min_time": 0.002, "repeats": 2, "calls": 1}  # the FLOP bound's microbenchmark
 EVERY = 20  # steps between evaluated snapshots (checkpoint.every)
 TARGET = 0.8
 TRL_THREADS = 2  # TRL's torch threads: both cores
@@ -116,12 +130,12 @@ TRL_THREADS = 2  # TRL's torch threads: both cores
 # -- the warm start ----------------------------------------------------------------------------
 
 
-def warm_start(out: Path) -> tuple[Path, dict[str, Any]]:
-    """The default experiment's warm start, saved to ``out`` as a Hugging Face directory;
-    the path of its ``model.safetensors`` and what it did."""
+def warm_start(out: Path, base: Sequence[str] = BASE) -> tuple[Path, dict[str, Any]]:
+    """The warm start of the experiment ``base`` names (the default one), saved to ``out`` as a
+    Hugging Face directory; the path of its ``model.safetensors`` and what it did."""
     from transformers.utils import logging as hf_logging
 
-    cfg = experiment()
+    cfg = experiment(base=base)
     parts = training_parts(cfg)
     assert parts.warm_start is not None
     recorder = Recorder()
@@ -198,7 +212,8 @@ def run_project(k: int, steps: int, every: int, out: Path, model: Sequence[str],
                  f"checkpoint.every={every}", "checkpoint.every_s=0",
                  f"checkpoint.keep={steps // every + 1}",
                  *model, f"hydra.run.dir={run_dir}"], out / f"k{k}.log")
-    return read_project(run_dir, f"polyrl k={k}", every, RLSettings.of(experiment(base=base)))
+    return read_project(run_dir, f"polyrl k={k}", every,
+                        RLSettings.of(experiment(*model, base=base)))
 
 
 def read_project(run_dir: Path, name: str, every: int, settings: RLSettings) -> Run:
@@ -226,15 +241,16 @@ def read_project(run_dir: Path, name: str, every: int, settings: RLSettings) -> 
 
 
 def run_trl(steps: int, every: int, out: Path, threads: int = TRL_THREADS,
-            weights: Path | None = None, name: str = "arithmetic") -> Run:
-    """``python -m bench.peers_trl`` on experiment ``name`` (from ``weights``, the tiny
-    model's warm start, or the experiment's checkpoint)."""
+            weights: Path | None = None, name: str = "arithmetic",
+            overrides: Sequence[str] = ()) -> Run:
+    """``python -m bench.peers_trl`` on experiment ``name`` with ``overrides`` (from
+    ``weights``, the tiny model's warm start, or the experiment's checkpoint)."""
     trl_dir = out / "trl"
     shutil.rmtree(trl_dir, ignore_errors=True)
     start = ["--weights", str(weights)] if weights is not None else []
     _subprocess(["-m", "bench.peers_trl", "--experiment", name, *start, "--out", str(trl_dir),
-                 "--steps", str(steps), "--every", str(every), "--threads", str(threads)],
-                out / "trl.log")
+                 "--steps", str(steps), "--every", str(every), "--threads", str(threads),
+                 "--", *overrides], out / "trl.log")
     return read_trl(trl_dir)
 
 
@@ -286,10 +302,13 @@ def evaluate_runs(runs: Sequence[Run], cfg: DictConfig) -> float:
 # -- the FLOP bound ----------------------------------------------------------------------------
 
 
-def flop_bound(tokens_per_sample: float, batch: int) -> dict[str, float]:
-    """Samples/s if a step's FLOPs ran at the rate the 2 cores sustain on the model's shapes:
-    the better of one process at 2 threads and twice one thread (two workers, a core each)."""
-    model = experiment().model
+def flop_bound(tokens_per_sample: float, batch: int, cfg: DictConfig | None = None,
+               **timing: Any) -> dict[str, float]:
+    """Samples/s if a step's FLOPs ran at the rate the 2 cores sustain on the model's shapes
+    (``cfg``'s model, the default experiment's unless told): the better of one process at 2
+    threads and twice one thread (two workers, a core each). ``timing``: the
+    microbenchmark's rounds (:func:`bench.flops.best_seconds`)."""
+    model = (cfg or experiment()).model
     shapes = Shapes.llama(int(model.hidden_size), int(model.intermediate_size),
                           int(model.num_layers), CharTokenizer().vocab_size)
     prompt = len(CharTokenizer().chat_prompt(arithmetic_spec().tasks("train")[0].messages))
@@ -301,9 +320,10 @@ def flop_bound(tokens_per_sample: float, batch: int) -> dict[str, float]:
 
     def sustained(threads: int) -> float:
         torch.set_num_threads(threads)
-        seconds = (linear_time(round(batch * seq), backward=True)  # the trainer
-                   + linear_time(batch * prompt, backward=False)  # the rollouts' prefill
-                   + (tokens_per_sample - 1) * linear_time(batch, backward=False))  # their decode
+        seconds = (linear_time(round(batch * seq), backward=True, **timing)  # the trainer
+                   + linear_time(batch * prompt, backward=False, **timing)  # the rollouts' prefill
+                   + (tokens_per_sample - 1)
+                   * linear_time(batch, backward=False, **timing))  # their decode
         return 8 * n * batch * seq / seconds
 
     one, two = sustained(1), sustained(2)
@@ -372,38 +392,50 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                  "model, weights, task and cores.")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_STEPS} steps per run instead of {STEPS} (target unchanged)")
+    add_smoke(parser)
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run")
-    parser.add_argument("--every", type=int, default=EVERY,
-                        help="steps between evaluated snapshots")
+    parser.add_argument("--every", type=int, default=None,
+                        help=f"steps between evaluated snapshots ({EVERY})")
     parser.add_argument("--target", type=float, default=TARGET, help="held-out greedy accuracy")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_peers")
-    parser.add_argument("--trl-threads", type=int, default=TRL_THREADS,
-                        help="torch threads of the TRL run (2: both cores)")
+    parser.add_argument("--trl-threads", type=int, default=None,
+                        help=f"torch threads of the TRL run ({TRL_THREADS}: both cores; "
+                             "--smoke 1)")
     parser.add_argument("--keep-snapshots", action="store_true",
                         help="keep every run's saved weights (deleted once evaluated)")
     args = parser.parse_args(argv)
-    if args.every < 1 or (args.steps is not None and args.steps < 1):
+    every = args.every or (1 if args.smoke else EVERY)
+    if every < 1 or (args.steps is not None and args.steps < 1):
         parser.error("--steps and --every must be >= 1")
     if importlib.util.find_spec("trl") is None:
-        raise SystemExit("bench.peers needs TRL: pip install -e '.[peers]'")
-    steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+        refuse("peers", "it needs TRL: pip install -e '.[peers]'")
+    base = [*BASE, *SMOKE] if args.smoke else BASE
+    try:
+        settings = RLSettings.of(experiment(base=base))
+    except NotComparable as e:
+        refuse("peers", str(e))
+    steps = args.steps or (SMOKE_STEPS if args.smoke else QUICK_STEPS if args.quick else STEPS)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    weights, warm = warm_start(out / "warmstart")
+    weights, warm = warm_start(out / "warmstart", base)
     print(f"warm start: {warm['steps']} supervised steps in {warm['seconds']:.1f} s, greedy "
           f"check accuracy {warm['check_accuracy']}; weights in {weights.parent}", flush=True)
     warm = ["model._target_=bench.peers_trl.warm_policy", f"+model.weights={weights}"]
-    runs = [run_project(0, steps, args.every, out, warm)]
+    toy = SMOKE if args.smoke else ()
+    runs = [run_project(0, steps, every, out, [*toy, *warm])]
     print(runs[-1].line(), flush=True)
-    runs.append(run_project(1, steps, args.every, out, warm))
+    runs.append(run_project(1, steps, every, out, [*toy, *warm]))
     print(runs[-1].line(), flush=True)
-    runs.append(run_trl(steps, args.every, out, args.trl_threads, weights))
+    trl_threads = args.trl_threads or (1 if args.smoke else TRL_THREADS)
+    runs.append(run_trl(steps, every, out, trl_threads, weights, overrides=toy))
     print(runs[-1].line(), flush=True)
     k0, k1, trl = runs
-    warm_acc = evaluate_runs(runs, experiment(*warm))
-    settings = RLSettings.of(experiment())
-    bound = flop_bound(k1.tokens_per_sample or float(settings.max_tokens), settings.batch_size)
+    cfg = experiment(*warm, base=base)
+    warm_acc = evaluate_runs(runs, cfg)
+    timing = SMOKE_TIMING if args.smoke else {}
+    bound = flop_bound(k1.tokens_per_sample or float(settings.max_tokens), settings.batch_size,
+                       cfg, **timing)
     if not args.keep_snapshots:
         for run in (k0, k1):  # checkpoints/step-<N>/ (final/ stays)
             for _, _, path in run.snapshots:
@@ -411,9 +443,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                     shutil.rmtree(path.parent.parent, ignore_errors=True)
         shutil.rmtree(out / "trl" / "snapshots", ignore_errors=True)
 
-    print(f"warm start greedy accuracy on the eval split: {warm_acc:.3f}; {steps} RL steps of 64 "
-          f"samples per run, snapshots every {args.every} steps")
-    common = report(runs, args.target, out / "peers.png")
+    print(f"warm start greedy accuracy on the eval split: {warm_acc:.3f}; {steps} RL steps of "
+          f"{settings.batch_size} samples per run, snapshots every {every} steps")
+    common = report(runs, args.target, out / "peers.png",
+                    held_out=f"accuracy on the {scalar(cfg, 'eval.num_tasks')} eval tasks")
     print(f"FLOP bound: {bound['step_gflop']:.2f} GFLOP per step "
           f"({bound['params_matmul'] / 1e6:.2f} M matmul weights, "
           f"{bound['tokens_per_sample_fed']:.1f} tokens fed per sample), "
@@ -423,21 +456,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     if bound["two_threads_gflops"] < 1.5 * bound["one_thread_gflops"]:
         print("warning: 2 threads sustain less than 1.5x one thread: the machine is busy, and "
               "every figure here is slowed by it")
+    k1_time, trl_time = k1.time_to(common), trl.time_to(common)
+    if common > warm_acc + 1e-9 and k1_time and trl_time is not None:
+        speedup = trl_time / k1_time
+        if common < args.target:
+            print(f"target {args.target} not reached by every run within {steps} steps: the "
+                  f"speed-up is taken at accuracy {common:.3f}, the best all three reached")
+    else:  # every run's time to the warm start's accuracy is 0: nothing to time
+        speedup = k1.samples_per_s / trl.samples_per_s
+        print(f"no accuracy above the warm start's ({warm_acc:.3f}) was reached by all three "
+              f"runs within {steps} steps: the speed-up is taken as samples/s at equal learning "
+              f"per step (same batch and hyper-parameters), k = 1 over TRL: "
+              f"{k1.samples_per_s:.1f} / {trl.samples_per_s:.1f}")
     (out / "results.json").write_text(json.dumps({
-        "steps": steps, "every": args.every, "target": args.target, "warm_start": warm,
-        "warm_start_eval_accuracy": warm_acc, "flop_bound": bound,
+        "steps": steps, "every": every, "target": args.target, "warm_start": warm,
+        "warm_start_eval_accuracy": warm_acc, "flop_bound": bound, "speedup": speedup,
         "runs": [{"name": r.name, "samples_per_s": r.samples_per_s, "rl_seconds": r.wall,
                   "time_to_target": r.time_to(args.target), "rewards": r.rewards,
                   "accuracy": r.accuracy} for r in runs]}, indent=1) + "\n")
     print(f"plot: {out / 'peers.png'}")
-    if common < args.target:
-        print(f"target {args.target} not reached by every run within {steps} steps: the "
-              f"speed-up is taken at accuracy {common:.3f}, the best all three reached")
-    k1_time, trl_time = k1.time_to(common), trl.time_to(common)
     print(f"bound_fraction={k1.samples_per_s / bound['samples_per_s']:.3f}")
     print(f"throughput_vs_trl_k0={k0.samples_per_s / trl.samples_per_s:.2f}")
-    speedup = trl_time / k1_time if trl_time is not None and k1_time else float("nan")
-    print(f"speedup_vs_trl={speedup:.2f}")
+    headline("speedup_vs_trl", speedup, 2)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ Settings, and why:
 * the loss: ``loss_type="dapo"`` (TRL's default: token-level, summed over the generation
   batch and divided by its completion tokens, which with one process and one accumulation
   step is the project's aggregation), ``epsilon=0.2``, ``epsilon_high=0.28`` (the project's
-  ``algo.eps_low`` / ``eps_high``), ``beta=0.0`` (no KL term, no reference model),
+  ``algo.loss.eps_low`` / ``eps_high``), ``beta=0.0`` (no KL term, no reference model),
   ``scale_rewards="group"`` (advantages divided by the group's std, as ``normalize_std``;
   TRL's std is the unbiased one plus 1e-4, the project's the population one plus 1e-6:
   with groups of 4 TRL's advantages are about 0.87x the project's, which Adam mostly
@@ -75,6 +75,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from bench.cli import refuse
 from envs.base import EnvSpec, Task
 from orchestrator.config import build_env, scalar, section, typed
 from orchestrator.models.policy import Policy, build_policy, checkpoint_dir, tiny_policy
@@ -111,9 +112,37 @@ def experiment(*overrides: str, base: Sequence[str] = BASE) -> DictConfig:
     return _configs[key]
 
 
+class NotComparable(ValueError):
+    """The experiment's algorithm has no like-for-like setting in TRL's ``GRPOTrainer``."""
+
+
+def _unlike(algo: dict[str, Any]) -> list[str]:
+    """What of ``algo`` TRL's settings below cannot reproduce (empty: the comparison holds)."""
+    loss, advantage = algo.get("loss") or {}, algo.get("advantage") or {}
+    unlike = []
+    if not str(loss.get("_target_", "")).endswith(".PPOClip"):
+        unlike.append(f"algo.loss is {loss.get('_target_')}, not PPO's clip (TRL's epsilon, "
+                      "epsilon_high)")
+    elif loss.get("dual_clip") is not None:
+        unlike.append("algo.loss.dual_clip is set (TRL has no dual clip)")
+    if not str(advantage.get("_target_", "")).endswith(".GroupNorm") or \
+            advantage.get("std") != "group":
+        unlike.append("algo.advantage is not GroupNorm with std=group (TRL's "
+                      "scale_rewards=group)")
+    if algo.get("aggregation") != "token_mean":
+        unlike.append(f"algo.aggregation is {algo.get('aggregation')}, not token_mean (TRL's "
+                      "loss_type=dapo)")
+    if algo.get("kl") is not None or algo.get("entropy_coef"):
+        unlike.append("algo.kl or algo.entropy_coef is set (TRL runs beta=0, no entropy term)")
+    return unlike
+
+
 @dataclass(frozen=True)
 class RLSettings:
-    """The default experiment's RL settings that TRL is given too."""
+    """The default experiment's RL settings that TRL is given too. The clip bounds are the
+    PPO clip's (``algo.loss.eps_low`` / ``eps_high``); an algorithm TRL's settings cannot
+    reproduce (another loss, a dual clip, another advantage or aggregation, a KL or entropy
+    term) raises :class:`NotComparable`: the comparison would not be like for like."""
 
     batch_size: int
     group_size: int
@@ -130,6 +159,10 @@ class RLSettings:
     @classmethod
     def of(cls, cfg: DictConfig) -> RLSettings:
         trainer, algo = section(cfg, "trainer"), section(cfg, "algo")
+        unlike = _unlike(algo)
+        if unlike:
+            raise NotComparable("TRL's GRPOTrainer cannot run this experiment's algorithm like "
+                                "for like: " + "; ".join(unlike))
         rollout = typed(RolloutConfig, cfg, "rollout")
         return cls(batch_size=scalar(cfg, "pipeline.batch_size"),
                    group_size=rollout.group_size, temperature=rollout.temperature,
@@ -137,8 +170,9 @@ class RLSettings:
                    lr=float(trainer["lr"]), warmup_steps=int(trainer["warmup_steps"]),
                    betas=(float(trainer["betas"][0]), float(trainer["betas"][1])),
                    weight_decay=float(trainer["weight_decay"]),
-                   max_grad_norm=float(trainer["max_grad_norm"]), eps_low=float(algo["eps_low"]),
-                   eps_high=float(algo["eps_high"]))
+                   max_grad_norm=float(trainer["max_grad_norm"]),
+                   eps_low=float(algo["loss"]["eps_low"]),
+                   eps_high=float(algo["loss"]["eps_high"]))
 
 
 def arithmetic_spec(seed: int = 0) -> EnvSpec:
@@ -204,13 +238,17 @@ async def score(spec: EnvSpec, task: Task, reply: str) -> float:
 
 def trl_side(cfg: DictConfig, weights: Path | None) -> tuple[torch.nn.Module, Any]:
     """The model TRL trains and its tokenizer: with ``weights``, the tiny model warm-started
-    from them and the character tokenizer wrapped (:func:`char_tokenizer_fast`); without, the
+    from them and the character tokenizer wrapped (:func:`char_tokenizer_fast`); without, a
+    ``model=tiny`` experiment's freshly built tiny model (its seed's weights), or the
     experiment's checkpoint (``model=smollm2``, ``model=hf``) and its own tokenizer, whose
     chat template renders the prompts as the project's ``HFTokenizer`` does."""
     node = section(cfg, "model")
-    if weights is not None:
+    if weights is not None or node["_target_"].endswith(".tiny_policy"):
         tiny = {k: v for k, v in node.items() if k != "_target_"}  # conf/model/tiny
-        return warm_policy(str(weights), **tiny).model, char_tokenizer_fast()
+        # without weights: the tiny policy as the project's run builds it (same seed, same
+        # weights), what the smoke sizes train
+        policy = warm_policy(str(weights), **tiny) if weights is not None else tiny_policy(**tiny)
+        return policy.model, char_tokenizer_fast()
     from transformers import AutoTokenizer
 
     directory = checkpoint_dir(node)
@@ -345,10 +383,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--every", type=int, required=True, help="steps between weight snapshots")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("overrides", nargs="*",
+                        help="more overrides of the experiment (after --), as its project run "
+                             "was given (the smoke sizes' toy model)")
     args = parser.parse_args(argv)
+    base = [*base_args(args.experiment), *args.overrides]
+    try:
+        RLSettings.of(experiment(base=base))
+    except NotComparable as e:
+        refuse("peers_trl", str(e))
     args.out.mkdir(parents=True, exist_ok=True)
-    train(args.weights, args.out, args.steps, args.every, args.threads, args.seed,
-          base_args(args.experiment))
+    train(args.weights, args.out, args.steps, args.every, args.threads, args.seed, base)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ setting by the torch engine (seed 0); the trainer scores the same tokens with th
 starting weights (the converted GGUF, float32 on disk). ``--device cuda`` runs it on a GPU
 (``scripts/test_gpu.sh`` does). Last line: ``logprob_diff_bf16_fp32_head=<mean>``, the
 engine in bf16 against the ``mixed`` trainer with the fp32 head (the GPU defaults that
-docs/gpu.md recommends from this table).
+docs/gpu.md recommends from this table). ``--quick``: 4 prompts, 16 tokens. ``--smoke``
+(seconds, the tests'): every combination on the toy model (:data:`bench.cli.TOY_MODEL`,
+random weights) instead of SmolLM2, 2 prompts x 4 samples x 4 tokens; its figures say
+nothing about SmolLM2.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import anyio
 import torch
 
+from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from bench.peers_trl import base_args, experiment
 from bench.real_model import EXPERIMENT, prompts
 from orchestrator.algo.grpo import GRPO
@@ -41,8 +45,10 @@ PRECISIONS = ("fp32", "mixed", "bf16")
 ENGINE_DTYPES = ("float32", "bfloat16")
 
 
-def node(device: str, dtype: str, fp32_head: bool) -> dict[str, Any]:
-    model = section(experiment(base=base_args(EXPERIMENT)), "model")
+def node(device: str, dtype: str, fp32_head: bool, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The experiment's model (``overrides``: of the experiment, the toy model's) on ``device``
+    in ``dtype``."""
+    model = section(experiment(*overrides, base=base_args(EXPERIMENT)), "model")
     return {**model, "device": device, "dtype": dtype, "fp32_head": fp32_head}
 
 
@@ -89,11 +95,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="4 prompts, 16 tokens")
+    add_smoke(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.prompts, args.tokens = 4, 16
-    ids = prompts()[: args.prompts]
-    print(f"device {args.device}"
+    model = TOY_MODEL if args.smoke else ()
+    if args.smoke:
+        args.prompts, args.tokens = 2, 4
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        refuse("precision", f"--device {args.device}: no CUDA device is visible")
+    ids = prompts(*model)[: args.prompts]
+    print(("toy model" if args.smoke else "SmolLM2-135M-Instruct") + f", device {args.device}"
           + (f" ({torch.cuda.get_device_name(args.device)})" if args.device.startswith("cuda")
              else f" ({torch.get_num_threads()} threads)")
           + f"; {len(ids)} prompts x 4 samples x {args.tokens} tokens", flush=True)
@@ -101,13 +113,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows: dict[tuple[str, str, bool], float] = {}
     for head in (False, True):
         for dtype in ENGINE_DTYPES:
-            sampled = sample(node(args.device, dtype, head), ids, 4, args.tokens)
+            sampled = sample(node(args.device, dtype, head, model), ids, 4, args.tokens)
             for precision in PRECISIONS:
-                mean, worst = agreement(node(args.device, dtype, head), precision, sampled)
+                mean, worst = agreement(node(args.device, dtype, head, model), precision, sampled)
                 rows[dtype, precision, head] = mean
                 print(f"{dtype:<9} {precision:<7} {head!s:<9} {mean:>9.2e} {worst:>9.2e}",
                       flush=True)
-    print(f"logprob_diff_bf16_fp32_head={rows['bfloat16', 'mixed', True]:.3g}")
+    headline("logprob_diff_bf16_fp32_head", rows["bfloat16", "mixed", True], spec=".3g")
 
 
 if __name__ == "__main__":

@@ -61,10 +61,14 @@ A full run: 3 prefill and 2 decode rounds, 3 training steps, 6 RL steps a side w
 snapshot every 3 (``--steps``/``--every``: TRL's steps cost minutes each here, so timing a
 gain in held-out accuracy takes hours; ``--steps 200 --every 20`` tries). ``--quick``
 (under 10 minutes on 2 idle cores): 32-token decodes, fewer rounds, 2 training steps, 2 RL
-steps a side with no held-out evaluation (so the speed-up is then the throughput ratio). ``--smoke`` (the test's): the torch engine only at 1 and 2 sequences and
-4 tokens, one training step on one group of 2 samples, no TRL: it checks that the benchmark
-runs, its figures say nothing. Prints each part's table, then ``engine_vs_vllm=``,
-``trainer_bound_fraction=`` and last ``speedup_vs_trl_real=`` (of the parts that ran).
+steps a side with no held-out evaluation (so the speed-up is then the throughput ratio).
+``--smoke`` (seconds, the tests'): every part on the toy model (:data:`bench.cli.TOY_MODEL`,
+the character tokenizer) instead of SmolLM2: the torch engine only at 1 and 2 sequences and
+4 tokens, one training step on one group of 2 samples, and 2 RL steps a side of 2 prompts x
+4 samples (TRL on one thread) with no held-out evaluation; it checks that the benchmark
+runs, its figures say nothing. Prints each part's table, then ``engine_vs_vllm=`` (a line
+saying it was not measured where vLLM did not run), ``trainer_bound_fraction=`` and last
+``speedup_vs_trl_real=`` (of the parts that ran).
 
 Limits: one run, one seed, on a machine other processes share (each figure says only what
 these cores gave it then); the project's periodic checkpoints (model and optimiser, 1.6 GB,
@@ -91,16 +95,16 @@ import anyio
 import torch
 from omegaconf import DictConfig
 
+from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from bench.engine import torch_engine, vllm_engine
 from bench.flops import Shapes
 from bench.peers import Run, evaluate_runs, report, run_project, run_trl
-from bench.peers_trl import REPO, base_args, experiment
+from bench.peers_trl import REPO, NotComparable, RLSettings, base_args, experiment
 from envs.base import Task
 from orchestrator.allocator import keep_freed_memory
 from orchestrator.config import build_env, section
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.models.policy import checkpoint_dir
-from orchestrator.models.tokenizer import HFTokenizer
+from orchestrator.models.policy import build_tokenizer
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import EpisodeRunner
 from orchestrator.trainer.torch_trainer import TorchTrainer, shared_prefix
@@ -124,6 +128,7 @@ class Budget:
     evaluate: bool
     vllm: bool
     shrink: tuple[str, ...] = ()  # overrides of the experiment for the training part
+    model: tuple[str, ...] = ()  # overrides of the experiment for every part (--smoke: the toy)
 
 
 # Steps not timed: the first allocates what the others reuse, and the heap settles over two
@@ -131,12 +136,15 @@ class Budget:
 WARMUP_STEPS = 2
 FULL = Budget((1, 8, 32), 64, 3, 2, 3, None, 6, 3, True, True)
 QUICK = Budget((1, 8, 32), 32, 2, 1, 2, None, 2, 2, False, True)
-SMOKE = Budget((1, 2), 4, 1, 1, 1, 1, 0, 1, False, False,
-               ("rollout.group_size=2", "pipeline.batch_size=2", "rollout.max_tokens=4"))
+SMOKE = Budget((1, 2), 4, 1, 1, 1, 1, 2, 1, False, False,
+               ("rollout.group_size=2", "pipeline.batch_size=2", "rollout.max_tokens=4"),
+               (*TOY_MODEL, "pipeline.batch_size=8", "rollout.group_size=4",
+                "pipeline.num_workers=4", "eval.num_tasks=8"))
 
 
-def config() -> DictConfig:
-    return experiment(base=base_args(EXPERIMENT))
+def config(*overrides: str) -> DictConfig:
+    """``experiment=rg_smol``'s config, with ``overrides`` (a budget's ``model``)."""
+    return experiment(*overrides, base=base_args(EXPERIMENT))
 
 
 def model_node(cfg: DictConfig) -> dict[str, Any]:
@@ -191,17 +199,18 @@ async def _engine_rows(name: str, engine: InferenceEngine, prompts: list[list[in
     return rows
 
 
-def prompts() -> list[list[int]]:
-    """The experiment's train prompts through the model's chat template."""
-    cfg = config()
-    tokenizer = HFTokenizer(str(checkpoint_dir(model_node(cfg))))
+def prompts(*overrides: str) -> list[list[int]]:
+    """The experiment's train prompts through the model's chat template (``overrides``: of
+    the experiment, a budget's ``model``)."""
+    cfg = config(*overrides)
+    tokenizer = build_tokenizer(model_node(cfg))
     return [tokenizer.chat_prompt(t.messages) for t in build_env(cfg).tasks("train")]
 
 
 def generation(budget: Budget, threads: int, prompts: list[list[int]]) -> list[dict[str, Any]]:
     """Both engines' rows, in this process (where vLLM imports, or without it)."""
     torch.set_num_threads(threads)
-    node = model_node(config())
+    node = model_node(config(*budget.model))
     top = max(budget.concurrency)
     engines: list[tuple[str, Callable[[], InferenceEngine]]] = [
         ("torch", lambda: torch_engine(node, None, 0, max_batch_size=top))]
@@ -220,7 +229,7 @@ def generation(budget: Budget, threads: int, prompts: list[list[int]]) -> list[d
 def generation_anywhere(budget: Budget, threads: int, out: Path) -> list[dict[str, Any]]:
     """:func:`generation` here if vLLM imports (or is not wanted), else under .venv-vllm
     (given the prompts' ids: the environment's package need not be there)."""
-    ids = prompts()
+    ids = prompts(*budget.model)
     if not budget.vllm or importlib.util.find_spec("vllm") is not None:
         return generation(budget, threads, ids)
     if not VLLM_PYTHON.exists():
@@ -308,7 +317,8 @@ def training(budget: Budget, threads: int, microbenchmark: bool = True, device: 
 
     keep_freed_memory()  # as python -m orchestrator does (the steps run in this thread)
     base = [a for a in base_args(EXPERIMENT) if not a.startswith("model.device=")]
-    cfg = experiment("torch_threads=null", *budget.shrink, base=[*base, f"model.device={device}"])
+    cfg = experiment("torch_threads=null", *budget.model, *budget.shrink,
+                     base=[*base, f"model.device={device}"])
     parts = training_parts(cfg)
     trainer = cast(TorchTrainer, parts.trainer)  # launcher=local builds the one the config names
     rollout = parts.rollout
@@ -391,19 +401,21 @@ def print_training(t: Mapping[str, float]) -> None:
 def against_trl(budget: Budget, out: Path, png: Path, min_gain: float,
                 trl_threads: int) -> tuple[float, str]:
     base = base_args(EXPERIMENT)
-    runs = [run_project(1, budget.rl_steps, budget.every, out, [], base=base)]
+    runs = [run_project(1, budget.rl_steps, budget.every, out, budget.model, base=base)]
     print(runs[-1].line(), flush=True)
-    runs.append(run_trl(budget.rl_steps, budget.every, out, trl_threads, name=EXPERIMENT))
+    runs.append(run_trl(budget.rl_steps, budget.every, out, trl_threads, name=EXPERIMENT,
+                        overrides=budget.model))
     print(runs[-1].line(), flush=True)
     ours, trl = runs
     if budget.evaluate:
-        start = evaluate_runs(runs, config())
+        start = evaluate_runs(runs, config(*budget.model))
     else:  # no held-out curve: the start only, so the table and plot have a point
         start = math.nan
         for run in runs:
             run.accuracy = [(0, 0.0, start)]
     labels = {"reward": "training reward (rg_smol, T=1)",
-              "held_out": f"greedy accuracy on {int(config().eval.num_tasks)} held-out tasks"}
+              "held_out": f"greedy accuracy on {int(config(*budget.model).eval.num_tasks)} "
+                          "held-out tasks"}
     if budget.evaluate:  # the highest accuracy both reached: the table times it
         common = report(runs, min(run.best for run in runs), png, **labels)
     else:  # nothing to plot against time
@@ -418,7 +430,7 @@ def against_trl(budget: Budget, out: Path, png: Path, min_gain: float,
         return trl_t / ours_t, (f"time to held-out accuracy {common:.3f} (base {start:.3f}): "
                                 f"TRL {trl_t:.0f} s, this project {ours_t:.0f} s")
     why = (f"held-out accuracy moved less than {min_gain} (base {start:.3f}, both reached "
-           f"{common:.3f})" if budget.evaluate else "no held-out evaluation (--quick)")
+           f"{common:.3f})" if budget.evaluate else "no held-out evaluation (--quick, --smoke)")
     return ratio, (f"{why}: samples/s at equal learning per step (same batch and "
                    f"hyper-parameters): {ours.samples_per_s:.2f} / {trl.samples_per_s:.2f}")
 
@@ -438,14 +450,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.real_model",
                                      description="Speed on SmolLM2-135M: generation (torch "
                                                  "engine, vLLM), the trainer, against TRL.")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="under 10 minutes")
-    mode.add_argument("--smoke", action="store_true", help="seconds of each part but TRL (tests)")
+    parser.add_argument("--quick", action="store_true", help="under 10 minutes")
+    add_smoke(parser)
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads of the engines and trainer rows")
-    parser.add_argument("--trl-threads", type=int, default=2)
+    parser.add_argument("--trl-threads", type=int, default=None, help="2 (--smoke: 1)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per side")
     parser.add_argument("--every", type=int, default=None, help="steps between snapshots")
     parser.add_argument("--min-gain", type=float, default=0.1,
@@ -456,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--generation-json", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--budget", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick and args.smoke:
+        parser.error("--quick and --smoke are two sizes: give one")
     keep_freed_memory()  # glibc's allocator as python -m orchestrator sets it, for every part
     if args.generation_json is not None:  # the generation part, under .venv-vllm
         budget = Budget(**{k: tuple(v) if isinstance(v, list) else v
@@ -472,11 +485,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
-    if args.smoke and "trl" in parts:
-        parts.remove("trl")
-    if "trl" in parts and importlib.util.find_spec("trl") is None:
-        raise SystemExit("bench.real_model's TRL part needs TRL: pip install -e '.[peers]' "
-                         "(or --parts generation,training)")
+    if "trl" in parts:
+        if importlib.util.find_spec("trl") is None:
+            refuse("real_model", "its TRL part needs TRL: pip install -e '.[peers]' (or "
+                                 "--parts generation,training)")
+        try:
+            RLSettings.of(config(*budget.model))
+        except NotComparable as e:
+            refuse("real_model", str(e))
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     png = args.png or (out / "real_model.png" if args.quick or args.smoke
@@ -484,31 +500,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     with open("/proc/loadavg") as f:
         print(f"load average at start: {' '.join(f.read().split()[:3])}; torch "
               f"{torch.__version__}, {torch.get_num_threads()} threads available", flush=True)
-    last: list[str] = []
+    last: list[tuple[str, float, int]] = []
     results: dict[str, Any] = {}
     if "generation" in parts:
         print("generation", flush=True)
         rows = generation_anywhere(budget, args.threads, out)
         ratio = print_generation(rows)
         results["generation"] = rows
-        last.append(f"engine_vs_vllm={ratio:.2f}")
+        last.append(("engine_vs_vllm", ratio, 2))
     if "training" in parts:
         print("training", flush=True)
         t = training(budget, args.threads)
         print_training(t)
         results["training"] = t
-        last.append(f"trainer_bound_fraction={t['fraction']:.3f}")
+        last.append(("trainer_bound_fraction", t["fraction"], 3))
     if "trl" in parts:
         print("against TRL", flush=True)
-        speedup, how = against_trl(budget, out, png, args.min_gain, args.trl_threads)
+        trl_threads = args.trl_threads or (1 if args.smoke else 2)
+        speedup, how = against_trl(budget, out, png, args.min_gain, trl_threads)
         print(f"speed-up taken as {how}")
         results["trl"] = {"speedup": speedup, "how": how}
-        last.append(f"speedup_vs_trl_real={speedup:.2f}")
+        last.append(("speedup_vs_trl_real", speedup, 2))
     with open("/proc/loadavg") as f:
         print(f"load average at the end: {' '.join(f.read().split()[:3])}")
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    for line in last:
-        print(line)
+    for name, value, digits in last[:-1]:
+        print(f"{name}={value:.{digits}f}" if math.isfinite(value)
+              else f"{name}: not measured (no vLLM row, or no figure)")
+    headline(*last[-1])
 
 
 if __name__ == "__main__":

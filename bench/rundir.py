@@ -11,7 +11,10 @@ bytes per 1,000 steps of each (MB = 10^6 bytes), the file count, and the run's s
 
 Checkpoints are listed but left out of the total: they are kept at a fixed count
 (``checkpoint.keep``), so they do not grow with the run. Last line
-``rundir_mb_per_1k_steps=<MB>``, the total without checkpoints; target <= 20.
+``rundir_mb_per_1k_steps=<MB>``, the total without checkpoints; target <= 20. ``--smoke``
+(seconds, the tests'): the toy model (:data:`bench.cli.TOY_MODEL`), 6 RL steps after a
+2-step warm start, the logger included; its figure says nothing (a short run's fixed files
+weigh on it).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from bench.cli import TOY_MODEL, add_smoke, headline
 from orchestrator.main import run
 
 REPO = Path(__file__).resolve().parents[1]
 WARM_START_STEPS = 20
+SMOKE_STEPS = 6
 MB = 1e6
 # PolyTrace records: step files (<kind>_step_N.jsonl) or rolled ones (trace/<kind>.<first>.jsonl.zst)
 STEP_KIND = re.compile(r"^(multiturn_workload|packed_lengths|reward_timings)(?:_step_\d+)?\.")
@@ -61,13 +66,13 @@ def sizes(run_dir: Path) -> tuple[Counter[str], Counter[str]]:
     return size, count
 
 
-def measure(steps: int, overrides: Sequence[str]) -> None:
+def measure(steps: int, overrides: Sequence[str], warm_start: int = WARM_START_STEPS) -> None:
     with tempfile.TemporaryDirectory(prefix="polyrl-rundir-") as tmp:
         run_dir = Path(tmp) / "run"
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
             cfg = compose("config", overrides=[
                 "experiment=arithmetic", "progress=false", f"pipeline.num_steps={steps}",
-                f"warmstart.steps={WARM_START_STEPS}", "warmstart.target_accuracy=null",
+                f"warmstart.steps={warm_start}", "warmstart.target_accuracy=null",
                 *overrides])
         result = run(cfg, run_dir)
         size, count = sizes(run_dir)
@@ -81,16 +86,20 @@ def measure(steps: int, overrides: Sequence[str]) -> None:
     files = sum(n for k, n in count.items() if k != "checkpoints")
     print(f"files={files} (checkpoints excluded)")
     print(f"samples_per_s={result.summary['samples_per_s']:.1f}")
-    print(f"rundir_mb_per_1k_steps={total / MB * per_1k:.2f}")
+    headline("rundir_mb_per_1k_steps", total / MB * per_1k, 2)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Run-directory bytes per 1,000 steps, by kind.")
     parser.add_argument("--quick", action="store_true", help="300 steps instead of 2000")
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default 2000)")
+    add_smoke(parser)
     parser.add_argument("overrides", nargs="*", help="extra config overrides")
     args = parser.parse_args(argv)
-    measure(args.steps or (300 if args.quick else 2000), args.overrides)
+    if args.smoke:
+        measure(args.steps or SMOKE_STEPS, [*TOY_MODEL, *args.overrides], warm_start=2)
+    else:
+        measure(args.steps or (300 if args.quick else 2000), args.overrides)
 
 
 if __name__ == "__main__":

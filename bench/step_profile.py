@@ -5,7 +5,10 @@ step, the engine and trainer one torch thread each) through :func:`orchestrator.
 temporary run directory, with a short warm start (``--warm-start`` supervised steps, no
 accuracy target) and no evaluations. A thread beside it samples every thread's Python stack
 (``sys._current_frames``) every ``--interval`` seconds while the run is between RL steps
-``--skip`` and ``--steps``, and files each sample under the innermost function it knows:
+``--skip`` and ``--steps``: it reads ``metrics.jsonl`` as it grows at every sample, starts
+when the line of step ``--skip`` is there and stops at that of step ``--steps`` (the window
+is the steps whose lines arrived in between, whatever the machine's speed). It files each
+sample under the innermost function it knows:
 
 * trainer: ``forward`` (log-probs, the shared-prefix pass included), ``backward``,
   ``optimiser`` (AdamW, clipping, the scheduler), ``pack`` (the batch's tensors), ``other``;
@@ -20,6 +23,9 @@ thread's time running *or waiting for a core*: on 2 cores with 3 busy threads, t
 add up to more than the wall time. Printed: milliseconds per RL step for each line, the step's
 wall time, the trainer's and engine's total, and last ``samples_per_s=<RL throughput over the
 sampled steps>``. Overrides after ``--`` go to the config (``-- trainer.share_prefix=false``).
+``--smoke`` (seconds, the tests'): the toy model (:data:`bench.cli.TOY_MODEL`), 8 RL steps
+after a 2-step warm start, sampled from step 2 at 1 ms; its figures say nothing. A run whose
+window held no sample refuses (exit 3).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from types import FrameType
 
 from hydra import compose, initialize_config_dir
 
+from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from orchestrator.main import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,41 +88,48 @@ def stage_of(frame: FrameType | None, main: bool) -> str | None:
 
 
 class StackSampler(threading.Thread):
-    """Samples all threads between the metrics lines of steps ``skip`` and ``steps``."""
+    """Samples all threads between the metrics lines of steps ``skip`` and ``steps`` (one
+    line per RL step): ``window`` is the first and last line counts it sampled between."""
 
     def __init__(self, metrics: Path, skip: int, steps: int, interval: float) -> None:
         super().__init__(daemon=True)
         self.metrics, self.skip, self.steps, self.interval = metrics, skip, steps, interval
         self.counts: Counter[str] = Counter()
         self.samples = 0
-        self.window: tuple[float, float] = (0.0, 0.0)
+        self.seconds = 0.0  # the window's wall time
+        self.window = (0, 0)  # metrics lines at its start and at its end
         self.stop = threading.Event()
 
-    def lines(self) -> int:
-        if not self.metrics.exists():
-            return 0
-        with self.metrics.open() as f:
-            return sum(1 for _ in f)
-
     def run(self) -> None:
-        while self.lines() < self.skip and not self.stop.wait(0.05):
-            pass
-        start = time.perf_counter()
         main_id, me = threading.main_thread().ident, threading.get_ident()
-        checked = start
+        lines, partial, started, first = 0, "", None, 0
+        handle = None
         while not self.stop.wait(self.interval):
+            if handle is None:
+                if not self.metrics.exists():
+                    continue
+                handle = self.metrics.open()
+            while chunk := handle.readline():  # the lines written since the last sample
+                partial += chunk
+                if partial.endswith("\n"):
+                    lines, partial = lines + 1, ""
+            if started is None:
+                if lines < self.skip:
+                    continue
+                started, first = time.perf_counter(), lines
             for ident, frame in sys._current_frames().items():
                 if ident != me:
                     stage = stage_of(frame, ident == main_id)
                     if stage is not None:
                         self.counts[stage] += 1
             self.samples += 1
-            now = time.perf_counter()
-            if now - checked > 0.5:
-                checked = now
-                if self.lines() >= self.steps:
-                    break
-        self.window = (start, time.perf_counter())
+            if lines >= self.steps:
+                break
+        if handle is not None:
+            handle.close()
+        if started is not None:
+            self.seconds = time.perf_counter() - started
+            self.window = (first, min(lines, self.steps))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,14 +139,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warm-start", type=int, default=200, help="supervised steps first")
     parser.add_argument("--interval", type=float, default=0.005, help="seconds between samples")
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
+    add_smoke(parser)
     args = parser.parse_args(argv)
+    smoke = list(TOY_MODEL) if args.smoke else []
+    if args.smoke:
+        args.steps, args.skip, args.warm_start, args.interval = 8, 2, 2, 0.001
 
     with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         run_dir = Path(tmp) / "run"
         cfg = compose("config", overrides=[
             f"pipeline.num_steps={args.steps}", f"warmstart.steps={args.warm_start}",
             "warmstart.target_accuracy=null", "eval.num_tasks=0", "logger=none",
-            "progress=false", "checkpoint.every=0", "checkpoint.every_s=0", *args.overrides,
+            "progress=false", "checkpoint.every=0", "checkpoint.every_s=0", *smoke,
+            *args.overrides,
         ])
         sampler = StackSampler(run_dir / "metrics.jsonl", args.skip, args.steps, args.interval)
         sampler.start()
@@ -141,11 +160,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sampler.join()
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
-    sampled = [r for r in rows if "time/step" in r][args.skip:]  # the last line is the summary
+    first, last = sampler.window
+    sampled = [r for r in rows if "time/step" in r][first:last]  # the summary line has none
     steps = len(sampled)
+    if not steps or not sampler.samples:
+        refuse("step_profile", f"no RL step between steps {args.skip} and {args.steps} was "
+                               "sampled: the run ended first (give more --steps)")
     wall = sum(r["time/step"] for r in sampled)
     samples = sum(r["throughput/samples_per_s"] * r["time/step"] for r in sampled)
-    dt = (sampler.window[1] - sampler.window[0]) / max(sampler.samples, 1)  # per sample, really
+    dt = sampler.seconds / sampler.samples  # per sample, really
     per_step = {k: v * dt * 1000 / steps for k, v in sampler.counts.items()}
     print(f"{steps} RL steps sampled ({sampler.samples} samples), wall {1000 * wall / steps:.1f} ms "
           "a step; thread-milliseconds a step (running or waiting for a core):")
@@ -156,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {group:<11} {total:7.1f}")
             for k, v in lines:
                 print(f"    {k.split(': ')[1]:<13} {v:7.1f}")
-    print(f"samples_per_s={samples / wall:.1f}")
+    headline("samples_per_s", samples / wall, 1)
     return 0
 
 
