@@ -4,6 +4,7 @@ staleness sweep of three off-policy corrections.
     python -m bench.algos                      # both parts (about 2 hours on 2 cores)
     python -m bench.algos --parts presets      # or: staleness
     python -m bench.algos --quick              # within 10 minutes: the machinery, not a result
+    python -m bench.algos --smoke              # seconds (the tests'): one preset, the toy model
     python -m bench.algos --reuse --ks 8       # read the finished runs in --out, run the rest
 
 Every run is ``python -m orchestrator experiment=dataset_smol`` (SmolLM2-135M-Instruct, the
@@ -25,9 +26,17 @@ as the runs in the docs were measured). Periodic checkpoints are off (the same f
    staleness reached, and seconds per step. Where the sweep has no k = 1 run of its own, the
    ``grpo`` preset's (the same run, at equal steps) stands for the decoupled loss at k = 1.
 
-Last line: ``presets_learning=<n>/<total>``, the presets whose curve reached ``+--gain``
-within the budget (with ``--parts staleness`` alone: ``stale_k8_gap=``, k = 1's final accuracy
-minus the best correction's at the largest k).
+Last line: ``presets_learning=<share>``, the share of the presets whose curve reached
+``+--gain`` within the budget (1.000: all; the line before gives the count; with ``--parts
+staleness`` alone: ``stale_k8_gap=``, k = 1's final accuracy minus the best correction's at
+the largest k).
+
+``--smoke`` (seconds, the tests'): the presets part alone (unless ``--parts`` names others)
+with the ``grpo`` preset (or those ``--presets`` names), each run on the toy model
+(:data:`bench.cli.TOY_MODEL`) for 2 steps of 2 prompts x 4 samples, evaluated every step on
+4 held-out questions, in a temporary directory (unless ``--out``); its figure says nothing.
+The staleness part runs the same ``launch`` with other overrides (three runs a k: ``--smoke
+--parts staleness --ks 1`` runs it in seconds too).
 """
 
 from __future__ import annotations
@@ -38,10 +47,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.cli import TOY_MODEL, add_smoke, headline
 from bench.rg_smol_curve import curve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +81,7 @@ class Result:
 
 
 def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: int,
-           eval_tasks: int | None, reuse: bool = False) -> Result:
+           eval_tasks: int | None, reuse: bool = False, extra: Sequence[str] = ()) -> Result:
     """One run (``reuse``: a finished run directory of the same length is read instead)."""
     run_dir = out / name
     summary_file = run_dir / "summary.json"
@@ -78,7 +89,7 @@ def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: in
         print(f"[bench.algos] {name}: read from {run_dir}", flush=True)
         return read(run_dir, name, steps)
     shutil.rmtree(run_dir, ignore_errors=True)
-    args = [sys.executable, "-m", "orchestrator", "experiment=dataset_smol", *overrides,
+    args = [sys.executable, "-m", "orchestrator", "experiment=dataset_smol", *extra, *overrides,
             f"pipeline.num_steps={steps}", f"eval.every={every}", "eval.engine=shared",
             "checkpoint.every=0",
             "checkpoint.every_s=0", "logger=none", "progress=false", f"hydra.run.dir={run_dir}"]
@@ -110,8 +121,9 @@ def read(run_dir: Path, name: str, steps: int) -> Result:
 
 
 def presets(names: Sequence[str], out: Path, steps: int, every: int, gain: float,
-            eval_tasks: int | None, reuse: bool = False) -> list[Result]:
-    results = [launch(n, [f"algo={n}"], out / "presets", steps, every, eval_tasks, reuse)
+            eval_tasks: int | None, reuse: bool = False, extra: Sequence[str] = ()) -> list[Result]:
+    """``extra``: overrides of every run (``--smoke``: the toy model)."""
+    results = [launch(n, [f"algo={n}"], out / "presets", steps, every, eval_tasks, reuse, extra)
                for n in names]
     budget = max(r.points[-1][0] for r in results)
     print(f"\npresets at k = 1, {steps} steps (budget: {budget:.1f} RL minutes, the slowest run)")
@@ -125,15 +137,16 @@ def presets(names: Sequence[str], out: Path, steps: int, every: int, gain: float
     return results
 
 
-def staleness(ks: Sequence[int], out: Path, steps: int, every: int,
-              eval_tasks: int | None, reuse: bool = False) -> dict[tuple[str, int], Result]:
+def staleness(ks: Sequence[int], out: Path, steps: int, every: int, eval_tasks: int | None,
+              reuse: bool = False, extra: Sequence[str] = ()) -> dict[tuple[str, int], Result]:
+    """``extra``: overrides of every run (``--smoke``: the toy model)."""
     results = {}
     for k in ks:
         for name, overrides in CORRECTIONS.items():
             results[name, k] = launch(
                 f"{name}_k{k}", [*overrides, f"pipeline.max_staleness={k}",
                                  f"pipeline.num_workers={(k + 1) * PROMPTS_PER_STEP}"],
-                out / "staleness", steps, every, eval_tasks, reuse)
+                out / "staleness", steps, every, eval_tasks, reuse, extra)
     print(f"\nstaleness sweep: held-out accuracy after {steps} steps (mean staleness, s/step)")
     print("| correction | " + " | ".join(f"k = {k}" for k in ks) + " |")
     print("| --- |" + " --- |" * len(ks))
@@ -169,25 +182,36 @@ def plot(results: Sequence[Result], gain: float, path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="presets,staleness")
+    parser.add_argument("--parts", default=None, help="presets,staleness (--smoke: presets)")
     parser.add_argument("--presets", default=",".join(PRESETS))
-    parser.add_argument("--steps", type=int, default=20, help="RL steps per preset")
-    parser.add_argument("--every", type=int, default=5, help="eval.every")
-    parser.add_argument("--sweep-steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per preset (20)")
+    parser.add_argument("--every", type=int, default=None, help="eval.every (5)")
+    parser.add_argument("--sweep-steps", type=int, default=None, help="(20)")
     parser.add_argument("--ks", default="0,1,4,8")
     parser.add_argument("--gain", type=float, default=0.15)
     parser.add_argument("--eval-tasks", type=int, default=None,
                         help="eval.num_tasks (default: the experiment's, the whole file)")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_algos")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the runs' directory (runs/bench_algos; --smoke: a temporary one)")
     parser.add_argument("--png", type=Path, default=None,
                         help="the presets' plot (default: docs/algos.png; none with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="two presets, and the three corrections at k = 4, two steps each")
     parser.add_argument("--reuse", action="store_true",
                         help="read the finished runs already in --out instead of running them")
+    add_smoke(parser)
     args = parser.parse_args(argv)
-    parts = set(args.parts.split(","))
+    parts = set((args.parts or ("presets" if args.smoke else "presets,staleness")).split(","))
     names = args.presets.split(",")
+    extra: list[str] = []
+    if args.smoke:
+        names = names if args.presets != ",".join(PRESETS) else ["grpo"]
+        args.steps, args.every = args.steps or 2, args.every or 1
+        args.eval_tasks = args.eval_tasks or 4
+        extra = [*TOY_MODEL, "model.device=cpu", "pipeline.batch_size=8", "rollout.group_size=4",
+                 "pipeline.num_workers=4", "rollout.max_tokens=8"]
+    args.steps, args.every = args.steps or 20, args.every or 5
+    args.sweep_steps = args.sweep_steps or 20
     ks = [int(k) for k in args.ks.split(",")]
     unknown = set(names) - set(PRESETS)
     if unknown:
@@ -196,16 +220,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         names, ks = names[:2], [4]
         args.steps = args.sweep_steps = args.every = 2
         args.eval_tasks = args.eval_tasks or 12
+    with tempfile.TemporaryDirectory(prefix="bench-algos-") as tmp:
+        out = args.out or (Path(tmp) if args.smoke else REPO / "runs" / "bench_algos")
+        measure(args, parts, names, ks, out, extra)
+
+
+def measure(args: argparse.Namespace, parts: set[str], names: Sequence[str], ks: Sequence[int],
+            out: Path, extra: Sequence[str]) -> None:
     results = []
     if "presets" in parts:
-        results = presets(names, args.out, args.steps, args.every, args.gain, args.eval_tasks,
-                          args.reuse)
-        if not args.quick:
+        results = presets(names, out, args.steps, args.every, args.gain, args.eval_tasks,
+                          args.reuse, extra)
+        if not args.quick and not args.smoke:
             plot(results, args.gain, args.png or REPO / "docs" / "algos.png")
     sweep = {}
     if "staleness" in parts:
-        sweep = staleness(ks, args.out, args.sweep_steps, args.every, args.eval_tasks,
-                          args.reuse)
+        sweep = staleness(ks, out, args.sweep_steps, args.every, args.eval_tasks,
+                          args.reuse, extra)
         at_k1 = next((r for r in results if r.name == "grpo"), None)
         if ("decoupled", 1) not in sweep and at_k1 is not None and args.steps == args.sweep_steps:
             sweep["decoupled", 1] = at_k1
@@ -217,9 +248,10 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"after {args.sweep_steps} steps: {gap:+.2f} (target: at most 0.05)")
     if results:
         learning = sum(r.minutes_to(args.gain) is not None for r in results)
-        print(f"presets_learning={learning}/{len(results)}")
+        print(f"{learning} of {len(results)} presets reached +{args.gain:g} within the budget")
+        headline("presets_learning", learning / len(results))
     elif sweep:
-        print(f"stale_k{max(ks)}_gap={gap:.3f}")
+        headline(f"stale_k{max(ks)}_gap", gap)
 
 
 if __name__ == "__main__":

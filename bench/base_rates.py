@@ -1,24 +1,32 @@
 """How a pretrained model answers reasoning-gym tasks before any training: greedy held-out
 accuracy per candidate task, through the project's own episode runner and the torch engine.
 
-    python -m bench.base_rates [--tasks 100] [--model smollm2]
+    python -m bench.base_rates [--tasks 100] [--model smollm2] [--smoke]
 
 The RL experiment on a real model (``experiment=rg_smol``) needs a task the base model gets
 right sometimes but not often (0.1-0.6): at 0 a group of samples has no signal, near 1 there
 is nothing to learn. Each row is a dataset, its config, the instruction after the question and
-the answer extraction; the last line is the chosen row's rate.
+the answer extraction; the last line is the chosen row's rate,
+``base_rate_chain_sum_2_terms_1_digit=``. ``--smoke`` (seconds, the tests'): every row on the
+toy model (:data:`bench.cli.TOY_MODEL`, random weights) instead of SmolLM2, 2 tasks of 4
+tokens each; its rates say nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import torch
 
+from bench.cli import TOY_MODEL, add_smoke, headline
+from bench.peers_trl import experiment
 from envs.reasoning_gym import ReasoningGymSpec
+from orchestrator.config import section
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.evaluate import evaluate
 from orchestrator.models.policy import build_policy
@@ -55,11 +63,19 @@ async def rate(engine: TorchEngine, tokenizer: Any, spec: ReasoningGymSpec, task
     return (await evaluate(runner, spec.tasks("eval")[:tasks])).mean
 
 
-async def main(args: argparse.Namespace) -> None:
-    model = {"_target_": "orchestrator.models.policy.pretrained_policy", "gguf": args.model,
-             "path": None, "dtype": "float32", "device": "cpu"}
+def model_node(args: argparse.Namespace) -> dict[str, Any]:
+    """The pretrained model ``--model`` names, or with ``--smoke`` the toy model."""
+    if args.smoke:
+        return {**section(experiment(*TOY_MODEL), "model"), "device": "cpu"}
+    return {"_target_": "orchestrator.models.policy.pretrained_policy", "gguf": args.model,
+            "path": None, "dtype": "float32", "device": "cpu"}
+
+
+async def measure(args: argparse.Namespace) -> float:
+    """Every candidate's rate, printed; returns the chosen one's."""
+    model = model_node(args)
     policy = build_policy(model)
-    chosen = 0.0
+    chosen = math.nan
     async with TorchEngine(model, WeightUpdate.of_module(0, policy.model),
                            max_batch_size=args.tasks) as engine:
         for label, dataset, config, instruction, answer in CANDIDATES:
@@ -72,15 +88,23 @@ async def main(args: argparse.Namespace) -> None:
                   flush=True)
             if label == CHOSEN:
                 chosen = value
-    print(f"base_rate_{CHOSEN.replace(' ', '_')}={chosen:.3f}")
+    return chosen
 
 
-if __name__ == "__main__":
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--model", default="smollm2", help="model.gguf: smollm2 or a .gguf path")
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    add_smoke(parser)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.tasks, args.max_tokens = 2, 4
     torch.set_num_threads(args.threads)
-    anyio.run(main, args)
+    chosen = anyio.run(measure, args)
+    headline(f"base_rate_{CHOSEN.replace(' ', '_')}", chosen)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,30 +2,39 @@
 training: greedy held-out accuracy under ``env=dataset`` with ``env.reward=math``, per kind of
 question, through the project's own episode runner and the torch engine.
 
-    python -m bench.dataset_base_rates [--only LABEL,...] [--show 3] [--model smollm2]
+    python -m bench.dataset_base_rates [--only LABEL;...] [--show 3] [--model smollm2] [--smoke]
 
 Each candidate is a version of the generated file (``envs/data/make_arith.py``: which kinds
 of one-digit question, how they are written), the instruction appended to the question and
 the token budget; each is written to a temporary directory and read back by
 ``envs.dataset.DatasetSpec``, so the rates are the experiment's own. The RL needs a base rate
 the model gets right sometimes but not often (0.1-0.6). The last line is the chosen
-candidate's rate.
+candidate's rate, ``base_rate_dataset_smol=`` (with ``--only`` leaving it out, the one-line
+refusal: exit 3). ``--smoke`` (seconds, the tests'): the chosen candidate (unless ``--only``
+names others) on the toy model (:data:`bench.cli.TOY_MODEL`, random weights) instead of
+SmolLM2, 4 held-out questions of at most 4 tokens each (each candidate starts math-verify's
+worker processes: a second or two); its rates say nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import torch
 
+from bench.cli import TOY_MODEL, add_smoke, headline, refuse
+from bench.peers_trl import experiment
 from envs.data import make_arith
 from envs.dataset import DatasetSpec, DatasetTask
+from orchestrator.config import section
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import build_policy
 from orchestrator.recorder import Recorder
@@ -79,12 +88,13 @@ async def rate(engine: TorchEngine, tokenizer: Any, spec: DatasetSpec, max_token
     return sum(every) / len(every), {k: sum(v) / len(v) for k, v in sorted(by_kind.items())}
 
 
-async def main(args: argparse.Namespace) -> None:
-    model = {"_target_": "orchestrator.models.policy.pretrained_policy", "gguf": args.model,
-             "path": None, "dtype": "float32", "device": "cpu"}
+async def measure(args: argparse.Namespace) -> float:
+    """Every candidate's rate (of those ``--only`` names), printed; returns the chosen one's
+    (nan when it was left out)."""
+    model = model_node(args)
     policy = build_policy(model)
     only = set(args.only.split(";")) if args.only else None
-    chosen = None
+    chosen = math.nan
     async with TorchEngine(model, WeightUpdate.of_module(0, policy.model),
                            max_batch_size=args.eval) as engine:
         for label, kinds, phrasing, instruction, max_tokens in CANDIDATES:
@@ -96,23 +106,43 @@ async def main(args: argparse.Namespace) -> None:
                 spec = DatasetSpec(train=str(paths["train"]), eval=str(paths["eval"]),
                                    instruction=instruction, reward="math")
                 started = time.perf_counter()
-                value, per_kind = await rate(engine, policy.tokenizer, spec, max_tokens, args.show)
+                value, per_kind = await rate(engine, policy.tokenizer, spec,
+                                             min(max_tokens, args.max_tokens or max_tokens),
+                                             args.show)
             kinds_text = "  ".join(f"{k} {v:.2f}" for k, v in per_kind.items())
             print(f"{label:42s} greedy={value:.3f}  ({kinds_text}; "
                   f"{time.perf_counter() - started:.0f} s)", flush=True)
             if label == CHOSEN:
                 chosen = value
-    if chosen is not None:
-        print(f"base_rate_dataset_smol={chosen:.3f}")
+    return chosen
 
 
-if __name__ == "__main__":
+def model_node(args: argparse.Namespace) -> dict[str, Any]:
+    """The pretrained model ``--model`` names, or with ``--smoke`` the toy model."""
+    if args.smoke:
+        return {**section(experiment(*TOY_MODEL), "model"), "device": "cpu"}
+    return {"_target_": "orchestrator.models.policy.pretrained_policy", "gguf": args.model,
+            "path": None, "dtype": "float32", "device": "cpu"}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--eval", type=int, default=100, help="held-out questions a candidate")
     parser.add_argument("--only", default="", help="labels separated by ; (default: all)")
     parser.add_argument("--show", type=int, default=0, help="replies printed per kind")
     parser.add_argument("--model", default="smollm2", help="model.gguf: smollm2 or a .gguf path")
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    add_smoke(parser)
+    args = parser.parse_args(argv)
+    args.max_tokens = 4 if args.smoke else None  # a cap on each candidate's budget
+    if args.smoke:
+        args.eval, args.only = 4, args.only or CHOSEN
     torch.set_num_threads(args.threads)
-    anyio.run(main, args)
+    chosen = anyio.run(measure, args)
+    if math.isnan(chosen):
+        refuse("dataset_base_rates", f"--only left out the chosen candidate ({CHOSEN!r})")
+    headline("base_rate_dataset_smol", chosen)
+
+
+if __name__ == "__main__":
+    main()

@@ -37,7 +37,11 @@ engine's batch is cheaper per row and the share of the trainer larger. The rollo
 no training, so its tokens/s is the engine's ceiling for rollout, not a run's samples/s.
 
 Overrides after ``--`` go to both parts' config (``-- engine=vllm engine.kv_cache_bytes=1GiB``).
-Last line: ``eval_vs_rollout_tokens=<evaluation tokens/s over rollout tokens/s>``.
+``--smoke`` (seconds, the tests'): both parts on the toy model (:data:`bench.cli.TOY_MODEL`)
+instead of SmolLM2: 4 prompts x 4 samples of at most 8 tokens, and three runs of 2 steps of
+8 samples with ``eval.every=1`` on 4 held-out questions; its figures say nothing.
+Last line: ``eval_vs_rollout_tokens=<evaluation tokens/s over rollout tokens/s>`` (with
+``--parts rl`` alone, ``eval_rl_cost=``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ import anyio
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from bench.cli import TOY_MODEL, add_smoke, headline
 from envs.base import Task
 from orchestrator.config import CONF, section, typed
 from orchestrator.engines.placement import Placement
@@ -169,40 +174,50 @@ def rl_cost(steps: int, every: int, eval_tasks: int, overrides: Sequence[str],
     return figures
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.eval",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="under 5 minutes")
+    add_smoke(parser)
     parser.add_argument("--tasks", type=int, default=None, help="prompts (200; 12 quick)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rollout, eval, eval, rollout passes this many times")
-    parser.add_argument("--n", type=int, default=16, help="samples per prompt")
+    parser.add_argument("--n", type=int, default=None, help="samples per prompt (16)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (20; 3 quick)")
     parser.add_argument("--every", type=int, default=None, help="eval.every (5; 1 quick)")
     parser.add_argument("--eval-tasks", type=int, default=None,
                         help="eval.num_tasks during RL (100; 8 quick)")
     parser.add_argument("--parts", default="throughput,rl", help="throughput, rl or both")
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
-    args = parser.parse_args()
-    quick = args.quick
-    tasks = args.tasks or (12 if quick else 200)
+    args = parser.parse_args(argv)
+    quick, smoke = args.quick, args.smoke
+    tasks = args.tasks or (4 if smoke else 12 if quick else 200)
+    n = args.n or (4 if smoke else 16)
     parts = set(args.parts.split(","))
-    print(f"SmolLM2-135M-Instruct, experiment=dataset_smol {' '.join(args.overrides)}".rstrip())
+    overrides = [*TOY_MODEL, "model.device=cpu", "rollout.max_tokens=8",
+                 *args.overrides] if smoke else args.overrides
+    print(f"{'the toy model' if smoke else 'SmolLM2-135M-Instruct'}, experiment=dataset_smol "
+          f"{' '.join(args.overrides)}".rstrip())
     ratio = None
     if "throughput" in parts:
-        figures = throughput(tasks, args.n, args.rounds, args.overrides)
+        figures = throughput(tasks, n, args.rounds, overrides)
         ratio = figures["eval_tokens_per_s"] / figures["rollout_tokens_per_s"]
     if "rl" in parts:
-        rl_overrides = ["pipeline.batch_size=16"] if quick else []
+        rl_overrides = (["pipeline.batch_size=8", "rollout.group_size=4", "pipeline.num_workers=4"]
+                        if smoke else ["pipeline.batch_size=16"] if quick else [])
         with tempfile.TemporaryDirectory(prefix="bench-eval-") as out:
-            cost = rl_cost(args.steps or (3 if quick else 20), args.every or (1 if quick else 5),
-                           args.eval_tasks or (8 if quick else 100),
-                           [*rl_overrides, *args.overrides], Path(out))
+            cost = rl_cost(args.steps or (2 if smoke else 3 if quick else 20),
+                           args.every or (1 if smoke or quick else 5),
+                           args.eval_tasks or (4 if smoke else 8 if quick else 100),
+                           [*rl_overrides, *overrides], Path(out))
         print(f"eval_rl_cost={cost['own_cost']:.3f} eval_engine_share={cost['own_share']:.3f} "
               f"eval_rl_cost_shared={cost['shared_cost']:.3f} "
               f"eval_engine_share_shared={cost['shared_share']:.3f}")
+        if ratio is None:
+            headline("eval_rl_cost", cost["own_cost"])
     if ratio is not None:
-        print(f"eval_vs_rollout_tokens={ratio:.3f}")
+        headline("eval_vs_rollout_tokens", ratio)
+
 
 if __name__ == "__main__":
     from orchestrator.allocator import keep_freed_memory

@@ -83,6 +83,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -397,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=None,
                         help=f"steps between evaluated snapshots ({EVERY})")
     parser.add_argument("--target", type=float, default=TARGET, help="held-out greedy accuracy")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_peers")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="runs/bench_peers (--smoke: a temporary directory)")
     parser.add_argument("--trl-threads", type=int, default=None,
                         help=f"torch threads of the TRL run ({TRL_THREADS}: both cores; "
                              "--smoke 1)")
@@ -415,9 +417,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     except NotComparable as e:
         refuse("peers", str(e))
     steps = args.steps or (SMOKE_STEPS if args.smoke else QUICK_STEPS if args.quick else STEPS)
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
+        out = (args.out or (Path(tmp) if args.smoke else REPO / "runs" / "bench_peers")).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        compare(args, out, base, settings, steps, every)
 
+
+def compare(args: argparse.Namespace, out: Path, base: Sequence[str], settings: RLSettings,
+            steps: int, every: int) -> None:
+    """The three runs into ``out``, their evaluation and the report."""
     weights, warm = warm_start(out / "warmstart", base)
     print(f"warm start: {warm['steps']} supervised steps in {warm['seconds']:.1f} s, greedy "
           f"check accuracy {warm['check_accuracy']}; weights in {weights.parent}", flush=True)

@@ -84,6 +84,7 @@ import json
 import math
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -129,6 +130,7 @@ class Budget:
     vllm: bool
     shrink: tuple[str, ...] = ()  # overrides of the experiment for the training part
     model: tuple[str, ...] = ()  # overrides of the experiment for every part (--smoke: the toy)
+    matmul_min_time: float = 0.02  # seconds a round of the microbenchmark lasts at least
 
 
 # Steps not timed: the first allocates what the others reuse, and the heap settles over two
@@ -139,7 +141,7 @@ QUICK = Budget((1, 8, 32), 32, 2, 1, 2, None, 2, 2, False, True)
 SMOKE = Budget((1, 2), 4, 1, 1, 1, 1, 2, 1, False, False,
                ("rollout.group_size=2", "pipeline.batch_size=2", "rollout.max_tokens=4"),
                (*TOY_MODEL, "pipeline.batch_size=8", "rollout.group_size=4",
-                "pipeline.num_workers=4", "eval.num_tasks=8"))
+                "pipeline.num_workers=4", "eval.num_tasks=8"), 0.002)
 
 
 def config(*overrides: str) -> DictConfig:
@@ -369,7 +371,7 @@ def training(budget: Budget, threads: int, microbenchmark: bool = True, device: 
     wall, fb, tokens, pairs, batch_tokens, head = (sum(s[i] for s in steps) for i in range(6))
     flops = 3 * shapes.forward_flops(tokens, pairs, head)
     rows = round(tokens / len(steps))
-    timing = {"min_time": 0.02, "repeats": 3, "calls": 1}
+    timing = {"min_time": budget.matmul_min_time, "repeats": 3, "calls": 1}
     matmul = (6 * shapes.weights * rows / shapes.linear_time(rows, backward=True, **timing)
               if microbenchmark else math.nan)
     return {"threads": threads, "steps": len(steps), "samples_per_step": size * rollout.group_size,
@@ -461,7 +463,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=None, help="steps between snapshots")
     parser.add_argument("--min-gain", type=float, default=0.1,
                         help="held-out accuracy above the base model's needed to time it")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_real_model")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="runs/bench_real_model (--smoke: a temporary directory)")
     parser.add_argument("--png", type=Path, default=None,
                         help="the plot (default docs/real_model.png; <out>/ with --quick)")
     parser.add_argument("--generation-json", type=Path, default=None, help=argparse.SUPPRESS)
@@ -493,10 +496,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             RLSettings.of(config(*budget.model))
         except NotComparable as e:
             refuse("real_model", str(e))
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    png = args.png or (out / "real_model.png" if args.quick or args.smoke
-                       else REPO / "docs" / "real_model.png")
+    with tempfile.TemporaryDirectory(prefix="bench-real-model-") as tmp:
+        default = Path(tmp) if args.smoke else REPO / "runs" / "bench_real_model"
+        out = (args.out or default).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        png = args.png or (out / "real_model.png" if args.quick or args.smoke
+                           else REPO / "docs" / "real_model.png")
+        measure(args, budget, parts, out, png)
+
+
+def measure(args: argparse.Namespace, budget: Budget, parts: Sequence[str], out: Path,
+            png: Path) -> None:
+    """The parts into ``out``, their tables, then the last lines."""
     with open("/proc/loadavg") as f:
         print(f"load average at start: {' '.join(f.read().split()[:3])}; torch "
               f"{torch.__version__}, {torch.get_num_threads()} threads available", flush=True)

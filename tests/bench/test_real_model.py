@@ -1,19 +1,14 @@
 """bench.real_model: its FLOP count is the model's own matmuls, its token count is what the
-trainer computes, TRL gets the project's prompts token for token, and a seconds-long slice of
-the benchmark (``--smoke``: the torch engine's rows, one training step) runs to its last line."""
+trainer computes, and TRL gets the project's prompts token for token (its ``--smoke`` run is
+in test_smoke_trl.py)."""
 
 from __future__ import annotations
 
 import importlib.util
-import math
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, TINY_MODEL
+from helpers import TINY_MODEL
 
 from bench.flops import Shapes
 from bench.real_model import computed
@@ -91,19 +86,3 @@ def test_trl_gets_the_projects_prompt_ids() -> None:
                                        return_dict=True)["input_ids"]
     ours = HFTokenizer(directory)
     assert [list(ids) for ids in batch] == [ours.chat_prompt(t.messages) for t in tasks]
-
-
-@needs_smollm2
-@pytest.mark.slow  # left out of scripts/test.sh --quick
-def test_smoke_slice_runs_to_its_last_line(tmp_path: Path) -> None:
-    # one thread: two OpenMP threads crawl when the machine's cores are busy
-    done = subprocess.run([sys.executable, "-m", "bench.real_model", "--smoke", "--threads", "1",
-                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-                          timeout=280, check=False)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
-    assert re.fullmatch(r"engine_vs_vllm=nan", lines[-2])  # --smoke: the torch engine only
-    fraction = float(lines[-1].removeprefix("trainer_bound_fraction="))
-    assert 0 < fraction < 2 and not math.isnan(fraction)
-    assert any(re.match(r"torch\s+2\s+[\d.]+\s+[\d.]+", line) for line in lines)
-    assert (tmp_path / "results.json").is_file()

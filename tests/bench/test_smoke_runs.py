@@ -1,0 +1,55 @@
+"""The benchmarks that measure whole runs, at their smoke size, as a user runs them
+(``python -m bench.<name> --smoke``): where a step's time goes, resident memory, the run
+directory's growth, the learning curve read from a run's files, the algorithm presets and
+evaluation's cost, each on the toy model, each printing its documented headline last."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from bench_smoke import run_bench
+
+
+def test_step_profile_smoke_samples_the_trainer_and_the_engine() -> None:
+    _, samples_per_s, out = run_bench("step_profile", expect="samples_per_s")
+    assert samples_per_s > 0
+    steps = int(re.search(r"^(\d+) RL steps sampled \((\d+) samples\)", out, re.MULTILINE).group(1))
+    assert 1 <= steps <= 6  # between the lines of steps 2 and 8
+    assert re.search(r"^  trainer +[\d.]+$", out, re.MULTILINE)
+    assert re.search(r"^  engine +[\d.]+$", out, re.MULTILINE)
+
+
+def test_memory_smoke_samples_rss_at_both_steps() -> None:
+    _, growth, out = run_bench("memory", expect="rss_growth_2_to_6")
+    assert growth > -100
+    rss = [float(v) for v in re.findall(r"^rss_at_step_[26]=([\d.]+)MiB$", out, re.MULTILINE)]
+    assert len(rss) == 2 and min(rss) > 0
+
+
+def test_rundir_smoke_sizes_the_run_directory_by_kind() -> None:
+    _, per_1k, out = run_bench("rundir", expect="rundir_mb_per_1k_steps")
+    assert per_1k > 0
+    kinds = set(re.findall(r"^(\w+) +\d+ +[\d.]+ +[\d.]+", out, re.MULTILINE))
+    assert {"metrics", "spans", "checkpoints"} <= kinds
+
+
+def test_rg_smol_curve_smoke_reads_a_real_runs_files() -> None:
+    _, gain, out = run_bench("rg_smol_curve", expect="rg_smol_gain")
+    assert 0 <= gain <= 1  # the best within the budget, the point before RL included
+    assert re.search(r"rg_smol_smoke: 0\.0 min \(step 0\) [\d.]+", out)
+    assert "/docs/" not in out  # its plot went to the temporary directory, not docs/
+
+
+def test_algos_smoke_runs_a_preset_and_reads_its_curve() -> None:
+    _, share, out = run_bench("algos", expect="presets_learning")
+    assert 0 <= share <= 1
+    assert re.search(r"^\| grpo \| [\d.]+ \|", out, re.MULTILINE)
+
+
+@pytest.mark.slow
+def test_eval_smoke_times_evaluation_against_rollout() -> None:
+    _, ratio, out = run_bench("eval", expect="eval_vs_rollout_tokens")
+    assert ratio > 0
+    assert re.search(r"^eval_rl_cost=\S+ eval_engine_share=\S+ ", out, re.MULTILINE)
+    assert len(re.findall(r"^RL (without evaluation|with eval\.every=1)", out, re.MULTILINE)) == 3
