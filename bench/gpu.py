@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct on a GPU: the torch engine's tokens/s, and the trainer's tokens/s and
-its fraction of the GPU's bf16 peak (``scripts/test_gpu.sh`` runs it; CUDA only).
+its fraction of the GPU's bf16 peak (``scripts/test_gpu.sh`` runs it; CUDA only, but for
+``--smoke``, below).
 
 1. **Peak**: the rate of an 8192 x 8192 x 8192 bf16 matrix product on this GPU (the mean of
    10 after 3 warm-ups), the ceiling the trainer's rate is compared with.

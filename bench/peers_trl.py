@@ -15,10 +15,15 @@ weights) with the character tokenizer wrapped as a ``PreTrainedTokenizerFast``
 (:func:`char_tokenizer_fast`: the same ids, and a chat template that renders the same prompt
 tokens as ``CharTokenizer.chat_prompt``), on the arithmetic environment's train split; for
 ``bench.real_model`` (``--experiment rg_smol``, no ``--weights``), the experiment's
-checkpoint (SmolLM2) and its own tokenizer, whose chat template the project renders too. The
-reward is the environment's own, a single-turn episode's (:func:`score`: an async reward
-function; TRL runs it on its event loop). The settings below are the default experiment's;
-any other's are read from its config the same way.
+checkpoint (SmolLM2) and its own tokenizer, whose chat template the project renders too;
+for their ``--smoke`` sizes, the toy model (overrides of the experiment after ``--``, as its
+project run was given them), built from config with the same seed as the project's run, and
+the character tokenizer wrapped. The reward is the environment's own, a single-turn
+episode's (:func:`score`: an async reward function; TRL runs it on its event loop). The
+settings below are the default experiment's; any other's are read from its config the same
+way. An algorithm they cannot reproduce (a loss other than PPO's clip, a dual clip, another
+advantage or aggregation, a KL or entropy term: :class:`NotComparable`) is refused in one line
+(exit 3): the comparison would not be like for like.
 
 Settings, and why:
 
