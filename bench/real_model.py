@@ -65,7 +65,7 @@ steps a side with no held-out evaluation (so the speed-up is then the throughput
 ``--smoke`` (seconds, the tests'): every part on the toy model (:data:`bench.cli.TOY_MODEL`,
 the character tokenizer) instead of SmolLM2: the torch engine only at 1 and 2 sequences and
 4 tokens, one training step on one group of 2 samples, and 2 RL steps a side of 2 prompts x
-4 samples (TRL on one thread) with no held-out evaluation; it checks that the benchmark
+4 samples with no held-out evaluation, everything on one thread; it checks that the benchmark
 runs, its figures say nothing. Prints each part's table, then ``engine_vs_vllm=`` (a line
 saying it was not measured where vLLM did not run), ``trainer_bound_fraction=`` and last
 ``speedup_vs_trl_real=`` (of the parts that ran).
@@ -456,8 +456,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_smoke(parser)
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated, of {', '.join(PARTS)}")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="torch threads of the engines and trainer rows")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the engines and trainer rows (2; --smoke 1: two "
+                             "OpenMP threads crawl on cores other work keeps busy)")
     parser.add_argument("--trl-threads", type=int, default=None, help="2 (--smoke: 1)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per side")
     parser.add_argument("--every", type=int, default=None, help="steps between snapshots")
@@ -472,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick and args.smoke:
         parser.error("--quick and --smoke are two sizes: give one")
+    args.threads = args.threads or (1 if args.smoke else 2)
     keep_freed_memory()  # glibc's allocator as python -m orchestrator sets it, for every part
     if args.generation_json is not None:  # the generation part, under .venv-vllm
         budget = Budget(**{k: tuple(v) if isinstance(v, list) else v
