@@ -55,12 +55,14 @@ def test_gpu_without_a_gpu_refuses_in_one_line(capsys: pytest.CaptureFixture[str
 
 
 def test_base_rates_smoke_rates_every_candidate() -> None:
+    pytest.importorskip("reasoning_gym", reason="its tasks are reasoning-gym's: the tasks extra")
     _, rate, out = run_bench("base_rates", expect="base_rate_chain_sum_2_terms_1_digit")
     assert 0 <= rate <= 1
     assert len(re.findall(r" greedy=[\d.]+ ", out)) == 7
 
 
 def test_dataset_base_rates_smoke_rates_the_chosen_candidate() -> None:
+    pytest.importorskip("math_verify", reason="env.reward=math needs the data extra")
     _, rate, out = run_bench("dataset_base_rates", expect="base_rate_dataset_smol")
     assert 0 <= rate <= 1
     assert re.search(r"^all kinds in LaTeX, boxed, 32 tokens +greedy=", out, re.MULTILINE)

@@ -35,6 +35,7 @@ def test_rundir_smoke_sizes_the_run_directory_by_kind() -> None:
 
 
 def test_rg_smol_curve_smoke_reads_a_real_runs_files() -> None:
+    pytest.importorskip("reasoning_gym", reason="its tasks are reasoning-gym's: the tasks extra")
     _, gain, out = run_bench("rg_smol_curve", expect="rg_smol_gain")
     assert 0 <= gain <= 1  # the best within the budget, the point before RL included
     assert re.search(r"rg_smol_smoke: 0\.0 min \(step 0\) [\d.]+", out)
@@ -42,6 +43,7 @@ def test_rg_smol_curve_smoke_reads_a_real_runs_files() -> None:
 
 
 def test_algos_smoke_runs_a_preset_and_reads_its_curve() -> None:
+    pytest.importorskip("math_verify", reason="env.reward=math needs the data extra")
     _, share, out = run_bench("algos", expect="presets_learning")
     assert 0 <= share <= 1
     assert re.search(r"^\| grpo \| [\d.]+ \|", out, re.MULTILINE)
@@ -49,6 +51,7 @@ def test_algos_smoke_runs_a_preset_and_reads_its_curve() -> None:
 
 @pytest.mark.slow
 def test_eval_smoke_times_evaluation_against_rollout() -> None:
+    pytest.importorskip("math_verify", reason="env.reward=math needs the data extra")
     _, ratio, out = run_bench("eval", expect="eval_vs_rollout_tokens")
     assert ratio > 0
     assert re.search(r"^eval_rl_cost=\S+ eval_engine_share=\S+ ", out, re.MULTILINE)
