@@ -32,6 +32,10 @@ second-long calls (which moved by milliseconds from run to run): each call's
 the span less ``engine_s``: parsing, rendering the prompt, building the reply. The
 client-side figures above stay as context (what the program sees, HTTP included).
 Last line: ``gateway_overhead_p50_ms=<ms>``, that own time's p50 (target <= 2).
+
+``--smoke`` (the tests', seconds): 8 episodes of 2 calls of 50 ms, the programs in the run's
+event loop (``--processes 0``: worker processes would cost their start-up); every other
+option given overrides it. It checks the bench runs end to end; its figures say nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import aiohttp
 import anyio
 from aiohttp import web
 
+from bench.cli import add_smoke, headline
 from envs.agent import AgentEndpoint, AgentSpec
 from envs.base import Env, EnvSpec, Reward, Task
 from envs.parsers import HermesParser
@@ -67,6 +72,8 @@ from orchestrator.types import Generation, SamplingParams
 TOK = CharTokenizer()
 CALL = HermesParser.format("noop", {})
 TOKENS = len(CALL) + 1  # the call and its stop token
+SMOKE = {"episodes": 8, "calls": 2, "seconds_per_call": 0.05, "processes": 0}
+FULL = {"episodes": 256, "calls": 4, "seconds_per_call": 1.0, "processes": 2}
 TOOL = {"type": "function", "function": {"name": "noop", "description": "Do nothing.",
                                          "parameters": {"type": "object", "properties": {}}}}
 
@@ -297,15 +304,19 @@ def _quantile(values: Sequence[float], q: float) -> float:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=256)
-    parser.add_argument("--calls", type=int, default=4, help="calls per episode")
-    parser.add_argument("--seconds-per-call", type=float, default=1.0)
+    parser.add_argument("--episodes", type=int, default=None, help="256 (--smoke 8)")
+    parser.add_argument("--calls", type=int, default=None, help="calls per episode: 4 (--smoke 2)")
+    parser.add_argument("--seconds-per-call", type=float, default=None, help="1.0 (--smoke 0.05)")
     parser.add_argument("--client", choices=["openai", "aiohttp"], default="openai")
-    parser.add_argument("--processes", type=int, default=2,
+    parser.add_argument("--processes", type=int, default=None,
                         help="env.processes: worker processes the programs run in (0: in the "
-                             "run's event loop, with the gateway and the engine)")
+                             "run's event loop, with the gateway and the engine): 2 (--smoke 0)")
     parser.add_argument("--seed", type=int, default=0)
+    add_smoke(parser)
     args = parser.parse_args(argv)
+    for key, value in (SMOKE if args.smoke else FULL).items():  # what the command line leaves out
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     n, calls, seconds = args.episodes, args.calls, args.seconds_per_call
 
     base = anyio.run(run_tool_env, n, calls, seconds, args.seed)
@@ -336,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"body to its response, less the engine's time): p50 {_quantile(own, 0.5) * 1e3:.2f} "
           f"ms, p99 {_quantile(own, 0.99) * 1e3:.2f} ms, max {max(own) * 1e3:.2f} ms")
     print(f"gateway_overhead_p99_ms={_quantile(own, 0.99) * 1e3:.2f}")
-    print(f"gateway_overhead_p50_ms={_quantile(own, 0.5) * 1e3:.2f}")
+    headline("gateway_overhead_p50_ms", _quantile(own, 0.5) * 1e3, 2)
 
 
 if __name__ == "__main__":  # run as bench.gateway, the module the agent env imports the programs from

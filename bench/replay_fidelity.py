@@ -17,8 +17,9 @@ trajectories start together at 0). With the shipped sample (64 trajectories a st
 trajectory is played ``--replicas`` times (default: enough to rebuild a 2,048-trajectory
 step's load) and compared with the recorded sample: a smoke check, since a replicated 3%
 sample is not the step's load (its long tail is replicated with it); the targets are for the
-published steps. The last line is
-``accuracy=<1 - |makespan relative error|>`` (PolyTrace reports 94.7% for its suite).
+published steps. ``--smoke`` (the tests'): each trajectory played once and a fit of
+``SMOKE_ITERATIONS`` Nelder-Mead iterations (seconds; its figures say nothing). The last line
+is ``accuracy=<1 - |makespan relative error|>`` (PolyTrace reports 94.7% for its suite).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.cli import add_smoke, headline
 from orchestrator.replay import (
     EngineFit,
     fit_trace,
@@ -42,6 +44,7 @@ from orchestrator.schema import ReplayConfig
 from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
 
 FULL_STEP = 2048
+SMOKE_ITERATIONS = 5
 
 
 def steps_arg(text: str) -> list[int]:
@@ -55,21 +58,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--fit", type=steps_arg, default=[0, 1, 2])
     parser.add_argument("--eval", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=None,
-                        help="plays of each trajectory (default: up to a 2,048-trajectory step)")
-    parser.add_argument("--iterations", type=int, default=90, help="Nelder-Mead iterations")
+                        help="plays of each trajectory (default: up to a 2,048-trajectory step; "
+                             "--smoke: 1)")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help=f"Nelder-Mead iterations (default 90; --smoke {SMOKE_ITERATIONS})")
+    add_smoke(parser)
     args = parser.parse_args(argv)
+    iterations = args.iterations or (SMOKE_ITERATIONS if args.smoke else 90)
     if args.eval in args.fit:
         parser.error(f"--eval {args.eval} is among the --fit steps: evaluate on a held-out step")
 
     trace = TraceDir.open(args.trace)
     records = list(trace.workload(args.eval))
-    replicas = args.replicas or max(1, FULL_STEP // len(records))
+    replicas = args.replicas or (1 if args.smoke else max(1, FULL_STEP // len(records)))
     started = time.perf_counter()
-    fit: EngineFit = fit_trace(args.trace, args.fit, args.iterations, replicas)
+    fit: EngineFit = fit_trace(args.trace, args.fit, iterations, replicas)
     fit_seconds = time.perf_counter() - started
     p = fit.server
     print(f"trace={trace.path} fit={args.fit} eval={args.eval} trajectories={len(records)} "
-          f"replicas={replicas} fit_s={fit_seconds:.1f}")
+          f"replicas={replicas} iterations={iterations} fit_s={fit_seconds:.1f}")
     print(f"engine: step={p.step_base * 1e3:.2f} ms + {p.step_per_seq * 1e3:.3f} ms/seq + "
           f"{p.step_per_1k_tokens * 1e3:.3f} ms/1k tokens; prefill {p.prefill_per_1k * 1e3:.1f} "
           f"ms/1k tokens; max_running={p.max_running}")
@@ -109,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"note: a sample of {len(records)} trajectories played {replicas} times is not the "
               f"step it was cut from (its tail is replicated too); the targets are for full steps: "
               f"--trace ../shared/polytrace/search_r1")
-    print(f"accuracy={1.0 - abs(makespan_error):.4f}")
+    headline("accuracy", 1.0 - abs(makespan_error), 4)
 
 
 if __name__ == "__main__":

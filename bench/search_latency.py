@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import bisect
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from bench.cli import add_smoke, headline, refuse
+from orchestrator.trace.reader import SHIPPED_SAMPLE
 from sandboxes.search.latency import TraceFaultModel, fit, read_tool_calls
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "polytrace" / "search_r1"
@@ -30,17 +33,24 @@ def ks_statistic(a: list[float], b: list[float]) -> float:
     return gap
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.search_latency")
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument("--trace", type=Path, default=None,
+                        help=f"a PolyTrace directory (default: {DEFAULT_TRACE}; --smoke: the "
+                             "shipped sample)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--refit", action="store_true",
                         help="fit from --trace instead of using the shipped fit")
-    args = parser.parse_args()
-    records = read_tool_calls(args.trace)
+    add_smoke(parser)
+    args = parser.parse_args(argv)
+    trace = args.trace or (SHIPPED_SAMPLE if args.smoke else DEFAULT_TRACE)
+    try:
+        records = read_tool_calls(trace)
+    except FileNotFoundError as e:
+        refuse("search_latency", f"{e} (--trace names another; --smoke reads the shipped sample)")
     recorded = [r.latency_s for r in records]
     fitted = fit(records) if args.refit else None
-    print(f"trace={args.trace} tool_calls={len(records)} fit={'refit' if args.refit else 'shipped'}")
+    print(f"trace={trace} tool_calls={len(records)} fit={'refit' if args.refit else 'shipped'}")
     print(f"{'mode':<11} {'ks':>6} {'p50_err':>8} {'p90_err':>8} {'p99_err':>8} "
           f"{'unknown':>8} {'api_err':>8}")
     rec_q = np.quantile(recorded, [0.5, 0.9, 0.99])
@@ -59,7 +69,7 @@ def main() -> None:
         print(f"{mode:<11} {ks:>6.4f} {err[0]:>8.3f} {err[1]:>8.3f} {err[2]:>8.3f} "
               f"{sim['unknown']:>8.4f} {sim['api_error']:>8.4f}")
         worst = max(worst, ks)
-    print(f"ks={worst:.4f}")
+    headline("ks", worst, 4)
 
 
 if __name__ == "__main__":
