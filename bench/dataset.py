@@ -26,24 +26,36 @@
 On the tiny model the replies are short strings of characters, so verification costs what it
 costs on a parse of such text; the point is that the run does not wait on it.
 
-``--quick``: 4 steps a reward run (default 15). Last line: ``dataset_extra_rss_mb_1m=<value>``.
+``--quick``: 4 steps a reward run (default 15). ``--rows N``: the large file's rows (default
+1,000,000). ``--smoke`` (the tests', about half a minute: four runs of a few seconds each) is
+the start-up part alone with a 10,000-row file against the 1,000-row one, in a temporary
+folder (``--parts reward,startup`` adds the reward runs, 2 steps each); it checks the bench
+runs end to end, its figures say nothing. Last line: ``dataset_extra_rss_mb_1m=<value>``
+(named after the large file's size: ``dataset_extra_rss_mb_10k`` at ``--smoke``). Needs the
+data extra (``pip install -e '.[data]'``); without it the bench says so in one line and exits
+with status 3.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
+from bench.cli import add_smoke, headline, refuse
 from bench.machine import machine
 
 REPO = Path(__file__).resolve().parent.parent
-SIZES = (1_000, 1_000_000)
+SMALL, LARGE = 1_000, 1_000_000  # the two files' rows (--rows: the large one's)
+SMOKE_ROWS, SMOKE_STEPS = 10_000, 2
 
 
 def write_rows(path: Path, rows: int, seed: int = 0) -> Path:
@@ -90,21 +102,31 @@ def run(out: Path, name: str, *overrides: str) -> tuple[float, float, dict[str, 
     return wall, usage.ru_maxrss / 1024, summary
 
 
-def startup(out: Path) -> float:
+def size_name(rows: int) -> str:
+    """``1m``, ``10k``, ``1500``: a file's rows as the headline names them."""
+    for unit, suffix in ((1_000_000, "m"), (1_000, "k")):
+        if rows >= unit and rows % unit == 0:
+            return f"{rows // unit}{suffix}"
+    return str(rows)
+
+
+def startup(out: Path, large: int = LARGE) -> float:
+    """The large file's one-step run's extra peak RSS (MB) over the small file's."""
     print(f"{'rows':>10} {'convert s':>10} {'1 step s':>9} {'peak RSS MB':>12}", flush=True)
+    sizes = (SMALL, large)
     rss = {}
-    for rows in SIZES:
+    for rows in sizes:
         path = write_rows(out / f"sums_{rows}.parquet", rows)
         train = f"env.train={path}"
         convert, _, _ = run(out, f"convert_{rows}", train, "pipeline.num_steps=1")
         wall, peak, _ = run(out, f"startup_{rows}", train, "pipeline.num_steps=1")
         rss[rows] = peak
         print(f"{rows:>10,} {convert:>10.1f} {wall:>9.1f} {peak:>12.0f}", flush=True)
-    return rss[SIZES[-1]] - rss[SIZES[0]]
+    return rss[large] - rss[SMALL]
 
 
 def rewards(out: Path, steps: int) -> None:
-    train = f"env.train={write_rows(out / 'sums_1000.parquet', 1_000)}"
+    train = f"env.train={write_rows(out / f'sums_{SMALL}.parquet', SMALL)}"
     shape = [f"pipeline.num_steps={steps}", "rollout.max_tokens=64", "pipeline.batch_size=64",
              "pipeline.num_workers=8"]
     variants = {
@@ -130,19 +152,33 @@ def rewards(out: Path, steps: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_dataset")
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where the files and runs go (default: runs/bench_dataset, kept "
+                             "for the next time; --smoke: a temporary folder)")
+    parser.add_argument("--steps", type=int, default=None, help="steps a reward run (15)")
     parser.add_argument("--quick", action="store_true", help="4 steps a reward run")
-    parser.add_argument("--parts", default="reward,startup")
+    parser.add_argument("--rows", type=int, default=None,
+                        help=f"the large file's rows ({LARGE:,}; --smoke {SMOKE_ROWS:,})")
+    parser.add_argument("--parts", default=None, help="reward,startup (--smoke: startup)")
+    add_smoke(parser)
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    parts = args.parts.split(",")
-    print(machine(), flush=True)
-    if "reward" in parts:
-        rewards(args.out, 4 if args.quick else args.steps)
-    if "startup" in parts:
-        extra = startup(args.out)
-        print(f"dataset_extra_rss_mb_1m={extra:.1f}")
+    if missing := [m for m in ("pyarrow", "datasets") if importlib.util.find_spec(m) is None]:
+        refuse("dataset", f"{' and '.join(missing)} missing: pip install -e '.[data]'")
+    parts = (args.parts or ("startup" if args.smoke else "reward,startup")).split(",")
+    steps = args.steps or (SMOKE_STEPS if args.smoke else 4 if args.quick else 15)
+    rows = args.rows or (SMOKE_ROWS if args.smoke else LARGE)
+    if rows <= SMALL:
+        parser.error(f"--rows {rows}: the large file must have more than {SMALL:,} rows")
+    with ExitStack() as stack:
+        out = args.out or (Path(stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="bench-dataset-"))) if args.smoke else REPO / "runs" / "bench_dataset")
+        out.mkdir(parents=True, exist_ok=True)
+        print(machine(), flush=True)
+        if "reward" in parts:
+            rewards(out, steps)
+        if "startup" in parts:
+            extra = startup(out, rows)
+            headline(f"dataset_extra_rss_mb_{size_name(rows)}", extra, 1)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,15 @@ the put to the last pull, with GB/s per engine and in all, as the median of a fe
 after a first one that warms the stores (pages first touched, connections opened), shown
 apart. A run's weight sync adds the pause and resume of the engines to this.
 
-Last line: ``scaling_efficiency_4=<samples/s at 4 nodes / (4 x samples/s at 1 node)>``.
+Sizes: 30 steps per node count and 8 broadcasts; ``--quick`` 10 steps and 2. ``--smoke``
+(the tests'; most of its time is the cluster's and the actors' start): a head and 2 engine
+nodes, 1 and 2 engines, 3 steps each (a step timed after the warm-up), samples of 0.1 s and a
+trainer of 0.04 s, a broadcast of 1 M parameters (4 MB) after its warm-up; it checks the bench
+runs end to end, its figures say nothing.
+
+Last line: ``scaling_efficiency_4=<samples/s at 4 nodes / (4 x samples/s at 1 node)>``
+(``scaling_efficiency_2`` at ``--smoke``, its largest node count). Without the ray extra the
+bench says so in one line and exits with status 3.
 
 Limits. Every "node" is a set of processes on this one machine: they share its two cores (a
 raylet, agents and an actor per node, besides the driver), and objects cross between nodes
@@ -46,6 +54,7 @@ machine shows in the figures.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
 from collections.abc import Sequence
@@ -53,8 +62,14 @@ from dataclasses import dataclass
 from functools import partial
 
 import anyio
-import ray
 import torch
+
+from bench.cli import add_smoke, headline, refuse
+
+if __name__ == "__main__" and importlib.util.find_spec("ray") is None:  # before it is imported
+    refuse("ray_scaling", "the ray extra is missing: pip install -e '.[ray]'")
+
+import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -87,6 +102,23 @@ OBJECT_STORE_BYTES = 1_500_000_000  # per node: room for a weight set or two and
 
 
 @dataclass(frozen=True)
+class Size:
+    """What a run of the bench measures, and at what scale."""
+
+    steps: int  # per node count, WARMUP_STEPS of them not timed
+    repeats: int  # broadcasts after the warm-up one
+    nodes: tuple[int, ...] = NODES  # engine node counts, the last the headline's
+    sample_seconds: float = SAMPLE_SECONDS
+    train_seconds: float = TRAIN_SECONDS
+    weight_params: int = WEIGHT_PARAMS
+    object_store_bytes: int = OBJECT_STORE_BYTES
+
+
+SMOKE = Size(steps=WARMUP_STEPS + 1, repeats=1, nodes=(1, 2), sample_seconds=0.1,
+             train_seconds=0.04, weight_params=1_000_000, object_store_bytes=100_000_000)
+
+
+@dataclass(frozen=True)
 class Result:
     engines: int
     nodes: int  # distinct nodes the engines ran on (from their spans)
@@ -101,30 +133,30 @@ class Result:
         return self.samples / self.seconds
 
 
-def time_scale() -> float:
+def time_scale(seconds: float = SAMPLE_SECONDS) -> float:
     """The engine's time scale: a mean-length sample at ``PER_ENGINE_BATCH`` concurrency
-    takes ``SAMPLE_SECONDS``."""
+    takes ``seconds``."""
     params = EngineFit.load().server
     shapes = load_shapes()
     mean = statistics.fmean(sample_seconds(params, s, PER_ENGINE_BATCH) for s in shapes)
-    return SAMPLE_SECONDS / mean
+    return seconds / mean
 
 
-def start_cluster(workers: int) -> Cluster:
+def start_cluster(workers: int, store_bytes: int = OBJECT_STORE_BYTES) -> Cluster:
     """A head (the driver and the trainer) and ``workers`` engine nodes, one CPU each."""
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"trainer_node": 1},
-        "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False})
+        "object_store_memory": store_bytes, "include_dashboard": False})
     for _ in range(workers):
         cluster.add_node(num_cpus=1, resources={"engine_node": 1},
-                         object_store_memory=OBJECT_STORE_BYTES)
+                         object_store_memory=store_bytes)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="bench", logging_level="warning",
              log_to_driver=False)
     return cluster
 
 
-def run(engines: int, steps: int, scale: float) -> Result:
+def run(engines: int, steps: int, scale: float, train_seconds: float = TRAIN_SECONDS) -> Result:
     """One run through ``launcher=ray``: ``engines`` engine actors spread over the engine
     nodes, the trainer actor on the head."""
     batch = engines * PER_ENGINE_BATCH
@@ -138,7 +170,7 @@ def run(engines: int, steps: int, scale: float) -> Result:
                      trainer={"num_cpus": 1, "resources": {"trainer_node": 1}}) as launcher:
         parts = RunParts(
             spec=spec, tokenizer=CharTokenizer(),
-            trainer=launcher.trainer(fixed_trainer.recipe(TRAIN_SECONDS)),
+            trainer=launcher.trainer(fixed_trainer.recipe(train_seconds)),
             make_engine=partial(launcher.engine, engine), sampler=TaskSampler(spec.tasks("train")),
             pipeline=PipelineConfig(batch_size=batch, max_staleness=K, num_steps=steps,
                                     num_workers=admission_budget(batch, K) // GROUP_SIZE),
@@ -187,7 +219,7 @@ class Broadcast:
         return self.nbytes * len(self.pulls) / self.wall / 1e9
 
 
-def broadcasts(nodes: int, repeats: int) -> list[Broadcast]:
+def broadcasts(nodes: int, repeats: int, params: int = WEIGHT_PARAMS) -> list[Broadcast]:
     """``repeats + 1`` broadcasts of the weight set from the driver (on the head) to one actor on
     each of ``nodes`` engine nodes; the first warms the stores (pages first touched,
     connections opened)."""
@@ -196,7 +228,7 @@ def broadcasts(nodes: int, repeats: int) -> list[Broadcast]:
     actors = [Puller.options(  # type: ignore[attr-defined]
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
     ).remote() for i in range(nodes)]
-    per = WEIGHT_PARAMS // WEIGHT_TENSORS
+    per = params // WEIGHT_TENSORS
     tensors = {f"layer.{i}.weight": torch.zeros(per, dtype=torch.float32)
                for i in range(WEIGHT_TENSORS)}
     out = []
@@ -222,28 +254,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Samples/s against engine nodes on local Ray.")
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--steps", type=int, default=None, help="train steps per node count")
+    add_smoke(parser)
     args = parser.parse_args(argv)
-    steps = args.steps or (10 if args.quick else 30)
-    repeats = 2 if args.quick else 8
-    scale = time_scale()
+    size = SMOKE if args.smoke else Size(steps=10 if args.quick else 30,
+                                         repeats=2 if args.quick else 8)
+    steps = args.steps or size.steps
+    if steps <= WARMUP_STEPS:
+        refuse("ray_scaling", f"--steps {steps}: the first {WARMUP_STEPS} are warm-up, none "
+                              "would be timed")
+    nodes = max(size.nodes)
+    scale = time_scale(size.sample_seconds)
     print(f"engine: search_r1 lengths, fitted server model x{scale:.4f}; "
           f"{PER_ENGINE_BATCH} samples/engine/step, group {GROUP_SIZE}, k={K}, "
-          f"train step {TRAIN_SECONDS:.2f} s; {steps} steps, {WARMUP_STEPS} warm-up", flush=True)
+          f"train step {size.train_seconds:.2f} s; {steps} steps, {WARMUP_STEPS} warm-up",
+          flush=True)
     started = time.perf_counter()
-    cluster = start_cluster(max(NODES))
-    print(f"cluster: head + {max(NODES)} engine nodes up in {time.perf_counter() - started:.1f} s",
+    cluster = start_cluster(nodes, size.object_store_bytes)
+    print(f"cluster: head + {nodes} engine nodes up in {time.perf_counter() - started:.1f} s",
           flush=True)
     try:
         results = []
-        for count in NODES:
+        for count in size.nodes:
             t0 = time.perf_counter()
-            result = run(count, steps, scale)
+            result = run(count, steps, scale, size.train_seconds)
             results.append(result)
             print(f"engines={count} on {result.nodes} nodes: {result.samples_per_s:.1f} samples/s, "
                   f"step {result.step_seconds:.2f} s, {result.dropped} dropped, driver CPU "
                   f"{result.driver_cpu:.0%} ({time.perf_counter() - t0:.1f} s)", flush=True)
         t0 = time.perf_counter()
-        first, *sync = broadcasts(max(NODES), repeats)
+        first, *sync = broadcasts(nodes, size.repeats, size.weight_params)
         typical = sorted(sync, key=lambda b: b.wall)[len(sync) // 2]  # the median broadcast
         print(f"weight sync: {typical.nbytes / 1e6:.0f} MB from the head to {len(typical.pulls)} "
               f"engine nodes, median of {len(sync)}: put {typical.put:.2f} s, pull "
@@ -262,8 +301,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{r.engines:>7} {r.nodes:>5} {r.samples_per_s:>10.1f} {r.step_seconds:>7.2f} "
               f"{r.dropped:>7} {r.driver_cpu:>10.0%} {r.samples_per_s / (r.engines * base):>10.2f}")
     print(f"elapsed {time.perf_counter() - started:.0f} s")
-    four = next(r for r in results if r.engines == 4)
-    print(f"scaling_efficiency_4={four.samples_per_s / (4 * base):.2f}")
+    most = results[-1]
+    headline(f"scaling_efficiency_{most.engines}", most.samples_per_s / (most.engines * base), 2)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,12 @@ actor's ``ray.get``). Reported: the step's seconds (median of the measured steps
 ``WARMUP`` steps), the gather seconds (rank 0's, from the update's stats), gather + put seen
 from the driver, the pull, and the update's bytes.
 
+Sizes: 4 measured steps a row; ``--quick`` 1. ``--smoke`` (the tests'; most of its time is the
+cluster's and the rank actors' start): the toy model (hidden 32, one layer, FFN 64), 2 groups,
+one measured step a row; it checks the bench runs end to end (every row, LoRA's included), its
+figures say nothing. Without the ray extra the bench says so in one line and exits with
+status 3.
+
 Last line: ``trainer_scaling_2=<step seconds at 1 rank / step seconds at 2 ranks>``.
 
 Limits. The two "nodes" are processes on one machine sharing its cores with the driver, the
@@ -34,14 +40,22 @@ driver and Ray's own processes, anything else running shows directly in the spee
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import random
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
+
+from bench.cli import add_smoke, headline, refuse
+
+if __name__ == "__main__" and importlib.util.find_spec("ray") is None:  # before it is imported
+    refuse("trainer_scaling", "the ray extra is missing: pip install -e '.[ray]'")
+
 import ray
 from ray.cluster_utils import Cluster
 
@@ -53,6 +67,9 @@ from orchestrator.weights import WeightUpdate
 MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 640,
          "num_layers": 10, "num_heads": 10, "intermediate_size": 2048,
          "max_position_embeddings": 256, "seed": 0, "device": "cpu"}
+SMOKE_MODEL = {**MODEL, "hidden_size": 32, "num_layers": 1, "num_heads": 2,
+               "intermediate_size": 64}  # the tests' toy model
+SMOKE_GROUPS = 2
 GROUPS = 16  # 64 samples, the default experiment's batch; --groups: more amortise the collectives
 GROUP_SIZE = 4
 PROMPT_TOKENS = 24
@@ -117,11 +134,12 @@ def start_cluster() -> Cluster:
     return cluster
 
 
-def measure(ranks: int, lora: bool, steps: int, count: int = GROUPS) -> Row:
+def measure(ranks: int, lora: bool, steps: int, count: int = GROUPS,
+            model: dict[str, Any] = MODEL) -> Row:
     trainer = {"_target_": "orchestrator.trainer.TorchTrainer", "lr": 1e-5,
                "micro_batch_size": MICRO_BATCH, "world_size": ranks,
                "lora": LORA if lora else None}
-    recipe = TrainerRecipe(trainer=trainer, model=MODEL,
+    recipe = TrainerRecipe(trainer=trainer, model=model,
                            algo={"_target_": "orchestrator.algo.grpo.GRPO"}, torch_threads=1)
     engine = Engine.remote()  # type: ignore[attr-defined]
     groups = batch(count=count)
@@ -148,7 +166,7 @@ def measure(ranks: int, lora: bool, steps: int, count: int = GROUPS) -> Row:
             nbytes = update.nbytes
             del update
     ray.kill(engine)
-    hidden, layers, ffn = MODEL["hidden_size"], MODEL["num_layers"], MODEL["intermediate_size"]
+    hidden, layers, ffn = model["hidden_size"], model["num_layers"], model["intermediate_size"]
     # attention (q, k, v, o), MLP, two norms per layer; the tied embedding (103 characters)
     params = layers * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) + 103 * hidden + hidden
     return Row(ranks, lora, statistics.median(times), statistics.median(gathers),
@@ -159,13 +177,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Trainer step time at 1 and 2 FSDP2 ranks.")
     parser.add_argument("--quick", action="store_true", help="one measured step per row")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per row")
-    parser.add_argument("--groups", type=int, default=GROUPS,
-                        help=f"groups of {GROUP_SIZE} in the fixed global batch")
+    parser.add_argument("--groups", type=int, default=None,
+                        help=f"groups of {GROUP_SIZE} in the fixed global batch ({GROUPS}; "
+                             f"--smoke {SMOKE_GROUPS})")
+    add_smoke(parser)
     args = parser.parse_args(argv)
-    steps = args.steps or (1 if args.quick else 4)
+    steps = args.steps or (1 if args.quick or args.smoke else 4)
+    groups = args.groups or (SMOKE_GROUPS if args.smoke else GROUPS)
+    model = SMOKE_MODEL if args.smoke else MODEL
     load_before = os.getloadavg()
-    print(f"model: Llama hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, FFN "
-          f"{MODEL['intermediate_size']}, float32; batch {args.groups} groups x {GROUP_SIZE} "
+    print(f"model: Llama hidden {model['hidden_size']}, {model['num_layers']} layers, FFN "
+          f"{model['intermediate_size']}, float32; batch {groups} groups x {GROUP_SIZE} "
           f"(prompt {PROMPT_TOKENS}, completions {COMPLETION_TOKENS[0]}-{COMPLETION_TOKENS[1]} "
           f"tokens); {steps} steps after {WARMUP} warm-up; load average "
           f"{' '.join(f'{x:.2f}' for x in load_before)}", flush=True)
@@ -179,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for ranks, lora in ((1, False), (2, False), (2, True)):
             t0 = time.perf_counter()
-            row = measure(ranks, lora, steps, args.groups)
+            row = measure(ranks, lora, steps, groups, model)
             rows.append(row)
             print(f"ranks={ranks} {'lora' if lora else 'full'}: step {row.step:.2f} s, gather "
                   f"{row.gather:.2f} s, gather+put {row.publish:.2f} s, pull {row.pull:.2f} s, "
@@ -189,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ray.shutdown()
         cluster.shutdown()
     load_after = os.getloadavg()
-    print(f"params ~{rows[0].params / 1e6:.0f} M; load average after "
+    print(f"params ~{rows[0].params / 1e6:.2g} M; load average after "
           f"{' '.join(f'{x:.2f}' for x in load_after)}")
     print(f"{'ranks':>5} {'mode':>5} {'step_s':>7} {'speedup':>7} {'gather_s':>8} "
           f"{'gather+put_s':>12} {'pull_s':>6} {'update_MB':>9}")
@@ -198,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{r.ranks:>5} {'lora' if r.lora else 'full':>5} {r.step:>7.2f} "
               f"{base / r.step:>7.2f} {r.gather:>8.2f} {r.publish:>12.2f} {r.pull:>6.2f} "
               f"{r.nbytes / 1e6:>9.2f}")
-    print(f"trainer_scaling_2={rows[0].step / rows[1].step:.3f}")
+    headline("trainer_scaling_2", rows[0].step / rows[1].step, 3)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ ids, temperature 1), tokens per second of wall time, on the engine with merged w
 Both engines run eager (``enforce_eager``: vLLM's CPU build turns compilation off when LoRA is
 enabled, so the merged engine is measured the same way; compiled, it would only be faster).
 
+Sizes: ``--model tiny`` (the default: hidden 128, 4 layers) or ``smollm2``, ``--repeats`` 5.
+``--smoke`` (the tests'; most of its time is the two engines' start): the tiny model cut to 2
+layers (vLLM's CPU attention wants a head size of 32, so not the toy model), 2 repeats; it
+checks the bench runs end to end, its figures say nothing. Without vLLM (``.venv``) the bench
+says so in one line and exits with status 3.
+
 Last line: ``lora_merged_vs_full=<full update seconds / merged update seconds>``.
 """
 
@@ -25,16 +31,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.cli import add_smoke, headline, refuse
 from orchestrator.algo.grpo import GRPO
 from orchestrator.engines.base import sync_weights
 from orchestrator.engines.vllm_engine import VLLMEngine
@@ -49,6 +57,8 @@ MODELS = {
     "smollm2": {"_target_": "orchestrator.models.policy.pretrained_policy", "gguf": "smollm2",
                 "dtype": "float32", "device": "cpu"},
 }
+MODELS["smoke"] = {**MODELS["tiny"], "num_layers": 2}
+SMOKE_REPEATS = 2
 LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 ENGINE = {"kv_cache_bytes": "512MiB", "max_num_seqs": 32, "enforce_eager": True,
           "max_model_len": 256}
@@ -153,7 +163,7 @@ async def lora_engine(model: dict[str, Any], trainer: TorchTrainer, first: Weigh
     return out
 
 
-async def main(model_name: str, repeats: int) -> None:
+async def measure(model_name: str, repeats: int) -> None:
     model = MODELS[model_name]
     trainer = lora_trainer(model)
     first = await trainer.weights()  # the base weights and the adapters
@@ -169,12 +179,23 @@ async def main(model_name: str, repeats: int) -> None:
     print(f"generate merged weights:          {merged['merged_tokens_per_s']:8.1f} tokens/s")
     print(f"generate vllm_lora (LoRARequest): {native['lora_tokens_per_s']:8.1f} tokens/s")
     print(f"generate enable_lora, no adapter: {native['lora_engine_base_tokens_per_s']:8.1f} tokens/s")
-    print(f"lora_merged_vs_full={merged['full_s'] / merged['merged_s']:.2f}")
+    headline("lora_merged_vs_full", merged["full_s"] / merged["merged_s"], 2)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default=None,
+                        help="tiny (the default), smollm2 (--smoke: smoke, tiny with 2 layers)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"updates a figure is the median of (5; --smoke {SMOKE_REPEATS})")
+    add_smoke(parser)
+    args = parser.parse_args(argv)
+    if importlib.util.find_spec("vllm") is None:
+        refuse("vllm_lora", "vLLM is not installed here: run it with .venv-vllm/bin/python "
+                            "(bash scripts/setup_vllm.sh)")
+    model = args.model or ("smoke" if args.smoke else "tiny")
+    asyncio.run(measure(model, args.repeats or (SMOKE_REPEATS if args.smoke else 5)))
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    asyncio.run(main(args.model, args.repeats))
+    main()
