@@ -35,18 +35,26 @@ run's drivers is left, and each fault injected is counted in the last ``faults/*
 search fault once per request it met). ``chaos_lost`` sums everything the audit found wrong
 (samples repeated, steps or trace files missing, batch sizes off, staleness violations,
 containers left, faults not counted). ``--quick``: one fault of each kind per run (about 3.5
-minutes). ``--keep DIR`` keeps the run directories. Last line: ``chaos_lost=<n>`` (target 0).
+minutes). ``--smoke`` (the tests', a minute or two: the cluster's, the actors' and the restarted
+driver's start): the ``code_tool`` run alone on the toy model (:data:`bench.cli.TOY_MODEL`),
+one fault of each kind, each placed by events, not seconds: after the next trained step (the
+driver's kill once a checkpoint is complete too; one is written every step), so it runs the
+same on a machine twice as fast or twice as slow; its audit is real, the run is short.
+``--keep DIR`` keeps the run directories. Last line: ``chaos_lost=<n>`` (target 0).
 
 Needs root (``kill -STOP`` of dockerd), a Docker engine with the sandbox image, and the ray
-extra. Freezing dockerd stalls every Docker client on the machine for those seconds.
+extra; without one of them the bench says so in one line and exits with status 3. Freezing
+dockerd stalls every Docker client on the machine for those seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,6 +68,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 
 REPO = Path(__file__).resolve().parents[1]
 # the counter each kind of fault must show up in (None: nothing to count, only ridden out)
@@ -75,6 +85,7 @@ COMMON = ["logger=none", "progress=false", "model.device=cpu", f"pipeline.batch_
           "launcher.num_engines=2", "launcher.placement=pack", "resume=auto"]
 SEARCH_PEOPLE = (2000, 200, 0)  # env.train_size, env.eval_size, seed: the corpus the run asks
 STEP_WAIT_S = 240  # a fault's handling: the next steps must come within this
+REMOVED_WAIT_S = 60  # the run's containers' removal after it ends (auto-remove is asynchronous)
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,25 @@ class Chaos:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no step {count} within {deadline_s} s")
             time.sleep(0.2)
+
+    def wait_checkpoint(self, deadline_s: float = STEP_WAIT_S) -> None:
+        """Until the run has a complete checkpoint (a driver killed before one starts over)."""
+        from orchestrator.checkpoint import CheckpointStore
+
+        store = CheckpointStore(self.run_dir / "checkpoints")
+        deadline = time.monotonic() + deadline_s
+        while not store.steps():
+            if not self.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"no checkpoint within {deadline_s} s (the driver "
+                                   f"{'runs' if self.alive() else 'ended'})")
+            time.sleep(0.2)
+
+    def wait_removed(self, deadline_s: float = REMOVED_WAIT_S) -> None:
+        """Until no container of the run's drivers is left, or the deadline: the audit counts
+        what is left then."""
+        deadline = time.monotonic() + deadline_s
+        while self.containers(running=False) and time.monotonic() < deadline:
+            time.sleep(0.5)
 
     def note(self, kind: str, what: str, count: int = 1) -> None:
         self.injected[kind] += count
@@ -342,9 +372,10 @@ def audit(chaos: Chaos, batch: int, k: int) -> dict[str, Any]:
 
 
 def soak(minutes: float, quick: bool, seed: int, keep: Path | None,
-         phases: tuple[Phase, ...] = PHASES) -> dict[str, dict[str, Any]]:
-    """Run each phase in turn on one Ray cluster (``quick``: one fault of each kind) and
-    return :func:`audit`'s findings per phase; run directories stay under ``keep`` if given."""
+         phases: tuple[Phase, ...] = PHASES, smoke: bool = False) -> dict[str, dict[str, Any]]:
+    """Run each phase in turn on one Ray cluster (``quick``: one fault of each kind; ``smoke``:
+    so too, on the toy model, each fault after the next step) and return :func:`audit`'s
+    findings per phase; run directories stay under ``keep`` if given."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -364,7 +395,7 @@ def soak(minutes: float, quick: bool, seed: int, keep: Path | None,
                 server, search_url = search_server(root)
             results[phase.name] = run_phase(phase, root / phase.name, cluster.address, rng,
                                             minutes * phase.share / sum(p.share for p in phases),
-                                            quick, search_url)
+                                            quick or smoke, search_url, smoke)
             if server is not None:
                 server.kill()
                 server.wait()
@@ -382,17 +413,19 @@ def soak(minutes: float, quick: bool, seed: int, keep: Path | None,
 
 
 def run_phase(phase: Phase, root: Path, address: str, rng: random.Random, minutes: float,
-              quick: bool, search_url: str | None) -> dict[str, Any]:
+              quick: bool, search_url: str | None, smoke: bool = False) -> dict[str, Any]:
     run_dir = root / "run"
     root.mkdir(parents=True, exist_ok=True)
     namespace = f"chaos-{uuid.uuid4().hex[:6]}"
     command = [sys.executable, "-m", "orchestrator", *phase.run, f"launcher.address='{address}'",
                f"launcher.namespace={namespace}", f"hydra.run.dir={run_dir}",
                *([f"env.search_url={search_url}"] if search_url else []),
-               *(["checkpoint.every_s=10"] if quick else [])]
+               *(["checkpoint.every_s=10"] if quick and not smoke else []),
+               *([*TOY_MODEL, "checkpoint.every=1"] if smoke else [])]
     chaos = Chaos(run_dir, command, namespace, rng, search_url=search_url)
     started = time.monotonic()
-    length = "one fault of each kind" if quick else f"{minutes:.1f} min"
+    length = ("one fault of each kind, each after the next step" if smoke
+              else "one fault of each kind" if quick else f"{minutes:.1f} min")
     print(f"-- {phase.name}: {length}; faults: {', '.join(phase.kinds)}", flush=True)
     try:
         chaos.start()
@@ -405,7 +438,12 @@ def run_phase(phase: Phase, root: Path, address: str, rng: random.Random, minute
                     break
                 plan = list(phase.kinds)
                 rng.shuffle(plan)
-            time.sleep(rng.uniform(1.0, 5.0 if quick else 20.0))
+            if smoke:  # by events: after the next trained step (and a checkpoint, for the driver)
+                chaos.wait_steps(steps_done(run_dir) + 1)
+                if plan[-1] == "driver":
+                    chaos.wait_checkpoint()
+            else:  # at a random moment
+                time.sleep(rng.uniform(1.0, 5.0 if quick else 20.0))
             if not quick and time.monotonic() > end - 60:
                 break  # room for the last fault's handling
             kind = plan.pop()
@@ -416,7 +454,7 @@ def run_phase(phase: Phase, root: Path, address: str, rng: random.Random, minute
         code = chaos.stop()
         print(f"   stopped by SIGTERM (exit code {code}) after "
               f"{(time.monotonic() - started) / 60:.1f} min", flush=True)
-        time.sleep(2)  # auto-remove of the last containers is asynchronous
+        chaos.wait_removed()  # auto-remove of the last containers is asynchronous
         return audit(chaos, BATCH, K)
     finally:
         if chaos.alive():
@@ -431,7 +469,30 @@ def lost(result: dict[str, Any]) -> int:
             + sum(result["uncounted"].values()))
 
 
-def main() -> None:
+def cannot_measure() -> str | None:
+    """Why this machine cannot run the soak (root, Docker with the image, the ray extra)."""
+    if importlib.util.find_spec("ray") is None:
+        return "the ray extra is missing: pip install -e '.[ray]'"
+    if os.geteuid() != 0 or shutil.which("pidof") is None:
+        return "freezing dockerd (kill -STOP) needs root and pidof"
+    from sandboxes.api import EngineUnavailable
+    from sandboxes.docker import DockerSandboxConfig
+    from sandboxes.docker.engine import connect
+
+    try:
+        client = connect()
+    except EngineUnavailable as e:
+        return str(e)
+    try:
+        image = DockerSandboxConfig().image
+        if not any(image in i.tags for i in client.images.list()):
+            return f"the sandbox image {image} is missing: python -m sandboxes.docker build-image"
+    finally:
+        client.close()
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true",
@@ -439,11 +500,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep the run directories under this folder")
-    args = parser.parse_args()
-    print(f"bench.chaos: {'quick' if args.quick else f'{args.minutes:g} min'}, seed {args.seed}, "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    add_smoke(parser)
+    args = parser.parse_args(argv)
+    if why := cannot_measure():
+        refuse("chaos", why)
+    size = "smoke" if args.smoke else "quick" if args.quick else f"{args.minutes:g} min"
+    print(f"bench.chaos: {size}, seed {args.seed}, load average {os.getloadavg()[0]:.1f}",
+          flush=True)
     started = time.monotonic()
-    results = soak(args.minutes, args.quick, args.seed, args.keep)
+    results = soak(args.minutes, args.quick, args.seed, args.keep,
+                   phases=(CODE,) if args.smoke else PHASES, smoke=args.smoke)
     total = 0
     for name, result in results.items():
         print(f"{name}: steps {result['steps']} (missing {result['steps_missing']}, trace files "
@@ -459,7 +525,7 @@ def main() -> None:
         total += lost(result)
     print(f"wall {(time.monotonic() - started) / 60:.1f} min; load average "
           f"{os.getloadavg()[0]:.1f}")
-    print(f"chaos_lost={total}")
+    headline("chaos_lost", total, 0)
 
 
 if __name__ == "__main__":
