@@ -9,9 +9,9 @@ launcher=ray launcher.num_engines=2 resume=auto hydra.run.dir=…``):
   Docker sandbox before it answers, and every answer is graded in a sandbox), with the faults
   ``engine``: an engine actor SIGKILLed mid-generation (Ray restarts it; the router carries on
   with the other and runs the lost requests again; ``faults/engine_restarts``),
-  ``container``: ``docker kill`` of one of the run's sandbox containers, one executing code
-  when there is one (the pool runs the call again in a fresh container;
-  ``faults/sandbox_lost``), ``docker``: the Docker engine frozen 3–6 s (``kill -STOP`` of
+  ``container``: ``docker kill`` of one of the running driver's sandbox containers, one a
+  session has run code in when there is one (a call lost with it runs again in a fresh
+  container; one killed between calls is found at its reset; ``faults/sandbox_lost``), ``docker``: the Docker engine frozen 3–6 s (``kill -STOP`` of
   dockerd, then ``kill -CONT``, also if this bench fails; the pool's watch sees the outage and
   unanswered calls wait for it; ``faults/docker_unreachable``), and ``driver``: the driver
   SIGKILLed and the same command started again (``resume=auto`` goes on from its last
@@ -85,6 +85,7 @@ COMMON = ["logger=none", "progress=false", "model.device=cpu", f"pipeline.batch_
           "launcher.num_engines=2", "launcher.placement=pack", "resume=auto"]
 SEARCH_PEOPLE = (2000, 200, 0)  # env.train_size, env.eval_size, seed: the corpus the run asks
 STEP_WAIT_S = 240  # a fault's handling: the next steps must come within this
+SMOKE_TRIES = 5  # --smoke: a fault that found nothing to act on is tried again after a step
 REMOVED_WAIT_S = 60  # the run's containers' removal after it ends (auto-remove is asynchronous)
 
 
@@ -205,9 +206,11 @@ class Chaos:
         self.note("engine", f"SIGKILL {name} (pid {pid})")
         return True
 
-    def containers(self, running: bool = True) -> list[str]:
+    def containers(self, running: bool = True, live: bool = False) -> list[str]:
+        """The sandbox containers of the run's drivers (``live``: of the driver running now)."""
         ids: list[str] = []
-        for pid in self.drivers:
+        pids = self.drivers[-1:] if live else self.drivers
+        for pid in pids:
             out = subprocess.run(
                 ["docker", "ps", "-q", *([] if running else ["-a"]),
                  "--filter", "label=polyrl.sandbox=1", "--filter", f"label=polyrl.owner_pid={pid}"],
@@ -216,13 +219,16 @@ class Chaos:
         return ids
 
     def kill_container(self) -> bool:
-        ids = self.containers()
-        if not ids:
+        # the running driver's: a killed driver's containers are its successor's reaper's to
+        # remove, and a kill of one of them is a fault no run sees
+        if not self.alive() or not (ids := self.containers(live=True)):
             return False
-        busy = [i for i in ids if _busy(i)]  # one executing code, when there is one
-        target = self.rng.choice(busy or ids)
-        subprocess.run(["docker", "kill", target], capture_output=True, check=False)
-        self.note("container", f"docker kill {target[:12]}{' (mid-exec)' if busy else ''}")
+        used = [i for i in ids if _used(i)]  # one a session has run code in, when there is one
+        target = self.rng.choice(used or ids)
+        if subprocess.run(["docker", "kill", target], capture_output=True,
+                          check=False).returncode != 0:
+            return False  # gone already (removed by the pool): nothing injected
+        self.note("container", f"docker kill {target[:12]}{' (it has run code)' if used else ''}")
         return True
 
     def freeze_docker(self) -> bool:
@@ -319,8 +325,10 @@ def search_server(root: Path) -> tuple[subprocess.Popen[str], str]:
             time.sleep(0.2)
 
 
-def _busy(container: str) -> bool:
-    """Whether the container runs a process beyond its init, keep-alive and runner."""
+def _used(container: str) -> bool:
+    """Whether the container runs a process beyond its init, keep-alive and runner supervisor:
+    the session kernel the runner forks for the first code it runs, so a container a session
+    has run code in (running code now or not: a call runs in that kernel)."""
     out = subprocess.run(["docker", "top", container, "-eo", "pid"], capture_output=True,
                          text=True, check=False).stdout
     return len(out.split()) - 1 > 3
@@ -431,6 +439,7 @@ def run_phase(phase: Phase, root: Path, address: str, rng: random.Random, minute
         chaos.start()
         chaos.wait_steps(1, deadline_s=600)  # Ray actors, the sandbox pool, the warm start
         plan: list[str] = []
+        tries: Counter[str] = Counter()
         end = started + minutes * 60
         while True:
             if not plan:
@@ -450,6 +459,9 @@ def run_phase(phase: Phase, root: Path, address: str, rng: random.Random, minute
             before = steps_done(run_dir)
             if chaos.inject(kind):
                 chaos.wait_steps(max(steps_done(run_dir), before) + 2)
+            elif smoke and tries[kind] < SMOKE_TRIES:  # e.g. no container yet: after a step
+                tries[kind] += 1
+                plan.append(kind)
         chaos.wait_steps(steps_done(run_dir) + 1)
         code = chaos.stop()
         print(f"   stopped by SIGTERM (exit code {code}) after "
