@@ -372,9 +372,6 @@ class RayLauncher(Launcher):
         log.warning("%s: restarting the trainer (%d of launcher.trainer.max_restarts=%d) and "
                     "the engines from the last checkpoint", lost, self.trainer_restarts, limit)
         self._kill_actors()
-        # The failed attempt's recorder is closed: the new actors' spans (the first weight
-        # update's come back before the engines are built) wait for the next attempt's.
-        self.spans = SpanCollector()
         return True
 
     def _kill_actors(self) -> None:
