@@ -131,6 +131,11 @@ class RankHandle(ABC):
     def kill(self) -> None:
         """Stop the rank now (it is stuck in a collective whose peer failed)."""
 
+    async def settle(self) -> None:
+        """On the driver's event loop, once an awaited call of the group returned: record what
+        the rank's replies brought besides their results (a Ray rank's spans, so they count in
+        the step that made the call). A local rank process brings nothing."""
+
 
 class RankGroup(TrainerProxy):
     """N ranks as one :class:`Trainer`; rank 0 answers for the group (the forwarded methods
@@ -197,7 +202,10 @@ class RankGroup(TrainerProxy):
         return results
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
-        return await anyio.to_thread.run_sync(lambda: self._all_now(method, *args))
+        results = await anyio.to_thread.run_sync(lambda: self._all_now(method, *args))
+        for handle in self.handles:
+            await handle.settle()
+        return results
 
     async def step(self, groups: Sequence[Group]) -> TrainStats:
         done: RankStep = (await self._all("step", list(groups)))[0]

@@ -10,7 +10,10 @@ and its one ``ray.put`` of the new weights per step.
 as the engine runs, so the driver learns that the actor died the moment that call fails (see
 :mod:`orchestrator.launch.ray.engines`). Each actor records its own spans (``engine_start``,
 ``weight_sync`` with ``bytes`` and ``seconds``; ``train_compute``, ``supervised_compute``,
-``weights_put``) for the driver to drain (:mod:`orchestrator.launch.ray.spans`).
+``weights_put``, ``checkpoint_copy``). The calls the driver awaits on its event loop (a train
+step, a weight update, a forwarded trainer coroutine, an engine's weight load) return them with
+their result in a :class:`~orchestrator.launch.ray.spans.Reply`, so they count in the step that
+made the call; the driver drains the rest (:mod:`orchestrator.launch.ray.spans`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ray.exceptions import ObjectLostError
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import EngineClosed, RunAborted
 from orchestrator.launch.base import EngineRecipe, TrainerRecipe
-from orchestrator.launch.ray.spans import SpanBuffer
+from orchestrator.launch.ray.spans import Reply, SpanBuffer
 from orchestrator.recorder import Span
 from orchestrator.trainer.base import Trainer, TrainStats, forwarded_methods
 from orchestrator.trainer.proxy import Answer, answer
@@ -167,13 +170,14 @@ class EngineActor(_Reporting):
         finally:
             self._inflight -= 1
 
-    async def update_weights(self, update: WeightUpdate) -> None:
+    async def update_weights(self, update: WeightUpdate) -> Reply[None]:
         engine = self._running()
         started = time.time()
         with self._spans.span("weight_sync", update.version) as attrs, _pulling(update):
             await engine.update_weights(update)  # the torch engine pulls and loads in a thread
             attrs.update(bytes=update.nbytes, seconds=time.time() - started,
                          transport=update.transport)
+        return self._spans.reply(None)
 
     async def pause(self) -> None:
         await self._running().pause()
@@ -216,16 +220,18 @@ class TrainerActor(_Reporting):
             raise RuntimeError(f"{self._name} was not started")
         return self._trainer
 
-    async def step(self, groups: Sequence[Group]) -> TrainStepResult:
+    async def step(self, groups: Sequence[Group]) -> Reply[TrainStepResult]:
+        """One train step; its ``train_compute`` span comes back with its result."""
         trainer = self._built()
         with self._spans.span("train_compute", trainer.version,
                               samples=sum(len(g) for g in groups)):
             metrics = await trainer.step(groups)
         self._recipe.release_cached_memory()
-        return TrainStepResult(metrics, trainer.version)
+        return self._spans.reply(TrainStepResult(metrics, trainer.version))
 
-    async def weights(self) -> WeightUpdate:
-        """The current weights, put once into the object store; every engine pulls them."""
+    async def weights(self) -> Reply[WeightUpdate]:
+        """The current weights, put once into the object store (every engine pulls them), and
+        the ``weights_put`` span."""
         update = await self._built().weights()
         with self._spans.span("weights_put", update.version) as attrs:
             # a view that keeps the update's adapters (LoRA), stats and wire dtype
@@ -233,16 +239,19 @@ class TrainerActor(_Reporting):
             attrs["bytes"] = shared.nbytes
         update.release()  # in the loop that made its lease; the store holds a copy
         self._recipe.release_cached_memory()
-        return shared
+        return self._spans.reply(shared)
 
-    async def call(self, name: str, args: Sequence[Any]) -> Answer:
+    async def call(self, name: str, args: Sequence[Any], with_spans: bool = False) -> Reply[Answer]:
         """A forwarded :class:`Trainer` method (:mod:`orchestrator.trainer.proxy`), in the span
-        its declaration names (``supervised_compute`` for the warm start's steps)."""
+        its declaration names (``supervised_compute`` for the warm start's steps). The spans
+        come back with the answer if ``with_spans`` (a caller on the driver's event loop,
+        which can record them); else they wait for a drain."""
         trainer = self._built()
         method = forwarded_methods().get(name)
         span = method.span if method is not None else None
         with self._spans.span(span, trainer.version) if span else nullcontext():
-            return await answer(trainer, name, args)
+            done = await answer(trainer, name, args)
+        return self._spans.reply(done) if with_spans else Reply(done)
 
     async def snapshot(self) -> list[Any]:
         """The trainer's checkpoint state, copied before this returns (so no step can change

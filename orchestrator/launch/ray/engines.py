@@ -11,7 +11,9 @@ when the actor cannot be reached. :func:`ray_router` puts any number of them beh
   samples and an episode's later turns find the engine that holds their prefix; an engine with
   a prefix cache (vLLM) serves them from it, and the torch engine batches a group in one wave.
 * **Weight sync.** ``pause``, ``update_weights`` and ``resume`` go to every running engine at
-  once. The update is an object-store handle: each actor pulls the weights itself.
+  once. The update is an object-store handle: each actor pulls the weights itself, and its
+  ``weight_sync`` span comes back with the reply (recorded before the sync ends, in the step
+  that reports the driver's own ``weight_sync``; :mod:`~.spans`).
 * **Faults** (:class:`RayKeeper`). A keeper task per engine holds the actor's long ``serve``
   call. When the actor dies that call fails; Ray restarts the process (``max_restarts=-1``);
   the keeper pings until it answers, starts an engine there from the latest weights and only
@@ -44,7 +46,7 @@ from orchestrator.engines.router import EngineRouter, EnginesLost, Keeper, Prefi
 from orchestrator.errors import EngineClosed, RunAborted, first_line
 from orchestrator.launch.ray.actors import ActorInfo
 from orchestrator.launch.ray.remote import RayActorError, result
-from orchestrator.launch.ray.spans import SpanCollector
+from orchestrator.launch.ray.spans import Reply, SpanCollector
 from orchestrator.rwlock import ReadWriteLock
 from orchestrator.types import Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
@@ -61,11 +63,14 @@ class EngineActorLost(RunAborted):
 
 
 class RayEngine(InferenceEngine):
-    """The driver's proxy for one engine actor (the router starts and stops its engine)."""
+    """The driver's proxy for one engine actor (the router starts and stops its engine); the
+    spans its replies bring go to ``spans``, where the keeper watches the actor as ``name``."""
 
-    def __init__(self, actor: Any, name: str, colocated: bool = False) -> None:
+    def __init__(self, actor: Any, name: str, spans: SpanCollector,
+                 colocated: bool = False) -> None:
         self.actor = actor
         self.name = name
+        self.spans = spans
         self.colocated = colocated  # launcher.colocate: only then does sleep() reach the actor
         self.version = 0
         self.info: ActorInfo | None = None
@@ -85,7 +90,8 @@ class RayEngine(InferenceEngine):
         return generation
 
     async def update_weights(self, update: WeightUpdate) -> None:
-        await self._call(self.actor.update_weights.remote(update))
+        reply: Reply[None] = await self._call(self.actor.update_weights.remote(update))
+        await self.spans.receive(self.name, reply)
         self.version = update.version
 
     async def pause(self) -> None:
@@ -186,6 +192,8 @@ class RayKeeper(Keeper):
         engine = _engine(replica)
         assert self._router is not None
         async with self._gate:
+            # a new process, a new clock offset: watched before its first reply brings spans
+            self._spans.watch(engine.name, engine.actor)
             serving = await engine.start(self._latest)
             if engine.version != self._latest.version:  # it missed a sync while cut off
                 await engine.pause()
@@ -193,7 +201,6 @@ class RayKeeper(Keeper):
                     await engine.update_weights(self._latest)
                 finally:
                     await engine.resume()
-            self._spans.watch(engine.name, engine.actor)  # a new process: a new clock offset
             self._lost[replica.name] = anyio.Event()
             self._router.joined(replica)
         log.info("%s serves version %d (pid %s)", engine.name, engine.version, engine.pid)

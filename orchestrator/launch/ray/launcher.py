@@ -56,7 +56,7 @@ from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
 from orchestrator.launch.ranks import RankGroup, world_size
 from orchestrator.launch.ray.actors import ActorInfo, EngineActor, TrainerActor, WeightsLost
 from orchestrator.launch.ray.engines import RayEngine, ray_router
-from orchestrator.launch.ray.ranks import RankActor, ray_rank_group
+from orchestrator.launch.ray.ranks import RankActor, rank_name, ray_rank_group
 from orchestrator.launch.ray.remote import RayActorError, result_now
 from orchestrator.launch.ray.spans import SpanCollector
 from orchestrator.launch.ray.trainer import RayTrainer, TrainerLost
@@ -292,7 +292,7 @@ class RayLauncher(Launcher):
             raise TrainerLost(f"the trainer actor died while it was built: "
                               f"{str(error).strip().splitlines()[0]}") from error
         self.spans.watch("trainer", actor)
-        self._trainer = RayTrainer(actor, info)
+        self._trainer = RayTrainer(actor, info, self.spans, "trainer")
         return self._trainer
 
     def engine(self, recipe: EngineRecipe, weights: WeightUpdate,
@@ -315,7 +315,7 @@ class RayLauncher(Launcher):
                 scheduling_strategy=self._bundle(self.ranks + i), **spec.options(),
             ).remote(_seeded(recipe, i), name, spec.threads)
             self._actors.append(actor)
-            engines.append(RayEngine(actor, name, colocated=self.colocate))
+            engines.append(RayEngine(actor, name, self.spans, colocated=self.colocate))
         if weights.transport != "object_store":
             weights = weights.to_object_store()
         return ray_router(engines, weights, self.spans,
@@ -347,12 +347,12 @@ class RayLauncher(Launcher):
             actor = ray.remote(RankActor).options(
                 name=f"{self.run_id}-trainer-rank-{rank}", max_restarts=0,
                 scheduling_strategy=self._bundle(rank), **spec.options(),
-            ).remote(f"trainer-{rank}", spec.threads)
+            ).remote(rank_name(rank), spec.threads)
             self._actors.append(actor)
-            self.spans.watch(f"trainer-{rank}", actor)
+            self.spans.watch(rank_name(rank), actor)
             return actor
 
-        return ray_rank_group(recipe, size, place)
+        return ray_rank_group(recipe, size, place, self.spans)
 
     def recover(self, error: BaseException) -> bool:
         """A dead trainer actor (``error`` holds a :class:`TrainerLost` or
@@ -372,6 +372,9 @@ class RayLauncher(Launcher):
         log.warning("%s: restarting the trainer (%d of launcher.trainer.max_restarts=%d) and "
                     "the engines from the last checkpoint", lost, self.trainer_restarts, limit)
         self._kill_actors()
+        # The failed attempt's recorder is closed: the new actors' spans (the first weight
+        # update's come back before the engines are built) wait for the next attempt's.
+        self.spans = SpanCollector()
         return True
 
     def _kill_actors(self) -> None:

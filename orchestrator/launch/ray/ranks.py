@@ -10,8 +10,10 @@ Per step the driver sends the batch to every rank (:class:`~orchestrator.launch.
 and asks every rank to gather: rank 0 puts the full weights (or the LoRA adapters) into the
 object store once, and the engines pull them from there as from a single trainer actor. Spans:
 ``train_compute`` per rank, ``weights_gather`` on rank 0 (``gather_seconds``, ``put_seconds``,
-``bytes``). Checkpoint shards are written by each rank on its own node: the run directory must
-be on storage every trainer node sees (the same machine, or a shared file system).
+``bytes``), each back with its call's reply and recorded by the group before the step goes on
+(:meth:`RayRank.settle`), so they count in their step. Checkpoint shards are written by each
+rank on its own node: the run directory must be on storage every trainer node sees (the same
+machine, or a shared file system).
 
 A rank actor is not restarted (its process group cannot take a new member): a dead one ends
 the run with :class:`~orchestrator.launch.ranks.RankLost`, resumable from the last checkpoint
@@ -20,6 +22,7 @@ with ``resume=`` at the same or another world size.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,9 +36,15 @@ from orchestrator.launch.base import TrainerRecipe
 from orchestrator.launch.ranks import RankGroup, RankHandle, RankLost, RankServer, rank_recipe
 from orchestrator.launch.ray.actors import _Reporting
 from orchestrator.launch.ray.remote import RayActorError, result_now
-from orchestrator.launch.ray.spans import SpanBuffer
+from orchestrator.launch.ray.spans import Reply, SpanBuffer, SpanCollector
+from orchestrator.recorder import Span
 from orchestrator.types import Group
 from orchestrator.weights import WeightUpdate
+
+
+def rank_name(rank: int) -> str:
+    """Rank ``rank``'s actor's name in its spans and in the span collector."""
+    return f"trainer-{rank}"
 
 
 class RankActor(_Reporting):
@@ -65,6 +74,7 @@ class RankActor(_Reporting):
         return self._server
 
     async def call(self, method: str, *args: Any) -> Any:
+        """``RankServer.<method>(*args)``; a step and a gather reply with their spans."""
         server = self._built()
         if method == "step":
             return await self._step(server, *args)
@@ -72,44 +82,64 @@ class RankActor(_Reporting):
             return await self._gather(server)
         return await anyio.to_thread.run_sync(lambda: getattr(server, method)(*args))
 
-    async def _step(self, server: RankServer, groups: Sequence[Group]) -> Any:
+    async def _step(self, server: RankServer, groups: Sequence[Group]) -> Reply[Any]:
         with self._spans.span("train_compute", server.version(),
                               samples=sum(len(g) for g in groups)):
-            return await anyio.to_thread.run_sync(server.step, groups)
+            done = await anyio.to_thread.run_sync(server.step, groups)
+        return self._spans.reply(done)
 
-    async def _gather(self, server: RankServer) -> WeightUpdate | None:
+    async def _gather(self, server: RankServer) -> Reply[WeightUpdate | None]:
         started = time.time()
         update = await anyio.to_thread.run_sync(server.gather)
         if update is None:
-            return None
+            return self._spans.reply(None)
         put = time.time()
         shared = await anyio.to_thread.run_sync(update.to_object_store)
         self._spans.add("weights_gather", started, time.time(), update.version,
                         bytes=shared.nbytes, put_seconds=time.time() - put,
                         adapters=update.adapters is not None, **dict(update.stats))
-        return shared
+        return self._spans.reply(shared)
 
 
 class RayRank(RankHandle):
-    def __init__(self, rank: int, actor: Any) -> None:
+    """The driver's line to one rank actor, watched in ``spans`` as ``name``: the spans a reply
+    brings are held (the call runs in a thread of its own) until :meth:`settle` records them."""
+
+    def __init__(self, rank: int, actor: Any, spans: SpanCollector, name: str) -> None:
         self.rank = rank
         self.actor = actor
+        self.spans = spans
+        self.name = name
+        self._held: list[Span] = []
+        self._lock = threading.Lock()  # calls append from their threads, settle takes on the loop
 
     def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)
 
     def call(self, method: str, *args: Any) -> Any:
         try:
-            return result_now(self.actor.call.remote(method, *args))
+            done = result_now(self.actor.call.remote(method, *args))
         except RayActorError as error:
             raise RankLost(
                 f"trainer rank {self.rank}'s actor died during {method} ({first_line(error)}); "
                 f"the run ends here: resume it from its last checkpoint with resume=<run_dir>"
             ) from error
+        if not isinstance(done, Reply):
+            return done
+        with self._lock:
+            self._held.extend(done.spans)
+        return done.value
+
+    async def settle(self) -> None:
+        with self._lock:
+            held, self._held = self._held, []
+        await self.spans.receive(self.name, Reply(None, tuple(held)))
 
 
-def ray_rank_group(recipe: TrainerRecipe, size: int, make_actor: Callable[[int], Any]) -> RankGroup:
-    """``size`` rank actors (``make_actor(rank)`` places each) joined into one group."""
+def ray_rank_group(recipe: TrainerRecipe, size: int, make_actor: Callable[[int], Any],
+                   spans: SpanCollector) -> RankGroup:
+    """``size`` rank actors (``make_actor(rank)`` places each, watched in ``spans`` by
+    :func:`rank_name`) joined into one group."""
     from orchestrator.trainer.distributed import RankSpec
 
     actors = [make_actor(rank) for rank in range(size)]
@@ -120,4 +150,5 @@ def ray_rank_group(recipe: TrainerRecipe, size: int, make_actor: Callable[[int],
     except RayActorError as error:
         raise RankLost(f"a trainer rank's actor died while the group was built: "
                        f"{first_line(error)}") from error
-    return RankGroup([RayRank(rank, actor) for rank, actor in enumerate(actors)])
+    return RankGroup([RayRank(rank, actor, spans, rank_name(rank))
+                      for rank, actor in enumerate(actors)])

@@ -1,18 +1,32 @@
 """Spans recorded inside Ray actors, brought to the driver's recorder on the driver's clock.
 
 An actor records its spans in wall-clock seconds (``time.time()``) into a :class:`SpanBuffer`
-and hands them over when asked (its ``drain_spans`` method). On the driver, a
-:class:`SpanCollector` drains every actor it watches (the engine router runs it every few
-seconds and once more at close), estimates each actor's clock offset with pings (the driver
-reads ``t0``, the actor its clock, the driver ``t2``: ``offset = t_actor - (t0 + t2) / 2``,
-keeping the reading with the shortest round trip of a few) and adds the spans to the run's
+and hands them over two ways:
+
+* **with a reply**: a call the driver awaits on its event loop (the trainer's step, its weight
+  update, a forwarded trainer method, an engine's weight load) returns a :class:`Reply`, its
+  result and every span the actor holds once the call is done, the call's own included. The
+  driver's proxy adds them to the recorder (:meth:`SpanCollector.receive`) before it returns,
+  so they count in the step that made the call, as an in-process trainer's would: the
+  pipeline's step report sums the spans recorded since the previous report.
+* **drained**: the rest (an engine's start, a checkpoint's copy, what a blocking call
+  recorded) wait for :meth:`SpanCollector.drain` (the actor's ``drain_spans``), which the
+  engine router runs every ``launcher.span_flush_s`` seconds and once more at close; they
+  count in the step during which they arrive.
+
+On the driver, a :class:`SpanCollector` estimates each actor's clock offset with pings (the
+driver reads ``t0``, the actor its clock, the driver ``t2``: ``offset = t_actor - (t0 + t2) /
+2``, keeping the reading with the shortest round trip of a few) and adds the spans to the run's
 :class:`~orchestrator.recorder.Recorder` shifted onto its timeline. Every such span names its
 ``node`` (the Ray node id), its ``actor`` and its ``process`` (``node-<id>/<actor>``), and the
 timeline gives each process a track group of its own.
 
 Limits: spans an actor had not handed over when it died are lost with it; an actor's offset is
-measured once per incarnation, so a clock that drifts during a long run drifts on the timeline
-too (NTP keeps machines within milliseconds).
+measured once per incarnation (at its first reply or drain), so a clock that drifts during a
+long run drifts on the timeline too (NTP keeps machines within milliseconds). A span that
+arrives with a reply counts in the step of the call it came back from, which is its own step
+only for the calls a step awaits (the trainer's); an engine's weight load counts in the step
+whose report follows the sync, as the driver's own ``weight_sync`` span does.
 """
 
 from __future__ import annotations
@@ -21,7 +35,8 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import anyio
 import ray
@@ -32,6 +47,16 @@ from orchestrator.recorder import Recorder, Span
 log = logging.getLogger(__name__)
 
 PINGS = 3  # clock readings per offset estimate; the one with the shortest round trip wins
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Reply(Generic[T]):
+    """An actor call's result and the spans its actor recorded until the call was done (the
+    call's own among them), for the driver to record before it hands the result on."""
+
+    value: T
+    spans: tuple[Span, ...] = ()
 
 
 class SpanBuffer:
@@ -61,6 +86,10 @@ class SpanBuffer:
     def drain(self) -> list[Span]:
         spans, self._spans = self._spans, []
         return spans
+
+    def reply(self, value: T) -> Reply[T]:
+        """``value`` with every span held here (taken: a later drain does not see them again)."""
+        return Reply(value, tuple(self.drain()))
 
 
 async def clock_offset(actor: Any) -> float:
@@ -95,21 +124,44 @@ class SpanCollector:
             self._add(span, offset)
 
     def watch(self, name: str, actor: Any, offset: float | None = None) -> None:
-        """Drain ``actor`` from now on; its clock offset is measured at the first drain unless
-        given (watch it again after a restart: a new process, a new offset)."""
+        """Drain ``actor`` from now on, and take its replies' spans (:meth:`receive`); its clock
+        offset is measured at the first of them unless given (watch it again after a restart:
+        a new process, a new offset)."""
         self._sources[name] = (actor, offset)
 
-    async def drain(self, name: str) -> None:
-        actor, offset = self._sources[name]
-        try:
-            if offset is None:
-                offset = await clock_offset(actor)
+    async def _offset(self, name: str) -> float:
+        entry = self._sources[name]
+        actor, offset = entry
+        if offset is None:
+            offset = await clock_offset(actor)
+            if self._sources.get(name) is entry:  # not watched again meanwhile (a restart)
                 self._sources[name] = (actor, offset)
+        return offset
+
+    async def drain(self, name: str) -> None:
+        actor, _ = self._sources[name]
+        try:
+            offset = await self._offset(name)
             spans: list[Span] = await actor.drain_spans.remote()
         except RayActorError:  # died or restarting: what it held is lost, its keeper knows
             return
         for span in spans:
             self._add(span, offset)
+
+    async def receive(self, name: str, reply: Reply[T]) -> T:
+        """Record the spans ``reply`` brought from the actor watched as ``name`` now, on the
+        event loop that awaited it, and return its value: the caller goes on once they count.
+        An actor that dies before its clock is read loses them, as a drain would (its next
+        call says it died)."""
+        if reply.spans:
+            try:
+                offset = await self._offset(name)
+            except RayActorError:
+                log.debug("%s: %d spans lost with the actor", name, len(reply.spans))
+                return reply.value
+            for span in reply.spans:
+                self._add(span, offset)
+        return reply.value
 
     async def drain_all(self) -> None:
         async with anyio.create_task_group() as tg:

@@ -7,6 +7,13 @@ weights once and every engine actor pulls them from there. ``state_dict`` and
 ``load_state_dict`` are blocking (the interface is synchronous): call them outside the run's
 event loop, as checkpoints do.
 
+Spans: a step, a weight update and a forwarded coroutine (a warm-start step) come back with the
+spans the actor recorded (``train_compute``, ``weights_put``, ``supervised_compute``), which
+this proxy records before it returns: they count in the step that awaited them, as an
+in-process trainer's time does (:mod:`~.spans`). The blocking calls' spans (a checkpoint's
+``checkpoint_copy``) wait for the driver's next drain: no recorder may be touched off its
+event loop.
+
 Checkpoints: :meth:`RayTrainer.snapshot` has the actor copy its state and put it into the
 object store; the driver writes it into its own run directory (in a worker thread, while the
 actor trains on), so a run's checkpoints are on the driver's disk whichever node trained, and
@@ -29,6 +36,7 @@ from ray.exceptions import ObjectLostError
 from orchestrator.errors import RunAborted, first_line
 from orchestrator.launch.ray.actors import ActorInfo, TrainStepResult
 from orchestrator.launch.ray.remote import RayActorError, result, result_now
+from orchestrator.launch.ray.spans import Reply, SpanCollector
 from orchestrator.trainer.base import Forwarded, TrainStats
 from orchestrator.trainer.proxy import Answer, TrainerProxy
 from orchestrator.types import Group
@@ -41,11 +49,15 @@ class TrainerLost(RunAborted):
 
 
 class RayTrainer(TrainerProxy):
-    """The trainer actor's proxy; its forwarded methods go to :meth:`TrainerActor.call`."""
+    """The trainer actor's proxy; its forwarded methods go to :meth:`TrainerActor.call`; the
+    spans its replies bring go to ``spans`` (the actor is watched there as ``name``)."""
 
-    def __init__(self, actor: Any, info: ActorInfo) -> None:
+    def __init__(self, actor: Any, info: ActorInfo, spans: SpanCollector,
+                 name: str = "trainer") -> None:
         self.actor = actor
         self.info = info
+        self.spans = spans
+        self.name = name
         self.version = info.version
         self._death: str | None = None  # what the first failed call found: later ones repeat it
 
@@ -68,24 +80,30 @@ class RayTrainer(TrainerProxy):
         except RayActorError as error:
             raise self._lost(doing, error) from error
 
+    async def _replied(self, doing: str, ref: Any) -> Any:
+        """The value of an actor call that replies with its spans, once they are recorded."""
+        reply: Reply[Any] = await self._call(doing, ref)
+        return await self.spans.receive(self.name, reply)
+
     async def step(self, groups: Sequence[Group]) -> TrainStats:
-        done: TrainStepResult = await self._call("a train step", self.actor.step.remote(list(groups)))
+        done: TrainStepResult = await self._replied("a train step",
+                                                    self.actor.step.remote(list(groups)))
         self.version = done.version
         return done.metrics
 
     async def weights(self) -> WeightUpdate:
-        update: WeightUpdate = await self._call("a weight update", self.actor.weights.remote())
+        update: WeightUpdate = await self._replied("a weight update", self.actor.weights.remote())
         return update
 
     async def _forward(self, method: Forwarded, args: Sequence[Any]) -> Answer:
-        done: Answer = await self._call(method.doing, self.actor.call.remote(method.name,
-                                                                             tuple(args)))
+        done: Answer = await self._replied(
+            method.doing, self.actor.call.remote(method.name, tuple(args), with_spans=True))
         return done
 
     def _forward_now(self, method: Forwarded, args: Sequence[Any]) -> Answer:
-        done: Answer = self._call_now(method.doing, self.actor.call.remote(method.name,
-                                                                           tuple(args)))
-        return done
+        reply: Reply[Answer] = self._call_now(method.doing, self.actor.call.remote(method.name,
+                                                                                   tuple(args)))
+        return reply.value
 
     def snapshot(self) -> RemoteSnapshot:
         """The actor's checkpoint state, copied and put into the object store (blocking: call

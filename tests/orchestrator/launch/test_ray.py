@@ -198,6 +198,55 @@ def test_spans_come_from_every_node_onto_the_driver_timeline(
     assert len(pids) >= 4  # the driver, the trainer, two engines
 
 
+@pytest.mark.slow
+def test_every_step_carries_the_time_its_actors_spent_on_it(cluster: Cluster,
+                                                            tmp_path: Path) -> None:
+    """The trainer actor's spans come back with its replies and count in their own step, as
+    an in-process trainer's time does: each step's ``time/train_compute`` is its own train
+    step's (the span of its policy version), ``time/weights_put`` its own update's. They used
+    to wait for the periodic drain (here slower than the whole run) and land in whichever step
+    reported next: in none of these. An engine's weight load counts with the driver's sync of
+    the same version, and the warm start's steps, before the run, in no step."""
+    steps = 6
+    run(ray_config(cluster, unique_run(), f"pipeline.num_steps={steps}", "eval.num_tasks=0",
+                   "launcher.span_flush_s=600"), tmp_path)
+    metrics = [m for m in read_jsonl(tmp_path / "metrics.jsonl")
+               if "step" in m and not any(k.startswith("summary/") for k in m)]
+    assert [m["step"] for m in metrics] == list(range(steps))
+    spans = run_spans(tmp_path)
+
+    def seconds(stage: str, version: int) -> float:
+        return sum(s["end"] - s["start"] for s in spans
+                   if s["stage"] == stage and s["version"] == version)
+
+    for m in metrics:
+        version = int(m["policy/version"])
+        for stage in ("wait_batch", "train_step", "train_compute", "weights_put"):
+            assert m.get(f"time/{stage}", 0.0) > 0, (stage, m["step"])
+        assert m["time/train_compute"] < m["time/train_step"]
+        assert m["time/train_compute"] == pytest.approx(seconds("train_compute", version))
+        assert m["time/weights_put"] == pytest.approx(seconds("weights_put", version + 1))
+        assert "time/supervised_compute" not in m
+    assert sum(m["time/train_compute"] for m in metrics) == pytest.approx(
+        sum(s["end"] - s["start"] for s in spans if s["stage"] == "train_compute"))
+    # Syncs run one at a time, each engine's load inside the driver's sync of its version, and
+    # come back with its reply: the steps reported whole syncs of versions 1..n (version 0's,
+    # the warm start's, came before the run), and perhaps the engines' loads of n + 1 (a
+    # report may fall between those and the end of the driver's own span).
+    syncs = [s for s in spans if s["stage"] == "weight_sync" and s["version"] > 0]
+    assert len(syncs) == 3 * steps  # the driver's and two engines' per version
+
+    def loads(version: int, worker: str | None = None) -> float:
+        return sum(s["end"] - s["start"] for s in syncs if s["version"] == version
+                   and (worker is None or s["worker"] == worker))
+
+    reported = sum(m.get("time/weight_sync", 0.0) for m in metrics)
+    possible = [sum(loads(v) for v in range(1, n + 1)) + sum(loads(n + 1, e) for e in engines)
+                for n in range(steps + 1) for engines in ((), ("engine-0",), ("engine-1",),
+                                                          ("engine-0", "engine-1"))]
+    assert any(reported == pytest.approx(p) for p in possible), (reported, possible)
+
+
 def test_a_killed_engine_is_restarted_and_its_requests_run_again_elsewhere(
         cluster: Cluster, tmp_path: Path) -> None:
     namespace = unique_run()

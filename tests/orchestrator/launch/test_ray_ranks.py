@@ -56,6 +56,14 @@ def test_two_rank_actors_train_as_one_trainer(cluster: Cluster, tmp_path: Path) 
                for s in gathers)
     syncs = [s for s in spans if s["stage"] == "weight_sync" and s["worker"] == "weight_sync"]
     assert len(syncs) == 2 and all(s["attributes"]["gather_seconds"] > 0 for s in syncs)
+    # both ranks' compute and rank 0's gather come back with their replies: in their own step
+    for report in result.reports:
+        for stage, version in (("train_compute", report.version),
+                               ("weights_gather", report.version + 1)):
+            recorded = sum(s["end"] - s["start"] for s in spans
+                           if s["stage"] == stage and s["version"] == version)
+            assert recorded > 0, (stage, report.step)
+            assert report.stage_seconds.get(stage) == pytest.approx(recorded), (stage, report.step)
     final = tmp_path / "checkpoints" / "final"
     assert (final / "shards" / ".metadata").is_file() and (final / "trainer.pt").is_file()
 
