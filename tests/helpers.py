@@ -189,3 +189,19 @@ def make_groups(seed: int = 0, count: int = 5, size: int = 4) -> list[Group]:
                 finish_reason=FinishReason.STOP))
         groups.append(Group(g, tuple(trajectories), 0))
     return groups
+
+
+def docker_available() -> bool:
+    """A Docker engine answers here and holds the sandbox image (scripts/docker_setup.sh)."""
+    from sandboxes.api import EngineUnavailable
+    from sandboxes.docker import DockerSandboxConfig
+    from sandboxes.docker.engine import connect
+
+    try:
+        client = connect()
+    except EngineUnavailable:
+        return False
+    try:
+        return any(DockerSandboxConfig().image in i.tags for i in client.images.list())
+    finally:
+        client.close()

@@ -15,11 +15,9 @@ import sys
 
 import pytest
 from bench_smoke import REPO, run_bench
+from helpers import docker_available
 
 from bench.cli import REFUSED
-from sandboxes.api import EngineUnavailable
-from sandboxes.docker import DockerSandboxConfig
-from sandboxes.docker.engine import connect
 
 
 def refusal(name: str, env: dict[str, str] | None = None) -> str:
@@ -34,17 +32,6 @@ def refusal(name: str, env: dict[str, str] | None = None) -> str:
     return lines[-1]
 
 
-def docker_ready() -> bool:
-    try:
-        client = connect()
-    except EngineUnavailable:
-        return False
-    try:
-        return any(DockerSandboxConfig().image in i.tags for i in client.images.list())
-    finally:
-        client.close()
-
-
 def test_sandbox_without_a_docker_engine_says_so(tmp_path: os.PathLike[str]) -> None:
     line = refusal("sandbox", {"DOCKER_HOST": f"unix://{tmp_path}/docker.sock"})
     assert "no Docker engine at unix://" in line
@@ -52,7 +39,7 @@ def test_sandbox_without_a_docker_engine_says_so(tmp_path: os.PathLike[str]) -> 
 
 @pytest.mark.docker
 @pytest.mark.slow
-@pytest.mark.skipif(not docker_ready(), reason="no Docker engine or sandbox image; run "
+@pytest.mark.skipif(not docker_available(), reason="no Docker engine or sandbox image; run "
                                                "`bash scripts/docker_setup.sh`")
 def test_sandbox_smoke_times_every_mode_on_runc() -> None:
     _, speedup, out = run_bench("sandbox", expect="speedup_vs_cold")

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
-from helpers import REPO, TOK, quick_config, scripted_engine
+from helpers import REPO, TOK, docker_available, quick_config, scripted_engine
 
 from envs.code import CodeSpec, CodeToolSpec, extract_code
 from envs.parsers import HermesParser
@@ -25,23 +25,9 @@ from orchestrator.recorder import Recorder
 from orchestrator.rollout import EpisodeRunner
 from orchestrator.schema import RolloutConfig
 from orchestrator.warmstart import demonstration_tokens
-from sandboxes.api import EngineUnavailable
-from sandboxes.docker import DockerSandboxConfig
-from sandboxes.docker.engine import connect
 
 LOCAL = {"_target_": "sandboxes.local.LocalSandboxConfig", "timeout_s": 2.0, "max_timeout_s": 2.0}
 DOCKER = "sandboxes.docker.DockerSandboxConfig"
-
-
-def docker_available() -> bool:
-    try:
-        client = connect()
-    except EngineUnavailable:
-        return False
-    try:
-        return any(DockerSandboxConfig().image in i.tags for i in client.images.list())
-    finally:
-        client.close()
 
 
 def needs_docker(test: Callable[..., Any]) -> Callable[..., Any]:
