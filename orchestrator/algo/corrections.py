@@ -20,11 +20,15 @@ it truncated or masked:
 | --- | --- | --- |
 | `TokenTIS` | weight min(exp(delta_t), cap) (truncated IS; Yao et al. 2025) | importance_weight, truncated_fraction |
 | `SequenceTIS` | weight min(exp(sum_t delta_t), cap) on every token of the sequence | sequence_importance_weight, sequence_truncated_fraction |
-| `TokenMask` | drops tokens with exp(delta_t) outside [lo, hi] (IcePop) | token_masked_fraction |
+| `IcePop` | weight k = exp(delta_t) inside [lo, hi], 0 outside: M(k) = k 1[lo <= k <= hi] (Ring-1T's IcePop) | importance_weight, token_masked_fraction |
+| `TokenMask` | drops tokens with exp(delta_t) outside [lo, hi], weighs nothing | token_masked_fraction |
 | `SequenceMask` | drops sequences with exp(sum delta) outside [lo, hi] | sequence_masked_fraction |
 | `GeometricMask` | drops sequences with exp(mean delta) outside [lo, hi] | geometric_masked_fraction |
 | `OPSM` | drops a negative-advantage sequence whose mean (mu - log pi_theta) exceeds `delta` (arXiv 2512.02556) | opsm_masked_fraction |
-| `M2PO` | drops the tokens with the largest delta^2 until the rest's mean delta^2 <= `tau` (arXiv 2510.01161) | m2po_masked_fraction, m2po_second_moment |
+| `M2PO` | drops the tokens with the largest delta^2 until the rest's mean delta^2 <= `tau`, keeping at least one (arXiv 2510.01161) | m2po_masked_fraction, m2po_second_moment |
+
+AReaL's behaviour cap in its mask form (a weight above the cap becomes 0, not the cap) is
+`TokenTIS` and `TokenMask(lo=0, hi=cap)` together: the weight below the cap, nothing above.
 """
 
 from __future__ import annotations
@@ -74,7 +78,9 @@ def _as_weight(log_weight: torch.Tensor, m: Mismatch) -> torch.Tensor:
 
 class TokenTIS:
     """Truncated importance sampling per token (Yao et al. 2025, "Your efficient RL framework
-    secretly brings you off-policy RL training"; AReaL's ``behav_imp_weight_cap``)."""
+    secretly brings you off-policy RL training"): a weight above ``cap`` counts as ``cap``.
+    AReaL's behaviour cap in its default mask form sets it to 0 instead: add
+    ``TokenMask(lo=0, hi=cap)`` for that."""
 
     def __init__(self, cap: float = 5.0) -> None:
         if cap < 1.0:
@@ -109,7 +115,8 @@ class SequenceTIS:
 
 
 class TokenMask:
-    """IcePop: tokens whose engine/trainer ratio is outside ``[lo, hi]`` are not trained."""
+    """Tokens whose trainer/engine ratio ``exp(delta_t)`` is outside ``[lo, hi]`` are not
+    trained; the others keep their weight (a plain mask: :class:`IcePop` also weighs them)."""
 
     def __init__(self, lo: float = 0.5, hi: float = 2.0) -> None:
         _bounds(lo, hi, "algo.corrections (TokenMask)")
@@ -119,6 +126,25 @@ class TokenMask:
         ratio = torch.exp(m.delta)
         keep = ((ratio >= self.lo) & (ratio <= self.hi)).to(m.mask.dtype)
         return Correction(keep=keep, metrics={
+            "token_masked_fraction": masked_mean(1.0 - keep, m.mask)})
+
+
+class IcePop:
+    """IcePop (the Ling team's Ring-1T report): each token's loss is multiplied by
+    ``M(k) = k 1[lo <= k <= hi]``, ``k = exp(delta_t)`` the trainer/engine probability ratio —
+    importance-weighted inside the band, not trained outside it. In the bypass mode ``k`` is
+    the ratio's own value already, so only the band is added. Use it instead of ``TokenTIS``,
+    not with it (the weights would multiply)."""
+
+    def __init__(self, lo: float = 0.5, hi: float = 5.0) -> None:
+        _bounds(lo, hi, "algo.corrections (IcePop)")
+        self.lo, self.hi = lo, hi
+
+    def __call__(self, m: Mismatch) -> Correction:
+        ratio = torch.exp(m.delta)
+        keep = ((ratio >= self.lo) & (ratio <= self.hi)).to(m.mask.dtype)
+        return Correction(weight=_as_weight(m.delta, m), keep=keep, metrics={
+            "importance_weight": masked_mean(ratio, m.mask),
             "token_masked_fraction": masked_mean(1.0 - keep, m.mask)})
 
 
@@ -190,7 +216,8 @@ class M2PO:
     """Second-moment trust policy optimisation: the tokens with the largest ``delta^2`` are
     masked, fewest first, until the mean ``delta^2`` of the rest is at most ``tau`` — a bound on
     how off-policy what is trained may be, which keeps very stale data usable. Decided per
-    micro-batch."""
+    micro-batch. When no such set exists (every token's ``delta^2`` above ``tau``), the token
+    with the smallest is kept, as AReaL does: a micro-batch always trains something."""
 
     def __init__(self, tau: float = 0.04) -> None:
         if tau <= 0:
@@ -209,7 +236,7 @@ class M2PO:
             rest = ordered.flip(0).cumsum(0).flip(0)
             counts = torch.arange(n, 0, -1, dtype=rest.dtype, device=rest.device)
             ok = (rest / counts) <= self.tau
-            drop = int(torch.argmax(ok.to(torch.int8))) if bool(ok.any()) else n
+            drop = int(torch.argmax(ok.to(torch.int8))) if bool(ok.any()) else n - 1
             dropped = torch.zeros(n, dtype=m.mask.dtype, device=m.mask.device)
             dropped[order[:drop]] = 1.0
             keep[trained] = 1.0 - dropped

@@ -14,6 +14,7 @@ from orchestrator.algo.corrections import (
     M2PO,
     OPSM,
     GeometricMask,
+    IcePop,
     SequenceMask,
     SequenceTIS,
     TokenMask,
@@ -67,13 +68,37 @@ def test_sequence_tis_weighs_every_token_by_the_truncated_product() -> None:
     assert float(out.sequence_metrics["sequence_importance_weight"]) == pytest.approx(4.0)
 
 
-def test_icepop_masks_tokens_outside_the_band() -> None:
+def test_token_mask_masks_tokens_outside_the_band_and_weighs_nothing() -> None:
     li, logp = loss_inputs([[-1.0, -1.0, -1.0]], behaviour=[[-1 - LOG3, -1.0, -1 + LOG3]],
                            advantages=[1.0])
-    out = algo(icepop=TokenMask(0.5, 2.0)).loss(li)
+    out = algo(mask=TokenMask(0.5, 2.0)).loss(li)
     out.loss.backward()
     assert logp.grad.tolist()[0] == pytest.approx([0.0, -1 / 3, 0.0])
     assert float(out.metrics["token_masked_fraction"]) == pytest.approx(2 / 3)
+
+
+def test_icepop_weighs_by_k_inside_the_band_and_masks_outside() -> None:
+    # k = pi_prox / mu = [3, 1, 1/3, 6]: M(k) = k inside [0.5, 5], 0 outside
+    li, logp = loss_inputs([[-1.0] * 4], behaviour=[[-1 - LOG3, -1.0, -1 + LOG3,
+                                                    -1 - math.log(6.0)]], advantages=[1.0])
+    out = algo(icepop=IcePop(0.5, 5.0)).loss(li)
+    out.loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-3 / 4, -1 / 4, 0.0, 0.0])
+    assert float(out.metrics["token_masked_fraction"]) == pytest.approx(2 / 4)
+    # bypass: the ratio pi_theta / mu is k already; IcePop adds the band, not k again
+    li, logp = loss_inputs([[-1.0] * 4], behaviour=[[-1 - LOG3, -1.0, -1 + LOG3,
+                                                    -1 - math.log(6.0)]], advantages=[1.0])
+    algo("bypass", icepop=IcePop(0.5, 5.0)).loss(li).loss.backward()
+    # A > 0: PPO's clip at 1.28 holds k = 3 at 1.28 (no gradient); k = 1 is inside
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -1 / 4, 0.0, 0.0])
+
+
+def test_areal_behaviour_cap_is_tis_and_a_mask_at_the_cap() -> None:
+    # AReaL's cap in its mask form: a weight above the cap is 0, below it is the weight itself
+    li, logp = loss_inputs([[-1.0] * 2], behaviour=[[-1 - LOG3, -1 - math.log(6.0)]],
+                           advantages=[1.0])
+    algo(tis=TokenTIS(5.0), cap=TokenMask(0.0, 5.0)).loss(li).loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-3 / 2, 0.0])
 
 
 def test_sequence_and_geometric_masks() -> None:
@@ -110,12 +135,23 @@ def test_m2po_masks_the_largest_second_moments_until_the_rest_is_within_tau() ->
     assert float(out.metrics["m2po_second_moment"]) == pytest.approx(0.0875)
 
 
+def test_m2po_keeps_the_smallest_token_when_every_token_exceeds_tau() -> None:
+    # every delta^2 (0.25, 0.09, 0.16) > tau = 0.01: AReaL keeps the smallest, -0.3's
+    delta = [0.5, -0.3, 0.4]
+    li, logp = loss_inputs([[-1.0] * 3], behaviour=[[-1.0 - d for d in delta]], advantages=[1.0])
+    out = algo(m2po=M2PO(0.01)).loss(li)
+    out.loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -1 / 3, 0.0])
+    assert float(out.metrics["m2po_masked_fraction"]) == pytest.approx(2 / 3)
+
+
 def test_m2po_keeps_everything_within_tau() -> None:
     li, _ = loss_inputs([[-1.0] * 3], behaviour=[[-1.05, -0.95, -1.0]])
     assert float(algo(m2po=M2PO(0.04)).loss(li).metrics["m2po_masked_fraction"]) == 0.0
 
 
-@pytest.mark.parametrize("make", [lambda: TokenMask(1.5, 2.0), lambda: TokenTIS(0.5),
+@pytest.mark.parametrize("make", [lambda: TokenMask(1.5, 2.0), lambda: IcePop(0.5, 0.9),
+                                  lambda: TokenTIS(0.5),
                                   lambda: M2PO(0.0), lambda: OPSM(-1.0)])
 def test_bad_correction_settings_say_what_to_change(make: object) -> None:
     with pytest.raises(ConfigError):
