@@ -26,6 +26,9 @@ MODES = ("token_mean", "sequence_mean", "sequence_sum")
 def check(mode: str, constant: float | None) -> None:
     if mode not in MODES:
         raise ConfigError(f"algo.aggregation must be one of {', '.join(MODES)}, got {mode!r}")
+    if constant is not None and mode != "sequence_sum":
+        raise ConfigError(f"algo.aggregation_constant={constant} applies to "
+                          f"algo.aggregation=sequence_sum only, not {mode}: set it to null")
     if constant is not None and constant <= 0:
         raise ConfigError(f"algo.aggregation_constant must be > 0, got {constant}")
 

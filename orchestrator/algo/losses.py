@@ -10,6 +10,11 @@ engine's behaviour policy's in the bypass mode (:mod:`~orchestrator.algo.correct
 | `GSPO` | PPOClip on the sequence ratio s = exp(mean_t log r_t), each token's gradient that of sg(s) pi_theta / sg(pi_theta) | arXiv 2507.18071 |
 | `CISPO` | -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta | arXiv 2506.13585 |
 | `SAPO` | -A (4 / tau) sigmoid(tau (r - 1)), tau by the sign of A | arXiv 2511.20347 |
+
+At a ratio of exactly 1 — the decoupled mode with one update per batch, where pi_prox is the
+policy being trained — GSPO's clip, CISPO's cap, SAPO's gate and PPO's dual clip never act:
+each is then the plain policy gradient. :func:`cannot_act` says so in one line at a run's
+start. A loss may also name the aggregations its paper allows (:func:`check_aggregation`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,35 @@ def _check_clip(eps_low: float, eps_high: float, key: str = "algo.loss") -> None
                           f"{eps_high}")
 
 
+def _needs_ratio(loss: object) -> bool:
+    """Whether what sets ``loss`` apart from the plain policy gradient (a clip, a cap, a gate)
+    acts only where the ratio is not 1."""
+    return bool(getattr(loss, "needs_ratio", False))
+
+
+def check_aggregation(loss: object, aggregation: str) -> None:
+    """One line naming ``algo.aggregation`` when the loss's paper defines it with another."""
+    allowed: tuple[str, ...] = getattr(loss, "aggregations", ())
+    if allowed and aggregation not in allowed:
+        name = type(loss).__name__
+        why = getattr(loss, "aggregation_reason", "its paper defines another")
+        raise ConfigError(f"algo.aggregation={aggregation} does not apply to algo.loss={name} "
+                          f"({why}): set algo.aggregation={' or '.join(allowed)}")
+
+
+def cannot_act(algorithm: object, updates: int) -> str | None:
+    """One line saying why ``algorithm``'s policy loss computes the plain policy gradient with
+    ``updates`` optimiser updates per batch (the decoupled mode at one update: every ratio is
+    exactly 1), or None. An algorithm not composed of pieces has no policy loss to judge."""
+    loss = getattr(algorithm, "policy_loss", None)
+    if getattr(algorithm, "bypass", False) or updates > 1 or not _needs_ratio(loss):
+        return None
+    return (f"algo.loss={type(loss).__name__} cannot act: with trainer.num_minibatches=1 in "
+            f"algo.mode=decoupled every ratio pi_theta/pi_prox is exactly 1, so its "
+            f"{getattr(loss, 'acts_by', 'clip')} never binds and it trains as the plain policy "
+            f"gradient; set trainer.num_minibatches > 1 or algo.mode=bypass")
+
+
 class PPOClip:
     """PPO's clipped surrogate with asymmetric bounds (clip-higher) and optional dual clip."""
 
@@ -45,6 +79,9 @@ class PPOClip:
             raise ConfigError(f"algo.loss.dual_clip must be > 1 (a bound on -A r for A < 0) "
                               f"or null, got {dual_clip}")
         self.eps_low, self.eps_high, self.dual_clip = eps_low, eps_high, dual_clip
+        # at ratio 1 PPO's clip is GRPO's plain gradient, legitimately; a dual clip is then idle
+        self.needs_ratio = dual_clip is not None
+        self.acts_by = "dual clip"
 
     def __call__(self, inputs: LossInputs, old: torch.Tensor) -> PerToken:
         ratio = torch.exp(inputs.logprobs - old)
@@ -71,7 +108,13 @@ def clipped_surrogate(ratio: torch.Tensor, inputs: LossInputs, eps_low: float, e
 class GSPO:
     """Group Sequence Policy Optimisation: the clip acts on each sequence's length-normalised
     ratio, so all of a sequence's tokens are kept or clipped together (the paper's bounds are
-    3e-4 and 4e-4: a sequence ratio moves far less than a token's). Aggregate by sequence."""
+    3e-4 and 4e-4: a sequence ratio moves far less than a token's). Its objective averages
+    each sequence's tokens, then the sequences: ``algo.aggregation=sequence_mean`` only."""
+
+    needs_ratio = True
+    acts_by = "sequence clip"
+    aggregations = ("sequence_mean",)
+    aggregation_reason = "its objective averages each sequence's tokens, then the sequences"
 
     def __init__(self, eps_low: float = 3e-4, eps_high: float = 4e-4) -> None:
         _check_clip(eps_low, eps_high)
@@ -94,8 +137,13 @@ class GSPO:
 
 class CISPO:
     """Clipped IS-weight Policy Optimisation: every token keeps a gradient, ``log pi_theta``
-    weighted by its clipped, stop-gradient ratio (MiniMax-M1 bounds the weight from above
-    only: ``eps_low`` of 1 or more leaves it unbounded below)."""
+    weighted by its clipped, stop-gradient ratio ``clip(r, 1 - eps_low, 1 + eps_high)``, the
+    paper's relative bounds (MiniMax-M1 bounds the weight from above only: ``eps_low`` of 1 or
+    more leaves it unbounded below). TRL's ``epsilon_high`` is the cap itself, ``min(r, eps)``
+    (5.0 recommended): here that is ``eps_high = eps - 1`` (4.0)."""
+
+    needs_ratio = True
+    acts_by = "cap on the importance weight"
 
     def __init__(self, eps_low: float = 1.0, eps_high: float = 0.28) -> None:
         _check_clip(eps_low, eps_high)
@@ -116,6 +164,9 @@ class SAPO:
     """Soft Adaptive Policy Optimisation: a smooth gate instead of a hard clip,
     ``f(r) = 4 / tau * sigmoid(tau (r - 1))`` (its gradient is 1 at r = 1 and fades as r moves
     away), with a sharper ``tau_neg`` for negative advantages."""
+
+    needs_ratio = True
+    acts_by = "gate"
 
     def __init__(self, tau_pos: float = 1.0, tau_neg: float = 1.05) -> None:
         if tau_pos <= 0 or tau_neg <= 0:

@@ -11,7 +11,7 @@ from algo_helpers import loss_inputs
 
 from orchestrator.algo.aggregation import aggregate
 from orchestrator.algo.composed import PolicyGradient
-from orchestrator.algo.losses import CISPO, GSPO, SAPO, PPOClip
+from orchestrator.algo.losses import CISPO, GSPO, SAPO, PPOClip, cannot_act
 from orchestrator.algo.regularizers import KL, kl_estimate
 from orchestrator.errors import ConfigError
 
@@ -85,6 +85,14 @@ def test_cispo_keeps_a_clipped_tokens_gradient() -> None:
     assert grad == pytest.approx(-0.8)
 
 
+def test_cispo_bounds_are_relative_as_in_the_paper() -> None:
+    # clip(r, 1 - eps_low, 1 + eps_high): TRL's absolute cap epsilon_high=5.0 is eps_high=4.0
+    _, grad, _ = one_token(6.0, 1.0, CISPO(eps_low=1.0, eps_high=4.0))
+    assert grad == pytest.approx(-5.0)
+    _, grad, _ = one_token(4.5, 1.0, CISPO(eps_low=1.0, eps_high=4.0))
+    assert grad == pytest.approx(-4.5)
+
+
 @pytest.mark.parametrize("ratio", [1.0, math.exp(0.5), math.exp(-0.7)])
 @pytest.mark.parametrize("advantage", [1.5, -0.5])
 def test_sapo_gate_gradient(ratio: float, advantage: float) -> None:
@@ -118,6 +126,49 @@ def test_aggregation_normalises_by_the_whole_minibatch() -> None:
 def test_an_unknown_aggregation_names_the_key() -> None:
     with pytest.raises(ConfigError, match="algo.aggregation must be one of"):
         PolicyGradient(aggregation="token_sum")
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_sum"])
+def test_gspo_takes_its_papers_sequence_mean_only(aggregation: str) -> None:
+    with pytest.raises(ConfigError, match="algo.aggregation=sequence_mean") as caught:
+        PolicyGradient(loss=GSPO(), aggregation=aggregation)
+    assert str(caught.value).startswith(f"algo.aggregation={aggregation} ")
+    PolicyGradient(loss=GSPO(), aggregation="sequence_mean")
+
+
+def test_an_aggregation_constant_applies_to_sequence_sum_only() -> None:
+    with pytest.raises(ConfigError, match="algo.aggregation_constant=16 .*sequence_sum"):
+        PolicyGradient(aggregation="token_mean", aggregation_constant=16)
+    PolicyGradient(aggregation="sequence_sum", aggregation_constant=16)
+
+
+# -- when a loss can act ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss", [GSPO(), CISPO(), SAPO(), PPOClip(dual_clip=3.0)],
+                         ids=["gspo", "cispo", "sapo", "dual_clip"])
+def test_a_loss_whose_point_is_its_clip_cannot_act_at_one_update(loss: object) -> None:
+    aggregation = "sequence_mean" if isinstance(loss, GSPO) else "token_mean"
+    decoupled = PolicyGradient(loss=loss, aggregation=aggregation)
+    said = cannot_act(decoupled, updates=1)
+    assert said is not None and "\n" not in said
+    assert said.startswith(f"algo.loss={type(loss).__name__} cannot act")
+    assert "trainer.num_minibatches" in said and "algo.mode=bypass" in said
+    assert cannot_act(decoupled, updates=2) is None
+    assert cannot_act(PolicyGradient(loss=loss, aggregation=aggregation, mode="bypass"), 1) is None
+
+
+def test_grpo_at_one_update_is_legitimate() -> None:
+    assert cannot_act(PolicyGradient(loss=PPOClip()), updates=1) is None
+    assert cannot_act(object(), updates=1) is None  # not composed: nothing to judge
+
+
+def test_at_one_update_in_decoupled_mode_cispo_is_grpo_and_with_two_it_is_not() -> None:
+    # the ratio is exactly 1 at the first update: CISPO's gradient is PPO's; at r = 1.5 not
+    for ratio, same in ((1.0, True), (1.5, False)):
+        _, cispo, _ = one_token(ratio, 1.0, CISPO(eps_low=1.0, eps_high=0.28))
+        _, ppo, _ = one_token(ratio, 1.0, PPOClip(0.2, 0.28))
+        assert (cispo == pytest.approx(ppo)) is same
 
 
 # -- KL and entropy ----------------------------------------------------------------------------
