@@ -40,7 +40,7 @@ import anyio
 import httpx
 
 from envs.agent_workers import AgentWorkers, ProgramError
-from envs.base import Env, EnvSpec, Message, Reward, Task
+from envs.base import Env, EnvSpec, Message, Reward, RewardTerm, Task
 from envs.errors import EnvConfigError, EnvError
 
 log = logging.getLogger(__name__)
@@ -254,16 +254,14 @@ class AgentSpec(EnvSpec):
                         f"(a number or envs.base.Reward) or the transcript (a list of messages)")
 
     async def _transcript_reward(self, task: Task, transcript: list[Message]) -> Reward:
-        components: dict[str, float] = {}
-        total = 0.0
+        terms = []
         for name, fn, weight in self.rewards:
             value = fn(task, transcript)
             if inspect.isawaitable(value):
                 value = await value
             key = name.replace(":", ".").rsplit(".", 1)[-1]
-            components[key] = float(value)
-            total += weight * float(value)
-        return Reward(total, components)
+            terms.append(RewardTerm(key, weight, float(value)))
+        return Reward.weighted(terms)
 
 
 def _openai() -> Any:

@@ -14,6 +14,7 @@ trainers or policy versions (the orchestrator drives it).
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -58,11 +59,43 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class RewardTerm:
+    """One weighted term of a reward (an ``env.reward`` entry ``name: weight``) and its value."""
+
+    name: str
+    weight: float
+    value: float
+
+
+@dataclass(frozen=True)
 class Reward:
-    """The total reward and its named parts (logged as metrics)."""
+    """The total reward; its named components, logged as ``reward/<name>`` (each term's value
+    and any diagnostics, such as a verifier error, that are not terms); and, when the total is a
+    weighted sum, its ``terms``: ``total == sum(weight * value)``. An advantage estimator that
+    normalises each term apart (GDPO) reads ``terms``, never the components. Build a weighted
+    one with :meth:`weighted`."""
 
     total: float
     components: dict[str, float] = field(default_factory=dict)
+    terms: tuple[RewardTerm, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.terms:
+            summed = sum(t.weight * t.value for t in self.terms)
+            if not math.isclose(self.total, summed, rel_tol=1e-9, abs_tol=1e-9):
+                raise ValueError(f"a Reward's total ({self.total}) must be the weighted sum of "
+                                 f"its terms ({summed})")
+
+    @classmethod
+    def weighted(cls, terms: Sequence[RewardTerm],
+                 diagnostics: Mapping[str, float] | None = None) -> Reward:
+        """The weighted sum of ``terms``; the components are each term's value, then
+        ``diagnostics`` (logged, never summed)."""
+        total = 0.0
+        for term in terms:
+            total += term.weight * term.value
+        return cls(total, {**{t.name: t.value for t in terms}, **(diagnostics or {})},
+                   tuple(terms))
 
 
 class RewardFn(Protocol):

@@ -72,7 +72,7 @@ import anyio
 import anyio.to_thread
 
 from envs.answers import extract_final, extract_math, last_boxed, last_tagged, normalise
-from envs.base import Reward
+from envs.base import Reward, RewardTerm
 from envs.errors import EnvConfigError
 
 log = logging.getLogger(__name__)
@@ -603,8 +603,8 @@ class WorkerPool:
 
 class Scorer:
     """``env.reward``'s weighted terms, scored: an async context manager holding the worker
-    pool while any term is isolated. :meth:`score` gives the weighted total and each term's
-    value as a component; its counters go into the run's metrics (:meth:`metrics`)."""
+    pool while any term is isolated. :meth:`score` gives the weighted total with its terms
+    (each also a component, as is what a function reports beside its score); its counters go into the run's metrics (:meth:`metrics`)."""
 
     def __init__(self, reward: object, timeout_s: float = 10.0, processes: int = 2,
                  key: str = "env.reward") -> None:
@@ -683,15 +683,14 @@ class Scorer:
                 except VerificationLost as e:
                     self._warn(f"reward verification scored 0: {e}")
         self._scored += 1
-        components: dict[str, float] = {}
-        total = 0.0
+        terms: list[RewardTerm] = []
+        diagnostics: dict[str, float] = {}  # what a function reports beside its score
         for term in self.terms:
             part = parts.get(term.name, Reward(0.0))
-            total += term.weight * part.total
-            components[term.name] = part.total
+            terms.append(RewardTerm(term.name, term.weight, part.total))
             for sub, value in part.components.items():
-                components[f"{term.name}/{sub}"] = value
-        return Reward(total=total, components=components)
+                diagnostics[f"{term.name}/{sub}"] = value
+        return Reward.weighted(terms, diagnostics)
 
     def _known(self, name: str, completion: str, answer: str) -> Reward | None:
         """An isolated built-in's score without a worker: decided here (``Builtin.quick``) or

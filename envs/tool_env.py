@@ -17,7 +17,7 @@ import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from envs.base import Env, Message, Reward, StepResult, Task, ToolCallRecord
+from envs.base import Env, Message, Reward, RewardTerm, StepResult, Task, ToolCallRecord
 from envs.parsers import make_parser
 from envs.tools import EpisodeContext
 from envs.toolset import ToolSet
@@ -42,13 +42,8 @@ class WeightedReward:
 
 
 async def combine_rewards(rewards: Sequence[WeightedReward], episode: Episode) -> Reward:
-    components: dict[str, float] = {}
-    total = 0.0
-    for reward in rewards:
-        value = float(await reward.fn(episode))
-        components[reward.name] = value
-        total += reward.weight * value
-    return Reward(total=total, components=components)
+    return Reward.weighted([RewardTerm(r.name, r.weight, float(await r.fn(episode)))
+                            for r in rewards])
 
 
 class ToolEnv(Env):

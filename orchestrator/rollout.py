@@ -135,7 +135,7 @@ class EpisodeRunner:
         trajectory = tokens.build(
             prompt_id=task.id, sample_index=sample_index, reward=step_reward + reward.total,
             version=engine.version, end_reason=end_reason, max_tokens=config.max_tokens,
-            metrics=metrics,
+            metrics=metrics, reward_terms=reward.terms,
         )
         return trajectory, trace.finish()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from envs.base import RewardTerm
 from orchestrator.types import FinishReason, Generation, Trajectory
 
 
@@ -60,7 +61,8 @@ class TrajectoryBuilder:
 
     def build(self, *, prompt_id: int, sample_index: int, reward: float, version: int,
               end_reason: str, max_tokens: int,
-              metrics: dict[str, float] | None = None) -> Trajectory:
+              metrics: dict[str, float] | None = None,
+              reward_terms: tuple[RewardTerm, ...] = ()) -> Trajectory:
         """The finished trajectory; ``version`` is its start version if nothing was generated.
         Timings are left at their defaults for the episode's trace to fill in."""
         return Trajectory(
@@ -77,4 +79,5 @@ class TrajectoryBuilder:
             end_reason=end_reason,
             prompt_tokens=self.prompt_tokens,
             max_tokens=max_tokens,
+            reward_terms=reward_terms,
         )

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from envs.base import RewardTerm
+
 
 class FinishReason(StrEnum):
     STOP = "stop"  # the model emitted a stop token
@@ -110,7 +112,11 @@ class Trajectory:
 
     ``token_ids`` is the whole sequence (prompt, then every turn) exactly as the engine and
     the environment produced it. ``loss_mask[i]`` is True for tokens the policy generated;
-    ``logprobs``/``versions`` are only meaningful where the mask is set.
+    ``logprobs``/``versions`` are only meaningful where the mask is set. ``reward`` is the
+    environment's total plus any step rewards; ``reward_terms`` are the total's weighted terms
+    (``env.reward``'s, empty for an environment whose reward is a single number), carried typed
+    for estimators that treat terms apart; ``metrics`` has them again as ``reward/<term>``,
+    for logging only.
     """
 
     prompt_id: int
@@ -126,6 +132,7 @@ class Trajectory:
     end_reason: str = "done"  # done | max_turns | max_length | tool_response_too_long
     prompt_tokens: int = 0  # the opening prompt
     max_tokens: int = 0  # per-turn generation cap the episode ran with
+    reward_terms: tuple[RewardTerm, ...] = ()
 
     @property
     def num_generated(self) -> int:

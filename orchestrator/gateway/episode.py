@@ -330,7 +330,8 @@ class AgentEpisode:
             trajectory = segment.builder.build(
                 prompt_id=prompt_id, sample_index=next(numbers),
                 reward=outcome.reward.total, version=self.engine.version, end_reason=end,
-                max_tokens=self.limits.max_tokens, metrics=dict(metrics))
+                max_tokens=self.limits.max_tokens, metrics=dict(metrics),
+                reward_terms=outcome.reward.terms)
             out.append((trajectory, segment.trace.finish()))
         return out
 

@@ -7,7 +7,7 @@ import time
 import anyio
 import pytest
 
-from envs.base import Reward
+from envs.base import Reward, RewardTerm
 from envs.errors import EnvConfigError
 from envs.rewards import Scorer, extract_math, math_reward, parse_terms
 
@@ -64,9 +64,23 @@ async def test_builtins_and_weighted_sum() -> None:
     async with Scorer({"dataset_reward_fns:length_bonus": 2.0,
                        "dataset_reward_fns:async_named": 1.0}) as scorer:
         reward = await scorer.score("it is 7", "7", {"difficulty": "easy"})
+        # the weighted terms travel typed; what a function reports beside its score
+        # (async_named/half) is a component, logged, and never a term
         assert reward == Reward(total=2.5, components={
             "dataset_reward_fns:length_bonus": 1.0, "dataset_reward_fns:async_named": 0.5,
-            "dataset_reward_fns:async_named/half": 0.5})
+            "dataset_reward_fns:async_named/half": 0.5}, terms=(
+            RewardTerm("dataset_reward_fns:length_bonus", 2.0, 1.0),
+            RewardTerm("dataset_reward_fns:async_named", 1.0, 0.5)))
+
+
+def test_a_reward_with_terms_is_their_weighted_sum() -> None:
+    reward = Reward.weighted([RewardTerm("math", 1.0, 1.0), RewardTerm("format", 0.1, 1.0)],
+                             {"verifier_error": 1.0})
+    assert reward.total == pytest.approx(1.1)
+    assert reward.components == {"math": 1.0, "format": 1.0, "verifier_error": 1.0}
+    assert [t.name for t in reward.terms] == ["math", "format"]
+    with pytest.raises(ValueError, match="weighted sum of its terms"):
+        Reward(2.0, terms=(RewardTerm("math", 1.0, 1.0),))
 
 
 @pytest.mark.parametrize(("value", "message"), [

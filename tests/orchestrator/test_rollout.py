@@ -10,7 +10,7 @@ import pytest
 from helpers import TOK, scripted_engine
 
 from envs.arithmetic import ArithmeticSpec
-from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
+from envs.base import Env, EnvSpec, Message, Reward, RewardTerm, StepResult, Task
 from orchestrator.evaluate import evaluate
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import EpisodeRunner
@@ -69,7 +69,8 @@ async def test_a_group_runs_every_sample_of_one_task() -> None:
 
 
 class EchoEnv(Env):
-    """Two turns: the first reply is echoed back as a tool message; reward = number of turns."""
+    """Two turns: the first reply is echoed back as a tool message; reward = number of turns
+    (one weighted term)."""
 
     def __init__(self) -> None:
         self.turns = 0
@@ -84,7 +85,7 @@ class EchoEnv(Env):
         return StepResult(observation=observation, reward=0.25, done=done, metrics={"turns": 1.0})
 
     async def reward(self) -> Reward:
-        return Reward(total=float(self.turns), components={"turns": float(self.turns)})
+        return Reward.weighted([RewardTerm("turns", 1.0, float(self.turns))])
 
 
 class EchoSpec(EnvSpec):
@@ -115,6 +116,8 @@ async def test_observations_are_appended_and_never_trained_on() -> None:
     assert t.reward == 0.25 + 0.25 + 2.0
     # per-turn metrics add up over the episode
     assert t.metrics["turns"] == 2 and t.metrics["reward/turns"] == 2.0
+    # the reward's weighted terms travel typed (reward/turns above is for logging)
+    assert t.reward_terms == (RewardTerm("turns", 1.0, 2.0),)
 
 
 async def test_max_turns_ends_the_episode() -> None:

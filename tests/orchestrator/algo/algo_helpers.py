@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from envs.base import RewardTerm
 from orchestrator.algo.base import LossInputs
 from orchestrator.types import FinishReason, Group, Trajectory
 
@@ -40,11 +41,12 @@ def loss_inputs(
 
 def trajectory(reward: float, index: int = 0, generated: int = 2,
                finish: FinishReason = FinishReason.STOP, max_tokens: int = 0,
-               metrics: dict[str, float] | None = None) -> Trajectory:
+               metrics: dict[str, float] | None = None,
+               terms: tuple[RewardTerm, ...] = ()) -> Trajectory:
     n = generated + 1
     return Trajectory(0, index, tuple(range(n)), (False, *[True] * generated), (0.0,) * n,
                       (0,) * n, reward, 0, finish, metrics=dict(metrics or {}),
-                      max_tokens=max_tokens)
+                      max_tokens=max_tokens, reward_terms=terms)
 
 
 def groups(rewards: list[list[float]]) -> list[Group]:
