@@ -161,12 +161,13 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     for key in ("model", "engine", "trainer"):
         check_target(cfg, key)
     check_node(algorithm_values(section(cfg, "algo")), "algo")
-    build_algorithm(section(cfg, "algo"))  # its pieces' own checks, before anything starts
+    algorithm = build_algorithm(section(cfg, "algo"))  # its pieces' checks, before anything starts
     model_cfg = section(cfg, "model")
     spec, tokenizer = environment(cfg, model_cfg, rollout_cfg)
     check_sizes(pipeline_cfg, rollout_cfg, spec)
     if group_filter is not None:
         group_filter.check(rollout_cfg.group_size)
+    algorithm.check(rollout_cfg.group_size)  # e.g. a group baseline needs groups of 2 or more
     eval_tasks = first_tasks(spec.tasks("eval"), eval_cfg.num_tasks)
     if checkpoint_cfg.keep_best is not None:  # before anything is built or trained
         if not eval_tasks:

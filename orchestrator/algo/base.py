@@ -100,6 +100,10 @@ class Algorithm(ABC):
     @abstractmethod
     def loss(self, inputs: LossInputs) -> LossOutput: ...
 
+    def check(self, group_size: int) -> None:
+        """Raise :class:`~orchestrator.errors.ConfigError` if this algorithm cannot learn from
+        groups of ``group_size`` samples (a group baseline at group size 1)."""
+
     def reward_penalty(self, inputs: LossInputs) -> torch.Tensor | None:
         """Per sequence, what to subtract from its reward before the advantages (a KL penalty
         in the reward), from detached ``inputs`` with ``reference_logprobs``; None: nothing."""

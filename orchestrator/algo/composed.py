@@ -107,6 +107,11 @@ class PolicyGradient(Algorithm):
         masked = any(not k for g in trained for k in g)
         return Advantages(values=values, trained=trained if masked else None, metrics=logged)
 
+    def check(self, group_size: int) -> None:
+        check = getattr(self.advantage, "check", None)  # a plain callable has none
+        if callable(check):
+            check(group_size)
+
     def reward_penalty(self, inputs: LossInputs) -> torch.Tensor | None:
         if self.kl is None or not self.kl.in_reward or inputs.reference_logprobs is None:
             return None

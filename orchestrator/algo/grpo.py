@@ -1,7 +1,8 @@
 """GRPO advantages with AReaL's decoupled PPO objective (``algo=grpo``, the default).
 
-Advantages are group-normalised: ``(r - mean(group)) / (std(group) + eps)``, so a group
-whose rewards are all equal contributes nothing.
+Advantages are group-normalised: ``(r - mean(group)) / (std(group) + eps)`` with the sample
+std (n - 1, as verl and TRL: one right answer in four gets 1.5), so a group whose rewards are
+all equal contributes nothing.
 
 The loss separates the two reasons a sample is off-policy (AReaL, "decoupled PPO"):
 

@@ -183,12 +183,18 @@ def test_equal_rewards_give_exactly_zero_advantages(reward: float, n: int) -> No
     [0.3, -1.2, 4.0, 2.5, 0.0],
     [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
 ])
-def test_group_advantages_are_zero_mean_unit_std(rewards: list[float]) -> None:
+def test_group_advantages_are_zero_mean_unit_sample_std(rewards: list[float]) -> None:
     adv = torch.tensor(group_advantages(rewards), dtype=torch.float64)
     assert adv.mean().item() == pytest.approx(0.0, abs=1e-12)
-    assert adv.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-5)
+    # the sample std (n - 1), as verl and TRL
+    assert adv.std(unbiased=True).item() == pytest.approx(1.0, abs=1e-5)
     # order is kept: the best sample gets the largest advantage
     assert int(adv.argmax()) == rewards.index(max(rewards))
+
+
+def test_one_right_in_four_gets_1_5_as_in_verl_and_trl() -> None:
+    # the population std would give sqrt(3) = 1.732
+    assert group_advantages([1.0, 0.0, 0.0, 0.0], eps=0.0) == pytest.approx([1.5, -0.5, -0.5, -0.5])
 
 
 def test_group_advantages_without_std_normalisation_are_centred_rewards() -> None:
