@@ -23,7 +23,7 @@ from orchestrator.algo import aggregation as agg
 from orchestrator.algo.advantages import GroupNorm
 from orchestrator.algo.base import Advantages, Algorithm, LossInputs, LossOutput, masked_mean
 from orchestrator.algo.corrections import MODES, Correction, Mismatch
-from orchestrator.algo.losses import PerToken, PPOClip, check_aggregation
+from orchestrator.algo.losses import PerToken, PPOClip
 from orchestrator.algo.regularizers import KL, kl_estimate
 from orchestrator.errors import ConfigError
 from orchestrator.types import Group, Trajectory
@@ -61,7 +61,6 @@ class PolicyGradient(Algorithm):
         agg.check(aggregation, aggregation_constant)
         self.advantage = advantage if advantage is not None else GroupNorm()
         self.policy_loss = loss if loss is not None else PPOClip()
-        check_aggregation(self.policy_loss, aggregation)
         self.aggregation = aggregation
         self.aggregation_constant = aggregation_constant
         self.bypass = mode == "bypass"
@@ -115,8 +114,8 @@ class PolicyGradient(Algorithm):
     def reward_penalty(self, inputs: LossInputs) -> torch.Tensor | None:
         if self.kl is None or not self.kl.in_reward or inputs.reference_logprobs is None:
             return None
-        k1 = kl_estimate(inputs.logprobs.detach(), inputs.reference_logprobs, "k1")
-        return self.kl.coef * inputs.sequence_sum(k1)
+        k = kl_estimate(inputs.logprobs.detach(), inputs.reference_logprobs, self.kl.estimator)
+        return self.kl.coef * inputs.sequence_sum(k)
 
     # -- per micro-batch: the loss ------------------------------------------------------------
 
