@@ -23,7 +23,7 @@ from orchestrator.algo import aggregation as agg
 from orchestrator.algo.advantages import GroupNorm
 from orchestrator.algo.base import Advantages, Algorithm, LossInputs, LossOutput, masked_mean
 from orchestrator.algo.corrections import MODES, Correction, Mismatch
-from orchestrator.algo.losses import PerToken, PPOClip
+from orchestrator.algo.losses import PerToken, PPOClip, check_aggregation
 from orchestrator.algo.regularizers import KL, kl_estimate
 from orchestrator.errors import ConfigError
 from orchestrator.types import Group, Trajectory
@@ -61,6 +61,7 @@ class PolicyGradient(Algorithm):
         agg.check(aggregation, aggregation_constant)
         self.advantage = advantage if advantage is not None else GroupNorm()
         self.policy_loss = loss if loss is not None else PPOClip()
+        check_aggregation(self.policy_loss, aggregation)
         self.aggregation = aggregation
         self.aggregation_constant = aggregation_constant
         self.bypass = mode == "bypass"
