@@ -36,6 +36,7 @@ from envs.dataset import DatasetSpec
 from envs.errors import EnvConfigError
 from orchestrator.algo.build import algorithm_values, build_algorithm
 from orchestrator.algo.filters import FILTER_KEY, build_filter
+from orchestrator.algo.losses import cannot_act
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.config import build_env, check_node, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine, sync_weights
@@ -162,6 +163,8 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         check_target(cfg, key)
     check_node(algorithm_values(section(cfg, "algo")), "algo")
     algorithm = build_algorithm(section(cfg, "algo"))  # its pieces' checks, before anything starts
+    if (idle := cannot_act(algorithm, section(cfg, "trainer").get("num_minibatches", 1))):
+        log.warning(idle)  # legitimate (GRPO at one update), but not what the loss is for
     model_cfg = section(cfg, "model")
     spec, tokenizer = environment(cfg, model_cfg, rollout_cfg)
     check_sizes(pipeline_cfg, rollout_cfg, spec)

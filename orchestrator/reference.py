@@ -102,6 +102,7 @@ def _option(group: str, path: Path, said: dict[str, str]) -> list[str]:
     lines = [f"#### `{group}={path.stem}`" + (f": `{target}`" if target else "") + extends, ""]
     if about:
         lines += [about, ""]
+    lines += _global_choices(group, path, values)
     source: dict[str, str] = {}
     keys = list(_leaves(values, "", source))
     comments = {**source, **comments}
@@ -112,6 +113,25 @@ def _option(group: str, path: Path, said: dict[str, str]) -> list[str]:
                          f"`{_value(value)}` | {_cell(comments.get(dotted, ''))} |")
         lines.append("")
     return lines
+
+
+def _global_choices(group: str, path: Path, values: dict[str, Any]) -> list[str]:
+    """What an option sets outside its own section through a sub-group it chooses (a preset's
+    update schedule, ``conf/algo/updates/``: ``# @package _global_`` files)."""
+    out = []
+    for entry in values.get("defaults", []):
+        for sub, choice in (entry.items() if isinstance(entry, dict) else ()):
+            sub = sub.removeprefix("override ").strip()
+            chosen = path.parent / sub / f"{choice}.yaml"
+            if choice is None or not chosen.exists():
+                continue
+            text = chosen.read_text()
+            if not text.startswith("# @package _global_"):
+                continue
+            sets = ", ".join(f"`{dotted}={_value(value)}`"
+                             for dotted, value, _ in _leaves(yaml.safe_load(text) or {}, "", {}))
+            out += [f"Chooses `{group}/{sub}={choice}`: {sets}.", ""]
+    return out
 
 
 def _leaves(node: dict[str, Any], prefix: str,
