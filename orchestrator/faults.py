@@ -10,6 +10,11 @@ never by a clock, so a test of it does not depend on the machine's speed. The po
 engine paused, the weights not loaded) and ``checkpoint`` (the files written, not the
 manifest). Unset, :func:`kill_point` costs one dictionary lookup.
 
+A point may name a Ray actor: ``engine-0.generate@<version>`` SIGKILLs the engine actor
+``engine-0`` as it takes a request (so a request is in flight when it dies), in the actor's
+first life only: Ray restarts it with the same environment, and the restarted actor serves.
+:func:`actor_environment` passes the variable to that actor alone.
+
 Fault counters (``faults/…`` in each step's metrics: engines restarted, sandbox containers
 lost, Docker outages, resumes, …) are totals of the whole run. Each process counts from zero;
 :func:`add_faults` adds the earlier processes' totals, which the pipeline keeps in its state
@@ -46,6 +51,13 @@ def resumed_faults(checkpoint: Mapping[str, float],
     totals = {k: max(float(checkpoint.get(k, 0.0)), float(recorded.get(k, 0.0))) for k in keys}
     totals[RESUMES] = totals.get(RESUMES, 0.0) + 1
     return totals
+
+
+def actor_environment(actor: str) -> dict[str, str]:
+    """The fault variable for the Ray actor named ``actor`` when its point is one of that
+    actor's (``<actor>.<point>@<version>``), else nothing."""
+    target = os.environ.get(ENV, "")
+    return {ENV: target} if target.startswith(f"{actor}.") else {}
 
 
 _signalled = False  # a SIGTERM point fires once (the run stops after the step in progress)

@@ -34,6 +34,7 @@ from ray.exceptions import ObjectLostError
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import EngineClosed, RunAborted
+from orchestrator.faults import kill_point
 from orchestrator.launch.base import EngineRecipe, TrainerRecipe
 from orchestrator.launch.ray.spans import Reply, SpanBuffer
 from orchestrator.recorder import Span
@@ -114,6 +115,8 @@ class EngineActor(_Reporting):
         self._stopped = anyio.Event()
         self._error: BaseException | None = None
         self._inflight = 0
+        # a fault point naming this actor fires in its first life, not again once Ray restarts it
+        self._first_life = not ray.get_runtime_context().was_current_actor_reconstructed
 
     async def serve(self, weights: WeightUpdate) -> None:
         """Build the engine from the recipe and ``weights`` and run it until :meth:`stop`.
@@ -166,6 +169,8 @@ class EngineActor(_Reporting):
         engine = self._running()
         self._inflight += 1
         try:
+            if self._first_life:
+                kill_point(f"{self._name}.generate", engine.version)  # tests: a request in flight
             return await engine.generate(prompt_ids, sampling)
         finally:
             self._inflight -= 1

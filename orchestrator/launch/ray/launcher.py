@@ -48,7 +48,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import allocator
+from orchestrator import allocator, faults
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.placement import Placement
 from orchestrator.errors import ConfigError, chain
@@ -104,8 +104,9 @@ class ActorResources:
                    **{k: float(v) for k, v in self.resources.items()}}
         return {k: v for k, v in amounts.items() if v > 0}
 
-    def options(self) -> dict[str, Any]:
-        env = allocator.environment()  # read by glibc as the actor's process starts
+    def options(self, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Ray's options for an actor of this spec, ``env`` added to its environment."""
+        env = {**allocator.environment(), **(env or {})}  # glibc's read as the process starts
         return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
                 "resources": dict(self.resources),
                 **({"runtime_env": {"env_vars": env}} if env else {})}
@@ -312,7 +313,8 @@ class RayLauncher(Launcher):
             name = f"engine-{i}"
             actor = ray.remote(EngineActor).options(
                 name=f"{self.run_id}-{name}", max_restarts=-1, max_task_retries=0,
-                scheduling_strategy=self._bundle(self.ranks + i), **spec.options(),
+                scheduling_strategy=self._bundle(self.ranks + i),
+                **spec.options(faults.actor_environment(name)),
             ).remote(_seeded(recipe, i), name, spec.threads)
             self._actors.append(actor)
             engines.append(RayEngine(actor, name, self.spans, colocated=self.colocate))
