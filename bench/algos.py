@@ -6,6 +6,7 @@ staleness sweep of three off-policy corrections.
     python -m bench.algos --quick              # within 10 minutes: the machinery, not a result
     python -m bench.algos --smoke              # seconds (the tests'): one preset, the toy model
     python -m bench.algos --reuse --ks 8       # read the finished runs in --out, run the rest
+    python -m bench.algos --toy                # the default experiment, several seeds (~90 min)
 
 Every run is ``python -m orchestrator experiment=dataset_smol`` (SmolLM2-135M-Instruct, the
 shipped arithmetic Parquet files, math-verify; its base model's greedy held-out accuracy is
@@ -30,6 +31,18 @@ Last line: ``presets_learning=<share>``, the share of the presets whose curve re
 ``+--gain`` within the budget (1.000: all; the line before gives the count; with ``--parts
 staleness`` alone: ``stale_k8_gap=``, k = 1's final accuracy minus the best correction's at
 the largest k).
+
+``--toy``: the same two parts on the default experiment (the tiny model learning two-digit
+addition, ``python -m orchestrator`` as shipped), where a run takes a minute, so each point is
+``--seeds`` seeds (5; the sweep ``--sweep-seeds``, 3) and every figure is a mean ± standard
+deviation: the presets at k = 1 for ``--steps`` (800) steps, held-out accuracy (200 tasks,
+greedy) every ``--every`` (100) steps, at half and at all the steps, and the RL minutes to
+``--target`` (0.8) accuracy; the sweep over ``--ks`` x the three corrections for
+``--sweep-steps`` (300) steps, where k = 8 is far enough off-policy for corrections to matter
+(16 prompts a step, so ``(k + 1) x 16`` workers). A preset *learns* when every seed gains
+``--gain`` (0.3) over its own accuracy before RL; a difference between two means no larger than
+the larger of their standard deviations is printed as a tie. Last line ``presets_learning=``,
+the share of presets that learn (the line before: the count, ``<n>/<n>``).
 
 ``--smoke`` (seconds, the tests'): the presets part alone (unless ``--parts`` names others)
 with the ``grpo`` preset (or those ``--presets`` names), each run on the toy model
@@ -60,6 +73,8 @@ PRESETS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "
 CORRECTIONS = {"decoupled": ("algo=grpo",), "bypass_tis": ("algo=grpo", "algo.mode=bypass"),
                "m2po": ("algo=stale",)}
 PROMPTS_PER_STEP = 4  # dataset_smol: 32 samples a step, 8 a prompt
+REAL = ("experiment=dataset_smol",)  # every run's experiment (--toy: the default one)
+TOY_PROMPTS_PER_STEP = 16  # the default experiment: 64 samples a step, 4 a prompt
 
 
 @dataclass(frozen=True)
@@ -79,17 +94,53 @@ class Result:
     def best_within(self, minutes: float) -> float:
         return max(a for m, _, a in self.points if m <= minutes + 1e-9)
 
+    def at_step(self, step: int) -> float:
+        """The held-out accuracy of the last evaluation at or before ``step``."""
+        return [a for _, s, a in self.points if s <= step][-1]
+
+    def minutes_to_accuracy(self, target: float) -> float | None:
+        return next((m for m, _, a in self.points if a >= target - 1e-9), None)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One figure over seeds: mean ± sample standard deviation."""
+
+    values: tuple[float, ...]
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values)
+
+    @property
+    def sd(self) -> float:
+        n = len(self.values)
+        if n < 2:
+            return 0.0
+        return (sum((v - self.mean) ** 2 for v in self.values) / (n - 1)) ** 0.5
+
+    def __str__(self) -> str:
+        return f"{self.mean:.2f} ± {self.sd:.2f}"
+
+    def against(self, other: Spread) -> str:
+        """``tie`` when the means differ by no more than the larger standard deviation."""
+        if abs(self.mean - other.mean) <= max(self.sd, other.sd):
+            return "tie"
+        return "higher" if self.mean > other.mean else "lower"
+
 
 def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: int,
-           eval_tasks: int | None, reuse: bool = False, extra: Sequence[str] = ()) -> Result:
-    """One run (``reuse``: a finished run directory of the same length is read instead)."""
+           eval_tasks: int | None, reuse: bool = False, extra: Sequence[str] = (),
+           base: Sequence[str] = REAL) -> Result:
+    """One run (``reuse``: a finished run directory of the same length is read instead);
+    ``base``: the experiment (the default one: none)."""
     run_dir = out / name
     summary_file = run_dir / "summary.json"
     if reuse and summary_file.is_file() and json.loads(summary_file.read_text())["steps"] == steps:
         print(f"[bench.algos] {name}: read from {run_dir}", flush=True)
         return read(run_dir, name, steps)
     shutil.rmtree(run_dir, ignore_errors=True)
-    args = [sys.executable, "-m", "orchestrator", "experiment=dataset_smol", *extra, *overrides,
+    args = [sys.executable, "-m", "orchestrator", *base, *extra, *overrides,
             f"pipeline.num_steps={steps}", f"eval.every={every}", "eval.engine=shared",
             "checkpoint.every=0",
             "checkpoint.every_s=0", "logger=none", "progress=false", f"hydra.run.dir={run_dir}"]
@@ -158,6 +209,89 @@ def staleness(ks: Sequence[int], out: Path, steps: int, every: int, eval_tasks: 
     return results
 
 
+def updates_per_batch(run_dir: Path) -> str:
+    """``trainer.num_minibatches`` as the run composed it (its ``.hydra/config.yaml``)."""
+    from omegaconf import OmegaConf
+
+    composed = run_dir / ".hydra" / "config.yaml"
+    return str(OmegaConf.load(composed).trainer.num_minibatches) if composed.is_file() else "?"
+
+
+def toy_presets(names: Sequence[str], seeds: int, out: Path, steps: int, every: int,
+                target: float, gain: float, reuse: bool = False,
+                extra: Sequence[str] = ()) -> int:
+    """Each preset at k = 1 on the default experiment, ``seeds`` seeds each; prints the spread
+    table and returns how many presets learn (every seed gains ``gain``)."""
+    runs = {n: [launch(f"{n}_s{seed}", [f"algo={n}", f"seed={seed}"], out / "toy_presets", steps,
+                       every, None, reuse, extra, base=()) for seed in range(seeds)]
+            for n in names}
+    half = steps // 2
+    spread = {n: {"before": Spread(tuple(r.before for r in rs)),
+                  "half": Spread(tuple(r.at_step(half) for r in rs)),
+                  "last": Spread(tuple(r.at_step(steps) for r in rs))} for n, rs in runs.items()}
+    reference = spread.get("grpo")
+    print(f"\npresets at k = 1 on the default experiment, {steps} steps, {seeds} seeds "
+          f"(mean ± sd; held-out greedy accuracy)")
+    print(f"| preset | updates | before | step {half} | step {steps} | vs grpo | RL min to "
+          f"{target:g} (seeds) | learns (+{gain:g}, every seed) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    learning = 0
+    for n, rs in runs.items():
+        reached = [m for r in rs if (m := r.minutes_to_accuracy(target)) is not None]
+        minutes = f"{Spread(tuple(reached))} ({len(reached)}/{len(rs)})" if reached else \
+            f"— (0/{len(rs)})"
+        learns = all(r.minutes_to(gain) is not None for r in rs)
+        learning += learns
+        versus = "—" if reference is None or n == "grpo" else \
+            spread[n]["last"].against(reference["last"])
+        print(f"| {n} | {updates_per_batch(out / 'toy_presets' / rs[0].name)} | "
+              f"{spread[n]['before']} | {spread[n]['half']} | {spread[n]['last']} | {versus} | "
+              f"{minutes} | {'yes' if learns else 'no'} |")
+    return learning
+
+
+def toy_staleness(ks: Sequence[int], seeds: int, out: Path, steps: int, every: int,
+                  reuse: bool = False, extra: Sequence[str] = ()) -> None:
+    """The three corrections at each k on the default experiment, ``seeds`` seeds each."""
+    cells: dict[tuple[str, int], list[Result]] = {}
+    for k in ks:
+        for name, overrides in CORRECTIONS.items():
+            cells[name, k] = [launch(
+                f"{name}_k{k}_s{seed}", [*overrides, f"seed={seed}", f"pipeline.max_staleness={k}",
+                                         f"pipeline.num_workers={(k + 1) * TOY_PROMPTS_PER_STEP}"],
+                out / "toy_staleness", steps, every, None, reuse, extra, base=())
+                for seed in range(seeds)]
+    print(f"\nstaleness sweep on the default experiment: held-out accuracy after {steps} steps, "
+          f"{seeds} seeds (mean ± sd; mean staleness reached)")
+    print("| correction | " + " | ".join(f"k = {k}" for k in ks) + " |")
+    print("| --- |" + " --- |" * len(ks))
+    for name in CORRECTIONS:
+        row = []
+        for k in ks:
+            rs = cells[name, k]
+            row.append(f"{Spread(tuple(r.at_step(steps) for r in rs))} "
+                       f"({sum(r.staleness for r in rs) / len(rs):.1f})")
+        print(f"| {name} | " + " | ".join(row) + " |")
+    for k in ks:
+        final = {n: Spread(tuple(r.at_step(steps) for r in cells[n, k])) for n in CORRECTIONS}
+        best = max(final, key=lambda n: final[n].mean)
+        verdicts = ", ".join(f"{n} {final[n].against(final[best])}" for n in final if n != best)
+        print(f"k = {k}: highest mean {best}; against it: {verdicts}")
+
+
+def toy(args: argparse.Namespace, parts: set[str], names: Sequence[str], ks: Sequence[int],
+        out: Path, extra: Sequence[str]) -> None:
+    learning = None
+    if "presets" in parts:
+        learning = toy_presets(names, args.seeds, out, args.steps, args.every, args.target,
+                               args.gain, args.reuse, extra)
+    if "staleness" in parts:
+        toy_staleness(ks, args.sweep_seeds, out, args.sweep_steps, args.every, args.reuse, extra)
+    if learning is not None:
+        print(f"presets_learning: {learning}/{len(names)}")
+        headline("presets_learning", learning / len(names))
+
+
 def plot(results: Sequence[Result], gain: float, path: Path) -> None:
     import matplotlib
 
@@ -184,11 +318,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=None, help="presets,staleness (--smoke: presets)")
     parser.add_argument("--presets", default=",".join(PRESETS))
-    parser.add_argument("--steps", type=int, default=None, help="RL steps per preset (20)")
-    parser.add_argument("--every", type=int, default=None, help="eval.every (5)")
-    parser.add_argument("--sweep-steps", type=int, default=None, help="(20)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="RL steps per preset (20; --toy 800)")
+    parser.add_argument("--every", type=int, default=None, help="eval.every (5; --toy 100)")
+    parser.add_argument("--sweep-steps", type=int, default=None, help="(20; --toy 300)")
     parser.add_argument("--ks", default="0,1,4,8")
-    parser.add_argument("--gain", type=float, default=0.15)
+    parser.add_argument("--gain", type=float, default=None, help="(0.15; --toy 0.3)")
+    parser.add_argument("--toy", action="store_true",
+                        help="the default experiment (the tiny model), several seeds a point")
+    parser.add_argument("--seeds", type=int, default=None, help="--toy: seeds a preset (5)")
+    parser.add_argument("--sweep-seeds", type=int, default=None,
+                        help="--toy: seeds a point of the sweep (3)")
+    parser.add_argument("--target", type=float, default=0.8,
+                        help="--toy: the accuracy whose RL minutes are given")
     parser.add_argument("--eval-tasks", type=int, default=None,
                         help="eval.num_tasks (default: the experiment's, the whole file)")
     parser.add_argument("--out", type=Path, default=None,
@@ -204,7 +346,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parts = set((args.parts or ("presets" if args.smoke else "presets,staleness")).split(","))
     names = args.presets.split(",")
     extra: list[str] = []
-    if args.smoke:
+    if args.toy:
+        args.gain = args.gain if args.gain is not None else 0.3
+        args.seeds, args.sweep_seeds = args.seeds or 5, args.sweep_seeds or 3
+        if args.smoke:  # two seeds of one preset for 2 steps: the machinery, not a result
+            names = names if args.presets != ",".join(PRESETS) else ["grpo"]
+            args.seeds, args.sweep_seeds = min(args.seeds, 2), min(args.sweep_seeds, 2)
+            args.steps, args.sweep_steps, args.every = args.steps or 2, args.sweep_steps or 2, 1
+            extra = ["pipeline.batch_size=8", "rollout.group_size=4", "warmstart.steps=5",
+                     "eval.num_tasks=8"]
+        args.steps, args.every = args.steps or 800, args.every or 100
+        args.sweep_steps = args.sweep_steps or 300
+    args.gain = args.gain if args.gain is not None else 0.15
+    if args.smoke and not args.toy:
         names = names if args.presets != ",".join(PRESETS) else ["grpo"]
         args.steps, args.every = args.steps or 2, args.every or 1
         args.eval_tasks = args.eval_tasks or 4
@@ -222,7 +376,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.eval_tasks = args.eval_tasks or 12
     with tempfile.TemporaryDirectory(prefix="bench-algos-") as tmp:
         out = args.out or (Path(tmp) if args.smoke else REPO / "runs" / "bench_algos")
-        measure(args, parts, names, ks, out, extra)
+        if args.toy:
+            toy(args, parts, names, ks, out, extra)
+        else:
+            measure(args, parts, names, ks, out, extra)
 
 
 def measure(args: argparse.Namespace, parts: set[str], names: Sequence[str], ks: Sequence[int],

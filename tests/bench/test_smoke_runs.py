@@ -50,6 +50,19 @@ def test_algos_smoke_runs_a_preset_and_reads_its_curve() -> None:
 
 
 @pytest.mark.slow
+def test_algos_toy_smoke_gives_each_figure_over_seeds() -> None:
+    _, share, out = run_bench("algos", "--toy", "--parts", "presets,staleness", "--ks", "1",
+                              "--sweep-seeds", "1", expect="presets_learning")
+    assert 0 <= share <= 1
+    # two seeds of grpo, one update a batch: each figure a mean ± sd
+    assert re.search(r"^\| grpo \| 1 \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|", out, re.MULTILINE)
+    assert re.search(r"^presets_learning: [01]/1$", out, re.MULTILINE)
+    for correction in ("decoupled", "bypass_tis", "m2po"):
+        assert re.search(rf"^\| {correction} \| [\d.]+ ± 0\.00 \(", out, re.MULTILINE)
+    assert re.search(r"^k = 1: highest mean \w+; against it: ", out, re.MULTILINE)
+
+
+@pytest.mark.slow
 def test_eval_smoke_times_evaluation_against_rollout() -> None:
     pytest.importorskip("math_verify", reason="env.reward=math needs the data extra")
     _, ratio, out = run_bench("eval", expect="eval_vs_rollout_tokens")
