@@ -119,17 +119,21 @@ class TokenMask:
     trained; the others keep their weight (a plain mask: :class:`IcePop` also weighs them)."""
 
     def __init__(self, lo: float = 0.5, hi: float = 2.0) -> None:
-        _bounds(lo, hi, "algo.corrections (TokenMask)")
+        _bounds(lo, hi, f"algo.corrections ({type(self).__name__})")
         self.lo, self.hi = lo, hi
 
-    def __call__(self, m: Mismatch) -> Correction:
+    def band(self, m: Mismatch) -> torch.Tensor:
+        """1.0 for each token whose ratio is within ``[lo, hi]``, else 0.0."""
         ratio = torch.exp(m.delta)
-        keep = ((ratio >= self.lo) & (ratio <= self.hi)).to(m.mask.dtype)
+        return ((ratio >= self.lo) & (ratio <= self.hi)).to(m.mask.dtype)
+
+    def __call__(self, m: Mismatch) -> Correction:
+        keep = self.band(m)
         return Correction(keep=keep, metrics={
             "token_masked_fraction": masked_mean(1.0 - keep, m.mask)})
 
 
-class IcePop:
+class IcePop(TokenMask):
     """IcePop (the Ling team's Ring-1T report): each token's loss is multiplied by
     ``M(k) = k 1[lo <= k <= hi]``, ``k = exp(delta_t)`` the trainer/engine probability ratio —
     importance-weighted inside the band, not trained outside it. In the bypass mode ``k`` is
@@ -137,14 +141,12 @@ class IcePop:
     not with it (the weights would multiply)."""
 
     def __init__(self, lo: float = 0.5, hi: float = 5.0) -> None:
-        _bounds(lo, hi, "algo.corrections (IcePop)")
-        self.lo, self.hi = lo, hi
+        super().__init__(lo, hi)
 
     def __call__(self, m: Mismatch) -> Correction:
-        ratio = torch.exp(m.delta)
-        keep = ((ratio >= self.lo) & (ratio <= self.hi)).to(m.mask.dtype)
+        keep = self.band(m)
         return Correction(weight=_as_weight(m.delta, m), keep=keep, metrics={
-            "importance_weight": masked_mean(ratio, m.mask),
+            "importance_weight": masked_mean(torch.exp(m.delta), m.mask),
             "token_masked_fraction": masked_mean(1.0 - keep, m.mask)})
 
 
