@@ -27,7 +27,10 @@ lifetime) instead of waiting on a dead engine.
 A container that disappears under a call (``docker kill``: not the code's doing, since its
 PID 1 runs as another uid), or whose runner stream an engine outage cut, is lost, not a
 ``killed`` result: the call runs once more in a fresh container (the session's state is gone:
-``session_reset``), counted as ``faults/sandbox_lost``. :meth:`DockerSandboxPool.metrics`
+``session_reset``), counted as ``faults/sandbox_lost``. So is one killed between an
+episode's calls (found at its reset), after its last call (found when it goes), or while it
+waits warm (the pool looks at its containers every ``warm_check_s`` and replaces a dead one
+before an episode meets it): a fault no call met is still a fault the run reports. :meth:`DockerSandboxPool.metrics`
 has both counters.
 """
 
@@ -92,6 +95,7 @@ class DockerSandboxConfig(SandboxConfig):
     docker_host: str | None = None    # None: $DOCKER_HOST or unix:///var/run/docker.sock
     docker_call_concurrency: int = 8  # SDK calls in worker threads at once
     reap_interval_s: float = 60.0
+    warm_check_s: float = 5.0         # between looks at whether the warm containers still run
     engine_grace_s: float = 30.0      # an engine that stops answering is waited for this long
                                       # (its unanswered calls run again) before the pool is lost
     run_id: str | None = None         # label of this run's containers (default: random)
@@ -109,6 +113,7 @@ class DockerSandboxConfig(SandboxConfig):
         self.require("lifetime_s", self.lifetime_s >= 60, ">= 60")
         self.require("docker_call_concurrency", self.docker_call_concurrency >= 1, ">= 1")
         self.require("reap_interval_s", self.reap_interval_s > 0, "> 0")
+        self.require("warm_check_s", self.warm_check_s > 0, "> 0")
         self.require("engine_grace_s", self.engine_grace_s >= 0, ">= 0")
         self.require("user", self.user.split(":")[0] not in ("0", "root"), "a uid other than root")
         self.require("runtime", bool(_RUNTIME_NAME.fullmatch(self.runtime)),
@@ -158,6 +163,7 @@ class DockerSandboxPool(SandboxPool):
             raise
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         self._tg.start_soon(self._reap_periodically)
+        self._tg.start_soon(self._watch_warm)
         self._tg.start_soon(self.link.watch)
         self._fill()
         return self
@@ -201,6 +207,30 @@ class DockerSandboxPool(SandboxPool):
                 return  # the pool is lost: the next call says so
             except ENGINE_ERRORS as e:  # an API error: try next time
                 log.warning("sandbox reaper: %s", e)
+
+    async def _watch_warm(self) -> None:
+        """Every ``warm_check_s``, one look at which of the run's containers run: a warm one
+        killed from outside (or dead of itself) while it waits is replaced before an episode
+        meets it, and counted (``faults/sandbox_lost``), even if no call would have needed it
+        before the run ends."""
+        while self.link.lost is None:
+            await anyio.sleep(self.config.warm_check_s)
+            waiting = set(self._ready)  # before the look: a box readied since is not judged by it
+            if not waiting:
+                continue
+            try:
+                alive = await self.link.call(engine.running, self.client, self.run_id)
+            except EngineUnavailable:
+                return  # the pool is lost: the next call says so
+            except ENGINE_ERRORS as e:  # an API error: look again next time
+                log.warning("sandbox pool: %s", e)
+                continue
+            for box in [b for b in self._ready if b in waiting and b.id not in alive]:
+                self._ready.remove(box)
+                self.stats["lost"] += 1
+                log.warning("sandbox pool: a warm container was killed from outside; replacing it")
+                box.broken = True
+                self._release_soon(box)  # broken: destroyed, and the pool filled again
 
     def metrics(self) -> dict[str, float]:
         """Faults the pool rode out: containers lost under a call (the call ran again) and
@@ -295,12 +325,27 @@ class DockerSandboxPool(SandboxPool):
                 except RunnerGone:
                     if await self._lost_box(box):  # killed from outside between two calls
                         self.stats["lost"] += 1
+                    box.broken = True  # counted (or the code's doing): not looked at again
             if frame is not None and protocol.parse_response(frame)[0] == 0:
                 self.stats["reused"] += 1
                 self._ready.append(box)
                 self._notify()
                 return
+        if not box.broken and await self._killed_after_use(box):
+            self.stats["lost"] += 1  # killed after its episode's last call: nothing ran again
         await self._destroy(box)
+
+    async def _killed_after_use(self, box: Container) -> bool:
+        """Whether a container going without a reset (not kept) was killed from outside since
+        its last call: a fault no call saw, counted all the same (``faults/sandbox_lost``).
+        One look at its state; an engine that does not answer says nothing here (its outage
+        is counted apart)."""
+        if self.link.lost is not None:
+            return False
+        try:
+            return not await self.link.call(engine.is_running, self.client, box.id)
+        except EngineUnavailable:
+            return False
 
     # -- the engine --------------------------------------------------------------------------
     async def _lost_box(self, box: Container) -> bool:

@@ -273,3 +273,47 @@ async def test_a_container_killed_under_a_call_runs_the_call_again_in_a_fresh_on
             assert result.ok and result.stdout == "done\n" and result.session_reset
             assert (await sb.exec("print('x' in dir())")).stdout == "False\n"  # a fresh session
             assert pool.metrics()["faults/sandbox_lost"] == 1.0
+
+
+@pytest.mark.anyio
+async def test_a_container_killed_after_its_last_call_is_counted_when_it_goes(
+        docker_client) -> None:
+    """Not kept (reuse off), so no reset would meet the kill: the pool looks once as the
+    container goes. A fault no call met is still a fault the run reports (bench.chaos audits
+    every kill it injects against this counter)."""
+    pool = DockerSandboxPool(small_config(reuse=False))
+    with anyio.fail_after(60):
+        async with pool:
+            async with pool.session() as sb:
+                assert (await sb.exec("x = 1")).ok
+                container = sb._container
+                assert container is not None
+                await anyio.to_thread.run_sync(docker_client.api.kill, container.id)
+            while pool.stats["destroyed"] < 1:
+                await anyio.sleep(0.05)
+            assert pool.metrics()["faults/sandbox_lost"] == 1.0
+            async with pool.session() as sb:  # a clean one that goes is not counted
+                assert (await sb.exec("x = 1")).ok
+            while pool.stats["destroyed"] < 2:
+                await anyio.sleep(0.05)
+            assert pool.metrics()["faults/sandbox_lost"] == 1.0
+
+
+@pytest.mark.anyio
+async def test_a_warm_container_killed_while_it_waits_is_replaced_and_counted(
+        docker_client) -> None:
+    """Killed in the ready queue, never asked for again: the pool's look every
+    ``warm_check_s`` finds it, counts it and starts a replacement."""
+    pool = DockerSandboxPool(small_config(pool_size=2, warm_check_s=0.2))
+    with anyio.fail_after(60):
+        async with pool:
+            assert await pool.wait_warm() == 2
+            victim = pool._ready[0]
+            await anyio.to_thread.run_sync(docker_client.api.kill, victim.id)
+            while pool.metrics()["faults/sandbox_lost"] < 1:
+                await anyio.sleep(0.05)
+            assert victim not in pool._ready
+            assert await pool.wait_warm() == 2  # replaced
+            await anyio.sleep(0.6)  # three more looks at live containers: nothing counted
+            assert pool.metrics()["faults/sandbox_lost"] == 1.0
+            assert (await pool.run("print(1)")).ok
