@@ -10,13 +10,14 @@
 # Docker set-up): about a minute and a half after set-up on a 2-core machine.
 #
 # Tests run in POLYRL_TEST_WORKERS processes (pytest-xdist; default 2), a test file to a
-# process, so a file's fixtures are built once; Docker tests take turns, and so do Ray tests
-# (tests/conftest.py). Many tests wait on subprocesses, containers and Ray actors rather than
+# process, so a file's fixtures are built once; Docker tests take turns, and so do Ray tests:
+# each kind is one group that one process runs from start to end, started first
+# (tests/conftest.py: schedule). Many tests wait on subprocesses, containers and Ray actors rather than
 # compute, so two processes fit two cores. POLYRL_TEST_WORKERS=0 runs
 # them in this process, one at a time (for pdb, or -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-workers=(-n "${POLYRL_TEST_WORKERS:-2}" --dist loadfile)
+workers=(-n "${POLYRL_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)
 if [ "${1:-}" = "--quick" ]; then
   shift
   bash scripts/setup.sh

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
 from filelock import FileLock
@@ -14,19 +18,83 @@ from helpers import TINY_MODEL
 from orchestrator.models.policy import Policy, tiny_policy
 from orchestrator.trainer.simulated import SimulatedTrainer, UniformCost
 
+TAKE_TURNS = ("docker", "ray")  # markers whose tests never run at once
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    schedule(items)
 
 
-TAKE_TURNS = ("docker", "ray")  # markers whose tests never run at once
+def schedule(items: list[pytest.Item]) -> None:
+    """The order and the groups scripts/test.sh's processes take the tests in
+    (``--dist loadgroup --no-loadscope-reorder``). Tests that take turns (:func:`take_turns`)
+    are one group each, Ray's first and Docker's second, so each runs in one process from
+    start to end and never waits for the other process to let go of its lock; the tests that
+    need both come last in Ray's group, when Docker's is long done. Every other test file is a
+    group of its own (its fixtures built once), those with slow tests before the rest, so the
+    longest work starts first and the two processes end together."""
+    slow_files = {group(i) for i in items if i.get_closest_marker("slow") is not None}
+    rank = {"ray": 0, "docker": 1}
+
+    def order(item: pytest.Item) -> tuple[int, bool]:
+        g = group(item)
+        both = all(item.get_closest_marker(m) is not None for m in TAKE_TURNS)
+        return rank.get(g, 2 if g in slow_files else 3), both
+
+    items.sort(key=order)  # stable: a file's tests keep their order
+    folder, worker = os.environ.get(GROUPS_ENV), os.environ.get("PYTEST_XDIST_WORKER")
+    if folder and worker:  # for the scheduler in the controlling process (GroupScheduling)
+        (Path(folder) / f"{worker}.json").write_text(json.dumps({i.nodeid: group(i) for i in items}))
+
+
+GROUPS_ENV = "POLYRL_TEST_GROUPS"  # where the workers write each test's group for the controller
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup" \
+            and "PYTEST_XDIST_WORKER" not in os.environ:
+        os.environ[GROUPS_ENV] = tempfile.mkdtemp(prefix="polyrl-test-groups-")  # workers inherit it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ and (folder := os.environ.pop(GROUPS_ENV, None)):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` by :func:`group`. xdist's own loadgroup reads ``xdist_group`` marks
+    into node ids through an attribute pytest 9 no longer has (every test then is its own
+    scope), so the workers write each test's group to a file and the scheduler reads it."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = {}
+                for path in Path(os.environ[GROUPS_ENV]).glob("*.json"):
+                    self.groups.update(json.loads(path.read_text()))
+            return self.groups.get(nodeid) or nodeid.split("::")[0]
+
+    return GroupScheduling(config, log)
+
+
+def group(item: pytest.Item) -> str:
+    """The scheduling group of a test (:func:`schedule`)."""
+    for marker in TAKE_TURNS[::-1]:  # ray's group holds the tests that need both
+        if item.get_closest_marker(marker) is not None:
+            return marker
+    return item.nodeid.split("::")[0]
 
 
 @pytest.fixture(autouse=True)

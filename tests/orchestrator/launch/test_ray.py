@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -26,7 +24,7 @@ import torch
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
 
-from helpers import REPO, quick_config, ray_cluster, run_spans, run_step_files
+from helpers import quick_config, ray_cluster, run_spans, run_step_files
 from ray.cluster_utils import Cluster
 
 from orchestrator.config import explain
@@ -308,38 +306,6 @@ def test_a_trainer_that_keeps_dying_ends_the_run_with_one_line(cluster: Cluster,
     assert message is not None and "\n" not in message
     assert "the trainer actor" in message and "died" in message
     assert "launcher.trainer.max_restarts=0" in message and "resume=" in message
-
-
-def test_a_sigkilled_driver_resumes_with_resume_auto(cluster: Cluster, tmp_path: Path) -> None:
-    """The driver is SIGKILLed mid-run and the same command with resume=auto goes on from the
-    checkpoints it wrote into its run directory (the trainer actor's state, shipped back)."""
-    run_dir = tmp_path / "run"
-    small = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-             "pipeline.batch_size=8", "pipeline.num_workers=2", "env.train_size=32",
-             "env.eval_size=4"]
-    command = [sys.executable, "-m", "orchestrator", "experiment=smoke", "logger=none",
-               "progress=false", "model.device=cpu", *small, "launcher=ray",
-               f"launcher.address='{cluster.address}'",
-               f"launcher.namespace={unique_run()}", "launcher.num_engines=2",
-               "launcher.engine.resources={engine_node: 1}",
-               "launcher.trainer.resources={head_node: 1}", "pipeline.num_steps=6",
-               "warmstart.steps=2", "eval.num_tasks=4", "checkpoint.every=1", "resume=auto",
-               f"hydra.run.dir={run_dir}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
-    driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    while not list(run_dir.glob("checkpoints/step-2/MANIFEST.json")):
-        assert driver.poll() is None, driver.communicate()[1][-2000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    driver.send_signal(signal.SIGKILL)
-    driver.communicate()
-    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=200, check=False)
-    assert again.returncode == 0, again.stderr[-3000:]
-    summary = check_whole_run(run_dir, num_steps=6, batch=8)
-    assert summary["resumes"] == 1 and summary["eval_before"] is not None
 
 
 def find(error: BaseException,
