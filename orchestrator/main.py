@@ -212,7 +212,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     return RunParts(
         spec=spec, tokenizer=tokenizer, trainer=trainer, make_engine=make_engine,
         sampler=TaskSampler(spec.tasks("train"), seed=seed), pipeline=pipeline_cfg,
-        checkpoint=checkpoint_cfg, group_filter=group_filter,
+        checkpoint=checkpoint_cfg, group_filter=group_filter, seed=seed,
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
         eval_tasks=eval_tasks,
         evaluation=eval_cfg,

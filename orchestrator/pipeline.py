@@ -6,8 +6,8 @@
          ▲ admission                 freshness check                 │ version + 1
          └──────────────── StalenessController ◀────────────────────┘
 
-* Each rollout worker takes the next task, waits for admission (see
-  :mod:`orchestrator.staleness`) and starts a group of episodes, which is sent to the trainer
+* Each rollout worker waits for admission (see :mod:`orchestrator.staleness`), takes the
+  sampler's next task and starts a group of episodes, which is sent to the trainer
   over a bounded stream when scored. The worker takes its next task once the group's
   generation has ended: scoring goes on apart, so a slow verification holds only its own
   group, and a group whose scoring outlives its freshness is dropped as stale then, not on
@@ -31,7 +31,13 @@
   judges the groups of a formed batch and leaves some out of the step.
 
 ``max_staleness = 0`` is the synchronous baseline through this same code: admission lets
-exactly one batch start per version, so generation and training alternate.
+exactly one batch start per version, so generation and training alternate, and the run is
+the synchronous algorithm's, bit for bit (``tests/orchestrator/test_synchronous.py``): a task is
+taken once its group is admitted, so step ``s`` trains the sampler's next ``B / group_size``
+tasks whichever workers run them; every sample is seeded by its task's draw index and its
+index in the group (``sample_seed(seed, draw)``, :func:`~orchestrator.rollout.sample_seed`),
+not by a random stream shared with whatever else the engine runs; a group's samples are in
+episode order and a batch's groups in the sampler's order, not in the order they finished.
 
 Scheduling policies (``pipeline.overprovision``) differ only in the admission budget, the
 samples that may be started and not yet trained (:class:`~orchestrator.staleness.StalenessController`):
@@ -77,7 +83,7 @@ from orchestrator.engines.base import sync_weights
 from orchestrator.faults import add_faults, kill_point
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.outcomes import GroupLedger, Outcome
-from orchestrator.rollout import EpisodeRunner
+from orchestrator.rollout import EpisodeRunner, sample_seed
 from orchestrator.rwlock import ReadWriteLock
 from orchestrator.sampler import TaskSampler
 from orchestrator.schema import PipelineConfig
@@ -121,6 +127,7 @@ class Pipeline:
         on_step: OnStep | None = None,
         evaluation: PeriodicEval | None = None,
         group_filter: GroupFilter | None = None,
+        seed: int = 0,
     ) -> None:
         config.check_group_size(runner.config.group_size)
         if group_filter is not None:
@@ -131,6 +138,7 @@ class Pipeline:
         self.engine = runner.engine
         self.trainer = trainer
         self.sampler = sampler
+        self.seed = seed  # the run's: every sample's sampling seed derives from it
         self.recorder = runner.recorder
         runner.spec.use_clock(self.recorder.clock)  # one clock: tools report times on the recorder's
         self.on_step = on_step
@@ -213,18 +221,21 @@ class Pipeline:
     # -- rollout -------------------------------------------------------------------------
 
     async def _worker(self, name: str, send: ObjectSendStream[TimedGroup], tg: TaskGroup) -> None:
-        """Take the next task, wait for admission and start its group; the worker is free
+        """Wait for admission, take the next task and start its group; the worker is free
         again once the group's generation has ended, while the group is scored apart."""
         async with send:
             while True:
-                task = self.sampler.next()
                 lane = self._lane(name)
                 waited = self.recorder.now()
                 with self.recorder.span("wait_admission", lane, self.staleness.version):
                     await self.staleness.admit(self.rollout.group_size)
                 waited = self.recorder.now() - waited
+                # Taken once admitted (no await between): the tasks a version starts are the
+                # sampler's next ones in admission order, whichever workers were waiting.
+                draw = self.sampler.drawn
+                task = self.sampler.next()
                 generated = anyio.Event()
-                tg.start_soon(self._group, task, lane, waited, send.clone(), generated,
+                tg.start_soon(self._group, task, draw, lane, waited, send.clone(), generated,
                               name=f"{lane}-group")
                 await generated.wait()
 
@@ -239,9 +250,11 @@ class Pipeline:
         self._lanes.add(lane)
         return lane
 
-    async def _group(self, task: Task, name: str, waited: float,
+    async def _group(self, task: Task, draw: int, name: str, waited: float,
                      send: ObjectSendStream[TimedGroup], generated: anyio.Event) -> None:
-        """One group, from generation to the trainer's stream (or its outcome). Once generated,
+        """One group of the sampler's ``draw``-th task, its samples seeded by
+        ``sample_seed(seed, draw)``, from generation to the trainer's stream (or its outcome).
+        Once generated,
         its scoring may outlive its freshness (a hung verification waits out
         ``env.reward_timeout_s``): the trainer then cancels it (:meth:`_drop_doomed`) and it
         retires as stale at once, its admission slot given back, rather than on arrival."""
@@ -264,7 +277,9 @@ class Pipeline:
                             group = await (
                                 run_agent_group(self.gateway, self.runner, task, name, waited)
                                 if self.gateway is not None
-                                else self.runner.group(task, name, waited, on_generated))
+                                else self.runner.group(task, name, waited, on_generated,
+                                                       seed=sample_seed(self.seed, draw)))
+                            group = replace(group, draw=draw)
                             attrs["start_version"] = group.start_version
             except BaseException:
                 with anyio.CancelScope(shield=True):
@@ -398,8 +413,9 @@ class Pipeline:
                 else:
                     await self.ledger.retire(group.prompt_id, Outcome.STALE)
             # Oldest first: a slow group overtaken by later ones is trained before it ages
-            # past k (the sort is stable, so equal versions keep arrival order).
-            fresh.sort(key=lambda g: g.start_version)
+            # past k; equal versions in the sampler's order, not the order they finished in
+            # (which depends on timing), so a batch's order is reproducible.
+            fresh.sort(key=lambda g: (g.start_version, g.draw))
             pending[:] = fresh
             if len(pending) >= groups_per_batch:
                 batch = pending[:groups_per_batch]

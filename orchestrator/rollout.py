@@ -21,11 +21,16 @@ Caps end an episode with a recorded ``end_reason``: ``done`` (the environment fi
 limited to what is left) or ``tool_response_too_long`` (an observation longer than
 ``max_tool_response_tokens``; it is not appended). Per-turn metrics are summed.
 
-A group is ``group_size`` episodes of one task run concurrently (the engine batches them).
+A group is ``group_size`` episodes of one task run concurrently (the engine batches them),
+its trajectories in episode order whatever order they finish in. Given a seed
+(:func:`sample_seed`), each episode's every turn samples with a seed of its own, derived
+from it, its episode's index and the turn, so what a sample draws does not depend on what
+else the engine was running.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -94,9 +99,10 @@ class EpisodeRunner:
 
     async def episode(self, task: Task, worker: str, sample_index: int = 0,
                       generated: Callable[[int], None] | None = None,
-                      ) -> tuple[Trajectory, EpisodeTiming]:
+                      seed: int | None = None) -> tuple[Trajectory, EpisodeTiming]:
         """One episode of ``task``; ``generated`` is called with its start version once its
-        last generation has ended, before its reward."""
+        last generation has ended, before its reward; ``seed``: the episode's, each turn
+        sampling with ``sample_seed(seed, turn)`` (None: the engine's own randomness)."""
         engine, tokenizer, config = self.engine, self.tokenizer, self.config
         trace = EpisodeTrace(self.recorder, worker, sample_index, tokenizer)
         tokens = TrajectoryBuilder()
@@ -106,7 +112,8 @@ class EpisodeRunner:
             tokens.add_prompt(tokenizer.chat_prompt(await env.reset(task)))
             _check_context(engine, self.spec, len(tokens))
             for turn in range(config.max_turns):
-                sampling = _turn_sampling(config, tokenizer, len(tokens))
+                sampling = _turn_sampling(config, tokenizer, len(tokens),
+                                          None if seed is None else sample_seed(seed, turn))
                 if sampling is None:
                     end_reason = "max_length"
                     break
@@ -140,10 +147,12 @@ class EpisodeRunner:
         return trajectory, trace.finish()
 
     async def group(self, task: Task, worker: str, queue_wait: float = 0.0,
-                    generated: Callable[[int], None] | None = None) -> TimedGroup:
+                    generated: Callable[[int], None] | None = None,
+                    seed: int | None = None) -> TimedGroup:
         """``group_size`` episodes of ``task``, run concurrently; ``queue_wait``: the seconds
         the group waited for admission; ``generated`` is called with the group's start version
-        once every episode's generation has ended (the rest is scoring)."""
+        once every episode's generation has ended (the rest is scoring); ``seed``: the
+        group's, episode ``i`` sampling with ``sample_seed(seed, i)``'s (None: unseeded)."""
         versions: list[int] = []
 
         def one_generated(version: int) -> None:
@@ -152,7 +161,8 @@ class EpisodeRunner:
                 generated(min(versions))
 
         async def one(index: int) -> list[tuple[Trajectory, EpisodeTiming]]:
-            return [await self.episode(task, worker, sample_index=index, generated=one_generated)]
+            return [await self.episode(task, worker, sample_index=index, generated=one_generated,
+                                       seed=None if seed is None else sample_seed(seed, index))]
 
         return await fan_out(self, task, one, queue_wait)
 
@@ -161,19 +171,22 @@ async def fan_out(runner: EpisodeRunner, task: Task,
                   one: Callable[[int], Awaitable[Sequence[tuple[Trajectory, EpisodeTiming]]]],
                   queue_wait: float = 0.0) -> TimedGroup:
     """A group of ``task``: its ``group_size`` episodes run concurrently, ``one(i)`` giving
-    episode ``i``'s samples (one; an agent episode's segments), gathered in the order the
-    episodes finished; ``queue_wait``: the seconds the group waited for admission. A group of
-    no samples (agent programs that never called the model) starts at the engine's version."""
+    episode ``i``'s samples (one; an agent episode's segments), gathered in episode order (not
+    the order they finished in, which depends on timing: a group's order is part of what the
+    trainer computes, float sums included); ``queue_wait``: the seconds the group waited for
+    admission. A group of no samples (agent programs that never called the model) starts at
+    the engine's version."""
     recorder = runner.recorder
     started, version = recorder.now(), runner.engine.version
-    done: list[tuple[Trajectory, EpisodeTiming]] = []
+    episodes: list[Sequence[tuple[Trajectory, EpisodeTiming]]] = [()] * runner.config.group_size
 
     async def run(index: int) -> None:
-        done.extend(await one(index))
+        episodes[index] = await one(index)
 
     async with anyio.create_task_group() as tg:
         for i in range(runner.config.group_size):
             tg.start_soon(run, i)
+    done = [sample for samples in episodes for sample in samples]
     trajectories = tuple(t for t, _ in done)
     return TimedGroup(
         Group(prompt_id=task.id, trajectories=trajectories,
@@ -181,6 +194,15 @@ async def fan_out(runner: EpisodeRunner, task: Task,
         GroupTiming(started_at=started, finished_at=recorder.now(),
                     episodes=tuple(timing for _, timing in done), queue_wait=queue_wait),
     )
+
+
+def sample_seed(*keys: int) -> int:
+    """A sampling seed (63 bits) derived from ``keys``, the same in every process: the
+    pipeline's group of the sampler's ``n``-th task is seeded ``sample_seed(seed, n)``, its
+    episode ``i`` ``sample_seed(that, i)``, the episode's turn ``t`` ``sample_seed(that, t)``."""
+    digest = hashlib.blake2b(b"".join(k.to_bytes(16, "little", signed=True) for k in keys),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def data_source(task: Task, spec: EnvSpec) -> str:
@@ -212,16 +234,17 @@ def _without(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
     return reply
 
 
-def _turn_sampling(config: RolloutConfig, tokenizer: Tokenizer, length: int) -> SamplingParams | None:
-    """A turn's sampling after ``length`` tokens: no more than ``max_total_tokens`` leaves
-    (None: nothing is left)."""
+def _turn_sampling(config: RolloutConfig, tokenizer: Tokenizer, length: int,
+                   seed: int | None = None) -> SamplingParams | None:
+    """A turn's sampling after ``length`` tokens, with ``seed``: no more than
+    ``max_total_tokens`` leaves (None: nothing is left)."""
     max_tokens = config.max_tokens
     if config.max_total_tokens is not None:
         if length >= config.max_total_tokens:
             return None
         max_tokens = min(max_tokens, config.max_total_tokens - length)
     return SamplingParams(max_tokens=max_tokens, temperature=config.temperature,
-                          stop_token_ids=tokenizer.stop_ids)
+                          stop_token_ids=tokenizer.stop_ids, seed=seed)
 
 
 def _end_reason(config: RolloutConfig, done: bool, length: int, observation: int) -> str | None:

@@ -264,6 +264,7 @@ class RunParts:
     # evaluations during RL on an engine of their own (eval.engine, resolved): one policy version
     eval_own_engine: bool = False
     group_filter: GroupFilter | None = None  # algo.filter: groups left out of training
+    seed: int = 0  # the run's: each sample's sampling seed derives from it (Pipeline)
 
 
 @dataclass
@@ -319,7 +320,8 @@ async def run_session(parts: RunParts, result: RunResult,
             evaluation = partial(evaluate, runner, parts.eval_tasks, parts.evaluation)
             periodic = await stack.enter_async_context(_periodic(parts, runner, recorder))
             pipeline = Pipeline(parts.pipeline, runner, parts.trainer, parts.sampler,
-                                evaluation=periodic, group_filter=parts.group_filter)
+                                evaluation=periodic, group_filter=parts.group_filter,
+                                seed=parts.seed)
             if resume is not None:
                 pipeline.load_state_dict(resume.pipeline)
                 result.warm_start_steps, result.eval_before = resume.warm_start_steps, resume.eval_before

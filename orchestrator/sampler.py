@@ -36,6 +36,7 @@ class TaskSampler:
         self._outstanding: list[int] = []  # handed out, not settled, oldest first
         self._again: list[int] = []  # outstanding at the checkpoint a run resumed from
         self.passes = 0
+        self.drawn = 0  # tasks handed out so far in the run: the next one's draw index
 
     def next(self) -> Task:
         if self._again:
@@ -47,6 +48,7 @@ class TaskSampler:
                 self.passes += 1
             i = self._order.pop()
         self._outstanding.append(i)
+        self.drawn += 1
         return self._tasks[i]
 
     def settle(self, task_id: int) -> None:
@@ -65,7 +67,8 @@ class TaskSampler:
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = self._rng.getstate()
         return {"rng": [version, list(internal), gauss], "order": list(self._order),
-                "again": self._again + self._outstanding, "passes": self.passes}
+                "again": self._again + self._outstanding, "passes": self.passes,
+                "drawn": self.drawn}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         version, internal, gauss = state["rng"]
@@ -74,3 +77,4 @@ class TaskSampler:
         self._again = list(state["again"])
         self._outstanding = []
         self.passes = int(state["passes"])
+        self.drawn = int(state.get("drawn", 0))  # not in checkpoints older than it

@@ -178,6 +178,7 @@ class TimedGroup:
 
     group: Group
     timing: GroupTiming
+    draw: int = 0  # its task's draw index in the sampler (the pipeline's batches are ordered by it)
 
     @property
     def prompt_id(self) -> int:

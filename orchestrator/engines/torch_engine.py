@@ -35,6 +35,12 @@ the next step finds a newer version it discards the KV cache and re-prefills eve
 sequence over prompt + tokens generated so far under the new weights; every token carries
 the version that produced it. This is the "continue under new weights" behaviour.
 
+Sampling: a request whose ``SamplingParams.seed`` is set draws its uniform variates from a
+stream of its own, seeded by it, so what it samples does not depend on which requests share
+its steps or in what order they came (the pipeline seeds every sample:
+:func:`~orchestrator.rollout.sample_seed`); the others share the engine's generator
+(``engine.seed``).
+
 Prefix cache (:class:`PrefixCache`): a finished sequence's keys and values are parked; an
 episode's next turn, which extends them with an observation, takes them back and only its
 new tokens go through the model, in the next step with everyone else's, instead of
@@ -52,6 +58,7 @@ vLLM is the engine for throughput.
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -77,6 +84,8 @@ from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
 BATCHING = ("continuous", "waves")
+# Turns of the event loop without a new request after which a burst is taken to be complete
+SETTLE_TURNS = 2
 
 
 @dataclass
@@ -91,6 +100,13 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     fed: int = 0  # tokens of prompt + generated that are in the KV cache
+    # its own uniform variates when ``sampling.seed`` is set: what it samples then depends on
+    # its seed alone, not on the requests it shares a step with or its row among them
+    rng: random.Random | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling.seed is not None:
+            self.rng = random.Random(self.sampling.seed)
 
     @property
     def finished(self) -> bool:
@@ -284,6 +300,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
             try:
                 async for request in self._receive:  # idle until a request comes
                     self._join(batch, request)
+                    await self._settle()
                     while batch.active or self._held:
                         await self._step(batch)
                     await anyio.to_thread.run_sync(self._park_drained, batch)
@@ -292,6 +309,23 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
                     batch = _Batch(batch.cache.cleared())
             finally:
                 self._abort(batch)
+
+    async def _settle(self) -> None:
+        """Out of idle, let the requests sent in the same burst arrive before the first step.
+
+        A burst (a k = 0 step's whole batch, released at once by admission) reaches the
+        engine over a few turns of the event loop, as its senders pass their own awaits. The
+        forward pass is not batch-invariant (a row's logits round differently with other rows
+        beside it), so a first step that took whichever requests came in its first turn would
+        make the log-probs depend on how the senders interleaved; the burst is taken whole
+        instead: the loop runs until ``SETTLE_TURNS`` turns in a row bring no new request.
+        Costs a few turns of the loop (microseconds) when the engine wakes."""
+        quiet = 0
+        while quiet < SETTLE_TURNS:
+            waiting = self._receive.statistics().current_buffer_used
+            await anyio.lowlevel.checkpoint()
+            grown = self._receive.statistics().current_buffer_used > waiting
+            quiet = 0 if grown else quiet + 1
 
     async def _step(self, batch: _Batch) -> None:
         """One token for every resident sequence, under the gate so a pause waits for it."""
@@ -396,7 +430,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
             if not batch.rows and not batch.joining:  # what was admitted finished at once
                 return [], []
             logits = self._forward(batch)
-            tokens, logprobs = self._sample(logits, [r.sampling.temperature for r in batch.rows])
+            tokens, logprobs = self._sample(logits, batch.rows)
         return tokens.tolist(), logprobs.tolist()
 
     def _park_drained(self, batch: _Batch) -> None:
@@ -470,11 +504,24 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         batch.rows, batch.joining = rows + [r for r, _ in twins], []
         return logits
 
-    def _sample(self, logits: torch.Tensor, temperatures: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, rows: Sequence[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        temperatures = [r.sampling.temperature for r in rows]
         temperature = torch.tensor(temperatures, dtype=logits.dtype)
+        variates = None
+        if any(r.rng is not None for r in rows):  # seeded requests draw from their own streams
+            variates = torch.rand((len(rows), 1), generator=self._generator, dtype=torch.float64,
+                                  device=self.device) if any(r.rng is None for r in rows) else None
+            own = torch.tensor([[r.rng.random() if r.rng is not None else 0.0] for r in rows],
+                               dtype=torch.float64).to(self.device, non_blocking=True)
+            if variates is None:
+                variates = own
+            else:
+                seeded = torch.tensor([[r.rng is not None] for r in rows]).to(self.device,
+                                                                              non_blocking=True)
+                variates = torch.where(seeded, own, variates)
         tokens, chosen = sample(logits, temperature.to(self.device, non_blocking=True),
                                 self._generator, uniform=all(t == 1 for t in temperatures),
-                                greedy=any(t <= 0 for t in temperatures))
+                                greedy=any(t <= 0 for t in temperatures), variates=variates)
         # the step's one wait for the device: its tokens and log-probs, copied together
         out = torch.stack([tokens.to(chosen.dtype), chosen]).cpu()
         if not torch.isfinite(out[1]).all():  # pragma: no cover - a NaN model is a bug upstream
@@ -483,8 +530,8 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator,
-           uniform: bool | None = None, greedy: bool | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           uniform: bool | None = None, greedy: bool | None = None,
+           variates: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` at the row's ``temperature`` (0: greedy), and its
     log-probability. A draw inverts the row's cumulative distribution at a uniform variate,
     summed in float64 so that rounding cannot reach a token of probability 0; the
@@ -492,7 +539,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Gen
     a float64 ``log_softmax`` than a float32 one is). Four passes over the vocabulary, where
     ``torch.multinomial`` draws an exponential variate per entry (docs/real-model.md has the
     figures). ``uniform`` (every temperature is 1) and ``greedy`` (some row is greedy), when
-    the caller knows them, spare a wait for the device to find out."""
+    the caller knows them, spare a wait for the device to find out. ``variates``: the uniform
+    variates in [0, 1) (float64, ``[rows, 1]``), when the caller has drawn them (per-request
+    seeds); else they are drawn from ``generator``."""
     if uniform is None:
         uniform = bool((temperature == 1).all())
     if greedy is None:
@@ -503,7 +552,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Gen
     shifted = logits - logits.amax(-1, keepdim=True)
     cdf = torch.cumsum(shifted.exp(), -1, dtype=torch.float64)
     total = cdf[:, -1:]
-    u = torch.rand((len(cdf), 1), generator=generator, dtype=cdf.dtype, device=cdf.device)
+    u = (torch.rand((len(cdf), 1), generator=generator, dtype=cdf.dtype, device=cdf.device)
+         if variates is None else variates)
     tokens = torch.searchsorted(cdf, u * total, right=True).squeeze(-1)
     tokens.clamp_(max=cdf.shape[-1] - 1)
     if greedy:
