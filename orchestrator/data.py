@@ -50,7 +50,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from envs.base import Message, Reward
-from envs.dataset import DatasetSpec, DatasetTask
+from envs.dataset import BadRows, DatasetSpec, DatasetTask
 from envs.errors import EnvConfigError
 from envs.rewards import parse_terms
 from orchestrator.config import CONF, check_target, explain, section, typed
@@ -130,6 +130,8 @@ class FileReport:
     split: str
     path: str
     error: str | None = None
+    bad_rows: list[str] = field(default_factory=list)  # the first SHOWN bad rows' lines
+    bad_count: int = 0  # all of them
     mapping: str = ""
     sources: Counter[str] = field(default_factory=Counter)
     lengths: list[int] = field(default_factory=list)
@@ -161,8 +163,10 @@ def describe_fields(spec: DatasetSpec, env: Mapping[str, Any]) -> str:
         f"the file's name ({segment.source})"
     metadata = ", ".join(c for c in segment.data.column_names if c != head) or "none"
     kind = "messages" if messages else "a string"
-    return (f"{schema}: prompt <- '{segment.prompt_key}' ({kind}), answer <- "
-            f"'{segment.answer_key}', source <- {source}; metadata: {metadata}")
+    answer = f"'{segment.answer_key}'" if segment.answer_key is not None else \
+        "each conversation's last turn (the assistant's)"
+    return (f"{schema}: prompt <- '{segment.prompt_key}' ({kind}), answer <- {answer}, "
+            f"source <- {source}; metadata: {metadata}")
 
 
 def prompt_key(messages: Sequence[Message]) -> int:
@@ -173,6 +177,12 @@ def read_report(split: str, path: str, env: Mapping[str, Any], tokenizer: Tokeni
     report = FileReport(split, path)
     try:
         spec = read_file(path, env)
+    except BadRows as e:
+        rename = f"env.{split}: "
+        report.bad_rows = [e.line(p).replace("env.train: ", rename, 1) for p in e.problems]
+        report.bad_count = e.count
+        report.error = report.bad_rows[0]
+        return report
     except EnvConfigError as e:
         report.error = str(e).replace("env.train: ", f"env.{split}: ", 1)
         return report
@@ -230,6 +240,13 @@ def check(items: Sequence[str], out: Print = print) -> int:
     reports = [read_report("train", f, env, tokenizer) for f in train]
     reports += [read_report("eval", f, env, tokenizer) for f in files_of(env["eval"], "env.eval")]
     for report in reports:
+        if report.bad_count > 1:
+            shown = len(report.bad_rows)
+            out(f"{report.name}: error: {report.bad_count} bad rows"
+                + (f" (the first {shown} here)" if shown < report.bad_count else ""))
+            for line in report.bad_rows:
+                out(f"  {line}")
+            continue
         if report.error is not None:
             out(f"{report.name}: error: {report.error}")
             continue
