@@ -66,6 +66,8 @@ def load(path: Path, key: str, answer_key: str | None, answer_keys: tuple[str, .
     datasets = _datasets()
     try:
         if path.is_dir():
+            if _no_shards(path):
+                raise NoRows(f"{key}: {path} has no rows")
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):
                 if len(loaded) != 1 and "train" not in loaded:
@@ -88,6 +90,15 @@ def load(path: Path, key: str, answer_key: str | None, answer_keys: tuple[str, .
         raise EnvConfigError(f"{key}: cannot read {path}: {message}") from e
     finally:
         _release()
+
+
+def _no_shards(path: Path) -> bool:
+    """A ``save_to_disk`` directory of no rows (``datasets`` writes no Arrow file for it)."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("_data_files") == []
 
 
 def batches(data: Any) -> Iterator[Any]:
