@@ -2,11 +2,12 @@
 
 * **Files.** ``env.train`` / ``env.eval``: a path, a glob, or a list of them; ``.jsonl``,
   ``.json``, ``.parquet``, ``.csv``, ``.arrow`` files and ``datasets.save_to_disk``
-  directories, read through Hugging Face ``datasets`` from local files only (nothing from the
-  hub). Files are memory-mapped Arrow (``load_dataset`` converts JSON, CSV and Parquet once,
-  into its cache; ``.arrow`` files and ``save_to_disk`` directories are mapped where they lie),
-  so a file of millions of rows is never turned into Python objects up front: a row becomes a
-  :class:`Task` when the sampler asks for it. Checks run on whole columns in Arrow.
+  directories, local files only (nothing from the hub), read by :mod:`envs.datafiles`: JSON,
+  CSV and Parquet converted once, a chunk at a time, into an Arrow file in ``datasets``'
+  cache, ``.arrow`` files and ``save_to_disk`` directories mapped where they lie; each a
+  memory-mapped ``datasets.Dataset``, so a file of millions of rows is never turned into
+  Python objects up front: a row becomes a :class:`Task` when the sampler asks for it. Checks
+  read the file a record batch at a time (never a whole column), collecting every bad row.
 * **Mixtures.** ``env.train`` may be a list of ``{path: …, weight: …}``; an epoch holds as many
   samples as all sources have rows, shared out by weight (a source's rows spread evenly over
   its share: repeated when it is up-sampled, the same evenly spaced subset each epoch when it
@@ -15,9 +16,16 @@
 * **Schemas** (per file, found by column names; ``env.prompt_key`` / ``env.answer_key``, dotted
   paths such as ``reward_model.ground_truth``, override): verl's (``prompt`` as a list of
   ``{role, content}`` messages, ``reward_model.ground_truth``, ``data_source``, ``ability``,
-  ``extra_info``), TRL's (``prompt`` as a string or ``messages``, other columns passed to the
-  reward by name), plain (``question`` / ``problem`` and ``answer`` / ``solution``). Every
+  ``extra_info``), TRL's (``prompt`` as a string or ``messages``; ``completion`` as the answer
+  in a prompt/completion file, a conversational one's assistant turn; other columns passed to
+  the reward by name), plain (``question`` / ``problem`` and ``answer`` / ``solution``). Every
   column but the prompt is the task's metadata and reaches the reward function.
+* **Answers.** As the file writes them: the answer column is read as text (``2``, ``007``,
+  twenty digits stay so; :mod:`envs.datafiles`). A conversation ending with the assistant's
+  turn is the prompt without that turn, which is the reference answer where the file has no
+  answer column. A boolean, list or mapping ground truth stays that value
+  (:attr:`DatasetTask.ground_truth` and its column in the metadata); ``Task.answer`` is its
+  JSON text, what the built-in rewards compare.
 * **Prompt.** A string becomes one user message; a message list is kept. ``env.system_prompt``
   is put first where the row has no system message; ``env.instruction`` is appended to the
   last user message where that message does not already contain it. The model's chat
@@ -28,10 +36,13 @@
   stable across runs because files are read in sorted order.
 * **Reward.** ``env.reward`` through :class:`envs.rewards.Scorer` (``math`` by default), in
   worker processes with ``env.reward_timeout_s`` per item; its counters join the metrics.
-* **Bad input** (a missing file, an unknown extension, no prompt column, an empty answer, a
-  prompt that is neither a string nor a list of messages, an unknown role, a bad reward) is an
-  :class:`EnvConfigError` of one line naming the file, the row (1 is the first) and the key,
-  raised by the constructor, before any training.
+* **Bad input** (a missing file, an unknown extension, a file with no rows, no prompt column,
+  a column named by ``env.prompt_key`` / ``env.answer_key`` that the file lacks, an empty
+  answer, a prompt that is neither a string nor a list of messages, an unknown role, a
+  conversation with no answer, a bad reward) is an :class:`EnvConfigError` of one line naming
+  the file, the row (1 is the first) and the key, raised by the constructor, before any
+  training; a file's bad rows are :class:`BadRows`, which holds the first :data:`SHOWN` of
+  them and their count (``python -m orchestrator.data check`` lists them).
 
 Limits: rows whose prompt is too long for the model are left out by the orchestrator, which
 has the tokenizer (:meth:`DatasetSpec.keep`); duplicate prompts between train and eval are

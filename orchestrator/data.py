@@ -21,9 +21,9 @@ Both compose the real ``conf/`` as ``python -m orchestrator`` does, with ``env=d
 and the overrides given (``model=smollm2``, ``env.prompt_key=…``, ``env.eval=…``,
 ``rollout.max_tokens=…``, ``experiment=…``); an argument that exists as a file is a path,
 one of the form ``key=value`` an override. Files are read and checked by
-:mod:`envs.dataset`, one :class:`~envs.dataset.DatasetSpec` per file, so a bad file (its
-first bad row, named by file, row and key) does not hide the others: ``check`` reports it
-among the files and exits 1. Any other mistake (no such option, an unknown reward, a
+:mod:`envs.dataset`, one :class:`~envs.dataset.DatasetSpec` per file, so a bad file does not
+hide the others: ``check`` reports it among the files (its bad rows named by file, row and
+key: the first 20 and their count) and exits 1. Any other mistake (no such option, an unknown reward, a
 completions file whose row count is not DATA's) is one line, ``error: …``, exit code 2.
 
 Limits: every row is built and tokenised one at a time, as the run's length filter does: a
