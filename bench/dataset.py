@@ -5,7 +5,7 @@
    trained for one step by ``python -m orchestrator experiment=smoke env=dataset`` (no warm
    start, no evaluation) in a subprocess: its wall time from start to exit and its peak
    resident memory (``ru_maxrss`` of the child). The first read of a Parquet or JSONL file
-   converts it into ``datasets``' Arrow cache; that conversion is timed apart (a run of its
+   converts it into an Arrow file in ``datasets``' cache; that conversion is timed apart (a run of its
    own before the timed one), since it happens once per file. Figures: seconds to the end of
    the step for each size, and the 1M run's extra resident memory over the 1k run's
    (target <= 200 MB).
@@ -24,16 +24,18 @@
    cost; these 0.8 s steps are nearer a real run's.
 
 3. **Reading a large file** (``load``): a JSON Lines file of ``--load-mb`` MB (1,024: 1 GB) in
-   verl's schema (``data_source``, ``prompt`` as messages, ``ability``, ``reward_model.
-   ground_truth``, ``extra_info``; prompts of a few hundred characters, as in math sets),
-   generated into a temporary folder and deleted after, read by ``env=dataset``'s own reader
-   (a ``DatasetSpec`` over it) in a child process that sets glibc's malloc as a run does: its
-   peak resident memory (``ru_maxrss``) and what it holds after loading above its own baseline (the interpreter after reading a one-row
-   file: ``envs.dataset``, ``datasets``, ``pyarrow`` and the reward imported), on the first read (converted into Arrow, checked)
-   and the next (the converted file mapped again and checked). Targets for 1 GB: peak <=
-   1,024 MB, held <= 200 MB. Then a thousand rows spread over the file are built as tasks:
-   the mapped file's pages they bring in (the kernel maps a page's neighbours with it) are
-   counted apart, file-backed memory the kernel takes back when it needs it.
+   verl's schema (``data_source``, ``prompt`` as messages, ``ability``,
+   ``reward_model.ground_truth``, ``extra_info``; prompts of a few hundred characters, as in
+   math sets), generated into a temporary folder and deleted after, read by ``env=dataset``'s
+   own reader (a ``DatasetSpec`` over it) in a child process that sets glibc's malloc as a
+   run does: its peak resident memory (``VmHWM``; a forked child's ``ru_maxrss`` keeps its
+   parent's) and what it holds after loading above its own baseline (the interpreter after
+   reading a one-row file: ``envs.dataset``, ``datasets``, ``pyarrow`` and the reward
+   imported), on the first read (converted into Arrow, checked) and the next (the converted
+   file mapped again and checked). Targets for 1 GB: peak <= 1,024 MB, held <= 200 MB. Then a
+   thousand rows spread over the file are built as tasks: the mapped file's pages they bring
+   in (the kernel maps a page's neighbours with it) are counted apart, file-backed memory the
+   kernel takes back when it needs it.
 
 On the tiny model the replies are short strings of characters, so verification costs what it
 costs on a parse of such text; the point is that the run does not wait on it.
@@ -169,7 +171,7 @@ def rewards(out: Path, steps: int) -> None:
 
 LOAD_MB, SMOKE_LOAD_MB = 1024, 8
 MEASURE = """
-import gc, json, os, resource, sys
+import gc, json, os, sys
 from orchestrator.allocator import keep_freed_memory
 keep_freed_memory()  # as python -m orchestrator does, first thing
 import datasets, pyarrow
@@ -179,6 +181,11 @@ def rss():
     with open("/proc/self/status") as f:
         fields = dict(line.split(":", 1) for line in f)
     return {k: int(fields[k].split()[0]) / 1024 for k in ("RssAnon", "RssFile")}
+def peak():
+    # this process's high-water mark (VmHWM: ru_maxrss would keep the forking parent's)
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["VmHWM"].split()[0]) / 1024
 tiny = os.path.join(os.environ["HF_DATASETS_CACHE"], "one.jsonl")
 os.makedirs(os.path.dirname(tiny), exist_ok=True)
 with open(tiny, "w") as f:
@@ -190,7 +197,7 @@ baseline = rss()
 spec = DatasetSpec(train=sys.argv[1])
 gc.collect()
 loaded = rss()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+loaded_peak = peak()
 tasks = spec.tasks("train")
 step = max(1, len(tasks) // 1000)
 answers = sum(len(tasks[i].answer) for i in range(0, len(tasks), step))
@@ -200,8 +207,7 @@ print(json.dumps({"rows": len(tasks), "baseline": sum(baseline.values()),
                   "held": sum(loaded.values()) - sum(baseline.values()),
                   "held_anon": loaded["RssAnon"] - baseline["RssAnon"],
                   "tasks_file": used["RssFile"] - loaded["RssFile"],
-                  "peak": peak,
-                  "peak_rows": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak": loaded_peak, "peak_rows": peak()}))
 """
 
 
