@@ -339,3 +339,22 @@ def test_a_file_loads_without_holding_its_columns(tmp_path: Path) -> None:
         assert figures["rows"] == rows
         assert figures["held"] < 32, figures
         assert figures["peak"] - figures["baseline"] < 48, figures
+
+
+def test_a_file_read_in_chunks_keeps_one_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of a few rows: integer answers in the first, doubles in a later one, a column
+    the later rows lack (null there); a column whose type changes is one line naming rows."""
+    from envs import datafiles
+
+    monkeypatch.setattr(datafiles, "CHUNK", 64)
+    rows = [{"question": f"q{i}", "answer": i, "tag": "t"} for i in range(6)]
+    rows += [{"question": f"r{i}", "answer": i + 0.5} for i in range(6)]
+    tasks = DatasetSpec(train=str(write_jsonl(tmp_path / "a.jsonl", rows))).tasks("train")
+    assert [t.answer for t in tasks] == [str(i) for i in range(6)] + \
+        [f"{i + 0.5}" for i in range(6)]
+    assert tasks[0].metadata["tag"] == "t" and tasks[11].metadata["tag"] is None
+    rows = [{"question": "q", "answer": "1", "n": 1}] * 6 + [{"question": "q", "answer": "1",
+                                                              "n": "one"}] * 6
+    with pytest.raises(EnvConfigError, match=r"b.jsonl rows \d+-\d+ key 'n': string here, int64 "
+                       "in the file's first rows; give the column one type"):
+        DatasetSpec(train=str(write_jsonl(tmp_path / "b.jsonl", rows)))
