@@ -2,11 +2,12 @@
 
 * **Files.** ``env.train`` / ``env.eval``: a path, a glob, or a list of them; ``.jsonl``,
   ``.json``, ``.parquet``, ``.csv``, ``.arrow`` files and ``datasets.save_to_disk``
-  directories, read through Hugging Face ``datasets`` from local files only (nothing from the
-  hub). Files are memory-mapped Arrow (``load_dataset`` converts JSON, CSV and Parquet once,
-  into its cache; ``.arrow`` files and ``save_to_disk`` directories are mapped where they lie),
-  so a file of millions of rows is never turned into Python objects up front: a row becomes a
-  :class:`Task` when the sampler asks for it. Checks run on whole columns in Arrow.
+  directories, local files only (nothing from the hub), read by :mod:`envs.datafiles`: JSON,
+  CSV and Parquet converted once, a chunk at a time, into an Arrow file in ``datasets``'
+  cache, ``.arrow`` files and ``save_to_disk`` directories mapped where they lie; each a
+  memory-mapped ``datasets.Dataset``, so a file of millions of rows is never turned into
+  Python objects up front: a row becomes a :class:`Task` when the sampler asks for it. Checks
+  read the file a record batch at a time (never a whole column), collecting every bad row.
 * **Mixtures.** ``env.train`` may be a list of ``{path: …, weight: …}``; an epoch holds as many
   samples as all sources have rows, shared out by weight (a source's rows spread evenly over
   its share: repeated when it is up-sampled, the same evenly spaced subset each epoch when it
@@ -15,9 +16,16 @@
 * **Schemas** (per file, found by column names; ``env.prompt_key`` / ``env.answer_key``, dotted
   paths such as ``reward_model.ground_truth``, override): verl's (``prompt`` as a list of
   ``{role, content}`` messages, ``reward_model.ground_truth``, ``data_source``, ``ability``,
-  ``extra_info``), TRL's (``prompt`` as a string or ``messages``, other columns passed to the
-  reward by name), plain (``question`` / ``problem`` and ``answer`` / ``solution``). Every
+  ``extra_info``), TRL's (``prompt`` as a string or ``messages``; ``completion`` as the answer
+  in a prompt/completion file, a conversational one's assistant turn; other columns passed to
+  the reward by name), plain (``question`` / ``problem`` and ``answer`` / ``solution``). Every
   column but the prompt is the task's metadata and reaches the reward function.
+* **Answers.** As the file writes them: the answer column is read as text (``2``, ``007``,
+  twenty digits stay so; :mod:`envs.datafiles`). A conversation ending with the assistant's
+  turn is the prompt without that turn, which is the reference answer where the file has no
+  answer column. A boolean, list or mapping ground truth stays that value
+  (:attr:`DatasetTask.ground_truth` and its column in the metadata); ``Task.answer`` is its
+  JSON text, what the built-in rewards compare.
 * **Prompt.** A string becomes one user message; a message list is kept. ``env.system_prompt``
   is put first where the row has no system message; ``env.instruction`` is appended to the
   last user message where that message does not already contain it. The model's chat
@@ -28,10 +36,13 @@
   stable across runs because files are read in sorted order.
 * **Reward.** ``env.reward`` through :class:`envs.rewards.Scorer` (``math`` by default), in
   worker processes with ``env.reward_timeout_s`` per item; its counters join the metrics.
-* **Bad input** (a missing file, an unknown extension, no prompt column, an empty answer, a
-  prompt that is neither a string nor a list of messages, an unknown role, a bad reward) is an
-  :class:`EnvConfigError` of one line naming the file, the row (1 is the first) and the key,
-  raised by the constructor, before any training.
+* **Bad input** (a missing file, an unknown extension, a file with no rows, no prompt column,
+  a column named by ``env.prompt_key`` / ``env.answer_key`` that the file lacks, an empty
+  answer, a prompt that is neither a string nor a list of messages, an unknown role, a
+  conversation with no answer, a bad reward) is an :class:`EnvConfigError` of one line naming
+  the file, the row (1 is the first) and the key, raised by the constructor, before any
+  training; a file's bad rows are :class:`BadRows`, which holds the first :data:`SHOWN` of
+  them and their count (``python -m orchestrator.data check`` lists them).
 
 Limits: rows whose prompt is too long for the model are left out by the orchestrator, which
 has the tokenizer (:meth:`DatasetSpec.keep`); duplicate prompts between train and eval are
@@ -42,6 +53,7 @@ from __future__ import annotations
 
 import bisect
 import glob
+import json
 import logging
 import os
 from collections import Counter
@@ -57,11 +69,9 @@ from envs.rewards import Scorer
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "env=dataset needs Hugging Face datasets: pip install -e .[data]"
-BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-EXTENSIONS = (*BUILDERS, ".arrow")
+EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 PROMPT_KEYS = ("prompt", "messages", "question", "problem")
-ANSWER_KEYS = ("reward_model.ground_truth", "answer", "solution", "ground_truth")
+ANSWER_KEYS = ("reward_model.ground_truth", "answer", "solution", "ground_truth", "completion")
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
@@ -73,6 +83,8 @@ class DatasetTask(Task):
     split: str = ""
     file: str = ""
     row: int = 0  # 1 is the file's first row
+    ground_truth: object = None  # the reference answer as the file holds it (text, number,
+    # boolean, list, mapping); ``answer`` is its text
 
 
 @dataclass(frozen=True)
@@ -128,34 +140,6 @@ def _files(paths: str | list[str], key: str) -> list[Path]:
     return found
 
 
-def _load(path: Path, key: str) -> Any:
-    """A file as a memory-mapped ``datasets.Dataset``."""
-    try:
-        import datasets
-    except ImportError as e:
-        raise EnvConfigError(INSTALL_HINT) from e
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    try:
-        if path.is_dir():
-            loaded = datasets.load_from_disk(str(path))
-            if isinstance(loaded, datasets.DatasetDict):
-                if len(loaded) != 1 and "train" not in loaded:
-                    raise EnvConfigError(f"{key}: {path} holds splits {', '.join(loaded)}: name "
-                                         "one split's directory")
-                loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
-            return loaded
-        if path.suffix.lower() == ".arrow":
-            return datasets.Dataset.from_file(str(path))
-        return datasets.load_dataset(BUILDERS[path.suffix.lower()], data_files=[str(path)],
-                                     split="train")
-    except EnvConfigError:
-        raise
-    except Exception as e:  # datasets' many reader errors: one line for the user
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise EnvConfigError(f"{key}: cannot read {path}: {message}") from e
-
-
 def _dig(row: Mapping[str, Any], path: str) -> Any:
     value: Any = row
     for part in path.split("."):
@@ -170,36 +154,76 @@ class _Segment:
     file: Path
     data: Any  # datasets.Dataset
     prompt_key: str
-    answer_key: str
+    answer_key: str | None  # None: each conversation's final assistant turn
     source: str | None  # None: each row's data_source column
 
     def __len__(self) -> int:
         return len(self.data)
 
 
+@dataclass(frozen=True)
+class Problem:
+    row: int | None  # 0 is the file's first row
+    column: str
+    what: str
+
+
+class BadRows(EnvConfigError):
+    """A file's bad rows: the first :data:`SHOWN` of them (``problems``) and how many
+    (``count``); its one line names the first."""
+
+    def __init__(self, key: str, file: Path, problems: list[Problem], count: int) -> None:
+        self.key, self.file, self.problems, self.count = key, file, problems, count
+        more = f" ({count - 1} more bad rows: python -m orchestrator.data check lists them)" \
+            if count > 1 else ""
+        super().__init__(self.line(problems[0]) + more)
+
+    def line(self, problem: Problem) -> str:
+        where = f"row {problem.row + 1} " if problem.row is not None else ""
+        return f"{self.key}: {self.file} {where}key {problem.column!r}: {problem.what}"
+
+
+SHOWN = 20  # bad rows a file's report names
+
+
 class _Checker:
-    """Column checks in Arrow, naming the file, row (1 first) and key of the first bad row."""
+    """Column checks in Arrow, a record batch at a time, collecting the file's bad rows
+    (file, row (1 first), key): the first :data:`SHOWN` and their count."""
 
     def __init__(self, key: str, segment_file: Path) -> None:
         self.key, self.file = key, segment_file
+        self.problems: list[Problem] = []
+        self.count = 0
+
+    def add(self, rows: Any, offset: int, column: str, what: Callable[[int], str]) -> None:
+        """Rows ``rows`` (indices into the batch) are bad: ``what(i)`` says why."""
+        self.count += len(rows)
+        for i in rows[:max(0, SHOWN - len(self.problems))]:
+            self.problems.append(Problem(offset + int(i), column, what(int(i))))
 
     def fail(self, row: int | None, column: str, what: str) -> EnvConfigError:
-        where = f"row {row + 1} " if row is not None else ""
-        return EnvConfigError(f"{self.key}: {self.file} {where}key {column!r}: {what}")
+        return BadRows(self.key, self.file, [Problem(row, column, what)], 1)
+
+    def done(self) -> None:
+        if self.count:
+            raise BadRows(self.key, self.file, sorted(self.problems, key=lambda p: p.row or 0),
+                          self.count)
 
     def column(self, table: Any, path: str) -> Any:
         import pyarrow as pa
         import pyarrow.compute as pc
 
         head, *rest = path.split(".")
-        column = table.column(head).combine_chunks()
+        column = table.column(head)
         for n, part in enumerate(rest):
             if not pa.types.is_struct(column.type) or column.type.get_field_index(part) < 0:
                 raise self.fail(None, path, f"{'.'.join([head, *rest[:n]])} has no field {part!r}")
             column = pc.struct_field(column, [part])
         return column
 
-    def prompt(self, column: Any, name: str) -> None:
+    def prompt(self, column: Any, name: str, offset: int, answered: bool) -> None:
+        """``answered``: the file has an answer column (else a conversation must end with
+        the assistant's turn, its reference answer)."""
         import numpy as np
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -207,53 +231,74 @@ class _Checker:
         kind = column.type
         if pa.types.is_string(kind) or pa.types.is_large_string(kind):
             empty = pc.fill_null(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0), True)
-            bad = np.flatnonzero(empty.to_numpy(zero_copy_only=False))
-            if len(bad):
-                raise self.fail(int(bad[0]), name, "the prompt is empty")
+            self.add(np.flatnonzero(empty.to_numpy(zero_copy_only=False)), offset, name,
+                     lambda i: "the prompt is empty")
             return
-        messages = pa.types.is_list(kind) or pa.types.is_large_list(kind)
-        item = kind.value_type if messages else None
-        if not (messages and pa.types.is_struct(item) and item.get_field_index("role") >= 0
-                and item.get_field_index("content") >= 0):
+        if not _is_messages(kind):
             raise self.fail(0, name, f"the prompt is neither a string nor a list of "
                             f"{{role, content}} messages (the column is {kind})")
-        missing = pc.fill_null(pc.equal(pc.list_value_length(column), 0), True)
-        bad = np.flatnonzero(missing.to_numpy(zero_copy_only=False))
-        if len(bad):
-            raise self.fail(int(bad[0]), name, "the prompt has no messages")
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()  # a batch's: small
+        lengths = pc.fill_null(pc.list_value_length(column), 0)
+        self.add(np.flatnonzero(pc.equal(lengths, 0).to_numpy(zero_copy_only=False)), offset,
+                 name, lambda i: "the prompt has no messages")
         flat = pc.list_flatten(column)
         parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
         roles = pc.struct_field(flat, ["role"])
         unknown = pc.fill_null(pc.invert(pc.is_in(roles, value_set=pa.array(sorted(ROLES)))), True)
         bad = np.flatnonzero(unknown.to_numpy(zero_copy_only=False))
-        if len(bad):
-            role = roles[int(bad[0])].as_py()
-            raise self.fail(int(parents[bad[0]]), name, f"unknown role {role!r}; roles: "
-                            f"{', '.join(sorted(ROLES))}")
+        self.add(parents[bad], offset, name, lambda i: f"unknown role "
+                 f"{_role(column, i)!r}; roles: {', '.join(sorted(ROLES))}")
         content = pc.is_null(pc.struct_field(flat, ["content"]))
-        bad = np.flatnonzero(content.to_numpy(zero_copy_only=False))
-        if len(bad):
-            raise self.fail(int(parents[bad[0]]), name, "a message has no content")
+        self.add(np.unique(parents[np.flatnonzero(content.to_numpy(zero_copy_only=False))]),
+                 offset, name, lambda i: "a message has no content")
+        if not answered and len(parents):  # each row's last message must be the answer
+            last = np.flatnonzero(np.append(parents[1:] != parents[:-1], True))
+            said = pc.fill_null(pc.not_equal(roles.take(pa.array(last)), "assistant"), True)
+            self.add(parents[last][said.to_numpy(zero_copy_only=False)], offset, name,
+                     lambda i: "no answer: the conversation does not end with the assistant's "
+                     "turn and the file has no answer column (set env.answer_key)")
 
-    def answer(self, column: Any, name: str) -> None:
+    def answer(self, column: Any, name: str, offset: int) -> None:
         import numpy as np
         import pyarrow as pa
         import pyarrow.compute as pc
 
         kind = column.type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-                or pa.types.is_integer(kind) or pa.types.is_floating(kind)
-                or pa.types.is_null(kind)):
-            raise self.fail(0, name, f"the answer must be a string or a number (the column "
-                            f"is {kind})")
-        text = pc.cast(column, pa.string())
-        empty = pc.fill_null(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(text)), 0), True)
-        bad = np.flatnonzero(empty.to_numpy(zero_copy_only=False))
-        if len(bad):
-            raise self.fail(int(bad[0]), name, "the answer is empty")
+        if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            empty = pc.fill_null(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0), True)
+        elif _is_messages(kind):  # a TRL conversational completion: it must say something
+            if isinstance(column, pa.ChunkedArray):
+                column = column.combine_chunks()
+            empty = pc.fill_null(pc.equal(pc.list_value_length(column), 0), True)
+        elif (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+              or pa.types.is_null(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind)
+              or pa.types.is_struct(kind) or pa.types.is_decimal(kind)):
+            empty = pc.is_null(column)
+        else:
+            raise self.fail(0, name, f"the answer must be text, a number, a boolean, a list or "
+                            f"a struct (the column is {kind})")
+        self.add(np.flatnonzero(empty.to_numpy(zero_copy_only=False)), offset, name,
+                 lambda i: "the answer is empty")
 
 
-def _pick(columns: Sequence[str], table: Any, wanted: str | None, candidates: Sequence[str]) -> str | None:
+def _is_messages(kind: Any) -> bool:
+    import pyarrow as pa
+
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        return False
+    item = kind.value_type
+    return (pa.types.is_struct(item) and item.get_field_index("role") >= 0
+            and item.get_field_index("content") >= 0)
+
+
+def _role(column: Any, row: int) -> str:
+    roles = [m.get("role") for m in column[row].as_py() or []]
+    return next((r for r in roles if r not in ROLES), str(roles))
+
+
+def _pick(columns: Sequence[str], schema: Any, wanted: str | None,
+          candidates: Sequence[str]) -> str | None:
     if wanted is not None:
         return wanted
     for name in candidates:
@@ -263,50 +308,86 @@ def _pick(columns: Sequence[str], table: Any, wanted: str | None, candidates: Se
                 return name
             import pyarrow as pa
 
-            kind = table.schema.field(head).type
+            kind = schema.field(head).type
             if pa.types.is_struct(kind) and kind.get_field_index(rest) >= 0:
                 return name
     return None
 
 
 def _segment(path: Path, key: str, prompt_key: str | None, answer_key: str | None) -> _Segment:
-    data = _load(path, key)
-    table = data.data.table if hasattr(data.data, "table") else data.data
+    from envs import datafiles
+
+    data = datafiles.load(path, key, answer_key, ANSWER_KEYS)
+    schema = data.features.arrow_schema
     columns = list(data.column_names)
     checker = _Checker(key, path)
-    prompt = _pick(columns, table, prompt_key, PROMPT_KEYS)
-    answer = _pick(columns, table, answer_key, ANSWER_KEYS)
+    prompt = _pick(columns, schema, prompt_key, PROMPT_KEYS)
+    answer = _pick(columns, schema, answer_key, ANSWER_KEYS)
     have = f"its columns: {', '.join(columns) or 'none'}"
-    if prompt is None or prompt.split(".")[0] not in columns:
+    if prompt is None or not _present(schema, prompt):
         what = f"no column for env.prompt_key={prompt}" if prompt_key else \
             f"no prompt column ({', '.join(PROMPT_KEYS)}); set env.prompt_key"
         raise EnvConfigError(f"{key}: {path} has {what}; {have}")
-    if answer is None or answer.split(".")[0] not in columns:
-        what = f"no column for env.answer_key={answer}" if answer_key else \
-            f"no answer column ({', '.join(ANSWER_KEYS)}); set env.answer_key"
-        raise EnvConfigError(f"{key}: {path} has {what}; {have}")
+    conversation = _is_messages(schema.field(prompt.split(".")[0]).type) and "." not in prompt
+    if answer is not None and not _present(schema, answer):
+        raise EnvConfigError(f"{key}: {path} has no column for env.answer_key={answer}; {have}")
+    if answer is None and not conversation:
+        raise EnvConfigError(f"{key}: {path} has no answer column ({', '.join(ANSWER_KEYS)}); "
+                             f"set env.answer_key; {have}")
     if len(data) == 0:
         raise EnvConfigError(f"{key}: {path} has no rows")
-    if data._indices is not None:  # a save_to_disk of a selection: map the rows it means
-        data = data.flatten_indices()
-        table = data.data.table if hasattr(data.data, "table") else data.data
-    checker.prompt(checker.column(table, prompt), prompt)
-    checker.answer(checker.column(table, answer), answer)
+    offset = 0
+    for batch in datafiles.batches(data):
+        checker.prompt(checker.column(batch, prompt), prompt, offset, answer is not None)
+        if answer is not None:
+            checker.answer(checker.column(batch, answer), answer, offset)
+        offset += batch.num_rows
+    checker.done()
     source = None if "data_source" in columns else path.stem if path.is_file() else path.name
     return _Segment(path, data, prompt, answer, source)
 
 
-def _prompt_keys(segment: _Segment) -> Any:
-    """Each row's prompt as one string (messages joined): what duplicates are found by."""
+def _present(schema: Any, dotted: str) -> bool:
+    from envs.datafiles import _has
+
+    return _has(schema, dotted)
+
+
+def _prompt_keys(segment: _Segment) -> Iterator[Any]:
+    """Each row's prompt as one string (messages joined), a batch at a time: what duplicates
+    are found by."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    table = segment.data.data.table if hasattr(segment.data.data, "table") else segment.data.data
-    column = _Checker("", segment.file).column(table, segment.prompt_key)
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        return column
-    contents = pc.struct_field(column.values, ["content"])
-    return pc.binary_join(pa.ListArray.from_arrays(column.offsets, contents), "\n")
+    from envs import datafiles
+
+    checker = _Checker("", segment.file)
+    for batch in datafiles.batches(segment.data):
+        column = checker.column(batch, segment.prompt_key)
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            yield column
+            continue
+        contents = pc.struct_field(column.values, ["content"])
+        yield pc.binary_join(pa.ListArray.from_arrays(column.offsets, contents), "\n")
+
+
+def answer_text(value: Any) -> str:
+    """A reference answer as the built-in rewards read it: text as it is (stripped); a
+    number's digits; a boolean, list or mapping as JSON (``true``, ``[1, 2]``)."""
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, (bool, list, dict)) or value is None:
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def _completion(value: Any) -> Any:
+    """A TRL conversational completion (messages): its last assistant turn's content."""
+    if isinstance(value, list) and value and all(isinstance(m, Mapping) and "role" in m
+                                                 and "content" in m for m in value):
+        said = [m["content"] for m in value if m["role"] == "assistant"]
+        return said[-1] if said else value[-1]["content"]
+    return value
 
 
 class Rows(Sequence[Task]):
@@ -367,14 +448,19 @@ class Rows(Sequence[Task]):
     def _task(self, index: int, segment: _Segment, row: int) -> DatasetTask:
         values = segment.data[row]
         prompt = _dig(values, segment.prompt_key)
-        answer = _dig(values, segment.answer_key)
+        if isinstance(prompt, list) and prompt and prompt[-1].get("role") == "assistant":
+            *prompt, said = prompt  # the reference answer, never part of the prompt
+            truth = said["content"] if segment.answer_key is None else None
+        if segment.answer_key is not None:
+            truth = _completion(_dig(values, segment.answer_key))
         source = segment.source or str(values.get("data_source") or segment.file.stem)
         head = segment.prompt_key.split(".")[0]
         metadata = {k: v for k, v in values.items() if k != head}
         metadata.setdefault("data_source", source)
         return DatasetTask(id=index, messages=self._spec.messages(prompt),
-                           answer=str(answer).strip(), metadata=metadata, source=source,
-                           split=self._split, file=str(segment.file), row=row + 1)
+                           answer=answer_text(truth), metadata=metadata, source=source,
+                           split=self._split, file=str(segment.file), row=row + 1,
+                           ground_truth=truth)
 
     def keep(self, fits: Callable[[int], bool]) -> int:
         """Leave out the slots ``fits`` refuses (given each slot); the number left out. Task
@@ -468,17 +554,22 @@ class DatasetSpec(EnvSpec):
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        eval_keys = [_prompt_keys(s) for s in self.splits["eval"].segments()]  # type: ignore[attr-defined]
+        eval_keys = [k.cast(pa.large_string()) for s in self.splits["eval"].segments()  # type: ignore[attr-defined]
+                     for k in _prompt_keys(s)]
         if not eval_keys:
             return 0
-        value_set = pa.concat_arrays([k.cast(pa.large_string()) for k in eval_keys])
+        value_set = pa.concat_arrays([k.combine_chunks() if isinstance(k, pa.ChunkedArray)
+                                      else k for k in eval_keys])
         found, example = 0, None
         for segment in self.splits["train"].segments():  # type: ignore[attr-defined]
-            hits = pc.is_in(_prompt_keys(segment).cast(pa.large_string()), value_set=value_set)
-            count = pc.sum(hits).as_py() or 0
-            if count and example is None:
-                example = f"{segment.file} row {pc.index(hits, True).as_py() + 1}"
-            found += count
+            offset = 0
+            for keys in _prompt_keys(segment):
+                hits = pc.is_in(keys.cast(pa.large_string()), value_set=value_set)
+                count = pc.sum(hits).as_py() or 0
+                if count and example is None:
+                    example = f"{segment.file} row {offset + pc.index(hits, True).as_py() + 1}"
+                found += count
+                offset += len(keys)
         if found:
             log.warning("env=dataset: %d train rows have the same prompt as an eval row "
                         "(first: %s)", found, example)

@@ -21,9 +21,9 @@ Both compose the real ``conf/`` as ``python -m orchestrator`` does, with ``env=d
 and the overrides given (``model=smollm2``, ``env.prompt_key=…``, ``env.eval=…``,
 ``rollout.max_tokens=…``, ``experiment=…``); an argument that exists as a file is a path,
 one of the form ``key=value`` an override. Files are read and checked by
-:mod:`envs.dataset`, one :class:`~envs.dataset.DatasetSpec` per file, so a bad file (its
-first bad row, named by file, row and key) does not hide the others: ``check`` reports it
-among the files and exits 1. Any other mistake (no such option, an unknown reward, a
+:mod:`envs.dataset`, one :class:`~envs.dataset.DatasetSpec` per file, so a bad file does not
+hide the others: ``check`` reports it among the files (its bad rows named by file, row and
+key: the first 20 and their count) and exits 1. Any other mistake (no such option, an unknown reward, a
 completions file whose row count is not DATA's) is one line, ``error: …``, exit code 2.
 
 Limits: every row is built and tokenised one at a time, as the run's length filter does: a
@@ -50,7 +50,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from envs.base import Message, Reward
-from envs.dataset import DatasetSpec, DatasetTask
+from envs.dataset import BadRows, DatasetSpec, DatasetTask
 from envs.errors import EnvConfigError
 from envs.rewards import parse_terms
 from orchestrator.config import CONF, check_target, explain, section, typed
@@ -130,6 +130,8 @@ class FileReport:
     split: str
     path: str
     error: str | None = None
+    bad_rows: list[str] = field(default_factory=list)  # the first SHOWN bad rows' lines
+    bad_count: int = 0  # all of them
     mapping: str = ""
     sources: Counter[str] = field(default_factory=Counter)
     lengths: list[int] = field(default_factory=list)
@@ -161,8 +163,10 @@ def describe_fields(spec: DatasetSpec, env: Mapping[str, Any]) -> str:
         f"the file's name ({segment.source})"
     metadata = ", ".join(c for c in segment.data.column_names if c != head) or "none"
     kind = "messages" if messages else "a string"
-    return (f"{schema}: prompt <- '{segment.prompt_key}' ({kind}), answer <- "
-            f"'{segment.answer_key}', source <- {source}; metadata: {metadata}")
+    answer = f"'{segment.answer_key}'" if segment.answer_key is not None else \
+        "each conversation's last turn (the assistant's)"
+    return (f"{schema}: prompt <- '{segment.prompt_key}' ({kind}), answer <- {answer}, "
+            f"source <- {source}; metadata: {metadata}")
 
 
 def prompt_key(messages: Sequence[Message]) -> int:
@@ -173,6 +177,12 @@ def read_report(split: str, path: str, env: Mapping[str, Any], tokenizer: Tokeni
     report = FileReport(split, path)
     try:
         spec = read_file(path, env)
+    except BadRows as e:
+        rename = f"env.{split}: "
+        report.bad_rows = [e.line(p).replace("env.train: ", rename, 1) for p in e.problems]
+        report.bad_count = e.count
+        report.error = report.bad_rows[0]
+        return report
     except EnvConfigError as e:
         report.error = str(e).replace("env.train: ", f"env.{split}: ", 1)
         return report
@@ -230,6 +240,13 @@ def check(items: Sequence[str], out: Print = print) -> int:
     reports = [read_report("train", f, env, tokenizer) for f in train]
     reports += [read_report("eval", f, env, tokenizer) for f in files_of(env["eval"], "env.eval")]
     for report in reports:
+        if report.bad_count > 1:
+            shown = len(report.bad_rows)
+            out(f"{report.name}: error: {report.bad_count} bad rows"
+                + (f" (the first {shown} here)" if shown < report.bad_count else ""))
+            for line in report.bad_rows:
+                out(f"  {line}")
+            continue
         if report.error is not None:
             out(f"{report.name}: error: {report.error}")
             continue

@@ -1,9 +1,9 @@
 """The benchmarks of what a run leans on beside its loop, at their smoke size, as a user runs
 them (``python -m bench.<name> --smoke``): the sandbox session against ``docker run`` and
 ``docker exec`` (Docker), ``env=dataset`` with a large file against a small one (four runs
-of ``python -m orchestrator``) and a LoRA update into vLLM (``.venv-vllm``); each prints its
-documented headline last, or, where the machine lacks what it measures, says so in one line
-and exits with status 3."""
+of ``python -m orchestrator``, and an 8 MB file read) and a LoRA update into vLLM
+(``.venv-vllm``); each prints its documented headline last, or, where the machine lacks what
+it measures, says so in one line and exits with status 3."""
 
 from __future__ import annotations
 
@@ -57,6 +57,10 @@ def test_dataset_smoke_measures_a_large_file_against_a_small_one() -> None:
     assert extra > -1000  # a difference of two peaks: it may come out below 0
     rows = re.findall(r"^ +([\d,]+) +[\d.]+ +[\d.]+ +(\d+)$", out, re.MULTILINE)
     assert [r for r, _ in rows] == ["1,000", "10,000"] and all(int(mb) > 0 for _, mb in rows)
+    # the load part: an 8 MB verl-schema file's first read (tests/envs reads one from the cache)
+    assert len(re.findall(r"^first +[\d.]+ +\d+ +\d+ ", out, re.MULTILINE)) == 1
+    assert re.search(r"^dataset_held_rss_mb_8mb=-?\d+$", out, re.MULTILINE)
+    assert re.search(r"^dataset_peak_rss_mb_8mb=\d+$", out, re.MULTILINE)
 
 
 @pytest.mark.vllm

@@ -192,3 +192,169 @@ def test_a_run_from_a_file_end_to_end(tmp_path: Path) -> None:
     assert 16 <= metrics[1]["data/samples/sums"] <= 32
     assert metrics[1]["reward/timeouts"] == metrics[1]["reward/errors"] == 0
     assert 0.0 <= metrics[1]["reward/mean"] <= 1.1
+
+
+# --- read exactly (issue 46: each of these failed at d79d362) -----------------------------------
+
+
+def test_answers_keep_the_text_the_file_holds(tmp_path: Path) -> None:
+    """At d79d362: '2.0' beside a 2.5, CSV 007 as '7', 20 digits as '1.2345678901234567e+19'."""
+    jsonl = tmp_path / "mixed.jsonl"
+    jsonl.write_text('{"question": "a", "answer": 2}\n{"question": "b", "answer": 2.50}\n'
+                     '{"question": "c", "answer": 12345678901234567890}\n'
+                     '{"question": "d", "answer": "x"}\n{"question": "e", "answer": -0.0}\n')
+    assert [t.answer for t in DatasetSpec(train=str(jsonl)).tasks("train")] == \
+        ["2", "2.50", "12345678901234567890", "x", "-0.0"]
+    verl = write_jsonl(tmp_path / "verl.jsonl", verl_rows(2))
+    verl.write_text(verl.read_text().replace('"ground_truth": "2"', '"ground_truth": 2.0')
+                    .replace('"ground_truth": "0"', '"ground_truth": 7'))
+    tasks = DatasetSpec(train=str(verl)).tasks("train")
+    assert [t.answer for t in tasks] == ["7", "2.0"]
+    assert tasks[0].metadata["reward_model"] == {"style": "rule", "ground_truth": "7"}
+    array = tmp_path / "array.json"
+    array.write_text('[\n {"question": "a",\n  "answer": 2},\n {"question": "b", "answer": 0.5}\n]')
+    assert [t.answer for t in DatasetSpec(train=str(array)).tasks("train")] == ["2", "0.5"]
+    csv = tmp_path / "codes.csv"
+    csv.write_text("question,answer,n\nq,007,1\nq,12345678901234567890,2\nq,2.0,3\n")
+    tasks = DatasetSpec(train=str(csv)).tasks("train")
+    assert [t.answer for t in tasks] == ["007", "12345678901234567890", "2.0"]
+    assert tasks[0].metadata["n"] == 1  # other columns keep their types
+
+
+def test_a_conversation_ending_with_the_assistant_is_its_prompt_and_answer(tmp_path: Path) -> None:
+    """TRL conversational rows: the last assistant turn is the reference answer, never part of
+    the prompt (at d79d362: no answer column, or the answer inside the prompt)."""
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": "4"}]
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}, {"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]}])
+    tasks = DatasetSpec(train=str(chat)).tasks("train")
+    assert tasks[0].messages == tuple(turns[:2]) and tasks[0].answer == "4"
+    assert tasks[1].messages[-1] == {"role": "user", "content": "3+3?"}
+    assert tasks[1].answer == "6" and len(tasks[1].messages) == 3
+    # with an answer column, the column is the answer and the assistant turn still leaves
+    both = write_jsonl(tmp_path / "both.jsonl", [{"messages": turns, "answer": "four"}])
+    task = DatasetSpec(train=str(both)).tasks("train")[0]
+    assert task.messages == tuple(turns[:2]) and task.answer == "four"
+    unanswered = write_jsonl(tmp_path / "open.jsonl", [{"messages": turns},
+                                                       {"messages": turns[:2]}])
+    with pytest.raises(EnvConfigError, match="row 2 key 'messages': no answer: the "
+                       "conversation does not end with the assistant's turn"):
+        DatasetSpec(train=str(unanswered))
+
+
+def test_trl_prompt_completion_files_map(tmp_path: Path) -> None:
+    """The completion is the reference answer (at d79d362: no answer column)."""
+    plain = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+2=", "completion": " 4"}])
+    task = DatasetSpec(train=str(plain)).tasks("train")[0]
+    assert task.messages == ({"role": "user", "content": "2+2="},) and task.answer == "4"
+    chat = write_jsonl(tmp_path / "pc_chat.jsonl", [{
+        "prompt": [{"role": "user", "content": "2+3?"}],
+        "completion": [{"role": "assistant", "content": "5"}]}])
+    task = DatasetSpec(train=str(chat)).tasks("train")[0]
+    assert task.messages == ({"role": "user", "content": "2+3?"},) and task.answer == "5"
+
+
+def test_lists_structs_and_booleans_reach_the_reward_as_they_are(tmp_path: Path) -> None:
+    """``answer`` is the text the built-in rewards read (JSON for non-text); ``ground_truth``
+    and the columns hold the value itself (at d79d362: 'the answer must be a string or a
+    number')."""
+    rows = [{"question": "a", "answer": [1, 2]}, {"question": "b", "answer": [3]}]
+    tasks = DatasetSpec(train=str(write_jsonl(tmp_path / "lists.jsonl", rows))).tasks("train")
+    assert tasks[0].answer == "[1, 2]" and tasks[0].ground_truth == [1, 2]
+    assert tasks[0].metadata["answer"] == [1, 2]
+    rows = [{"question": "a", "answer": True}, {"question": "b", "answer": False}]
+    tasks = DatasetSpec(train=str(write_jsonl(tmp_path / "bools.jsonl", rows))).tasks("train")
+    assert [t.answer for t in tasks] == ["true", "false"]
+    assert [t.ground_truth for t in tasks] == [True, False]
+    rows = [{"data_source": "s", "prompt": [{"role": "user", "content": "q"}],
+             "reward_model": {"ground_truth": {"x": 1, "names": ["a"]}}}]
+    task = DatasetSpec(train=str(write_jsonl(tmp_path / "verl.jsonl", rows))).tasks("train")[0]
+    assert task.ground_truth == {"x": 1, "names": ["a"]}
+    assert json.loads(task.answer) == {"x": 1, "names": ["a"]}
+
+
+def _empty_files(d: Path) -> list[Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    (d / "empty.jsonl").write_text("")
+    (d / "blank.jsonl").write_text("\n\n")
+    (d / "empty.json").write_text("[]")
+    (d / "empty.csv").write_text("")
+    (d / "header.csv").write_text("question,answer\n")
+    pq.write_table(pa.table({"question": pa.array([], pa.string()),
+                             "answer": pa.array([], pa.string())}), d / "none.parquet")
+    Dataset.from_dict({"question": [], "answer": []}).save_to_disk(str(d / "saved"))
+    return [d / n for n in ("empty.jsonl", "blank.jsonl", "empty.json", "empty.csv",
+                            "header.csv", "none.parquet", "saved")]
+
+
+def test_empty_and_header_only_files_of_every_format_have_no_rows(tmp_path: Path) -> None:
+    """At d79d362: StopIteration, 'corresponds to no data!', 'An error occurred while
+    generating the dataset'."""
+    for path in _empty_files(tmp_path):
+        with pytest.raises(EnvConfigError) as info:
+            DatasetSpec(train=str(path))
+        assert str(info.value) == f"env.train: {path} has no rows"
+
+
+def test_a_column_named_in_config_that_the_file_lacks_is_one_line(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", verl_rows(2))
+    for keys, message in (
+            ({"prompt_key": "question"}, "has no column for env.prompt_key=question"),
+            ({"answer_key": "reward_model.answer"},
+             "has no column for env.answer_key=reward_model.answer"),
+            ({"answer_key": "solution"}, "has no column for env.answer_key=solution")):
+        with pytest.raises(EnvConfigError) as info:
+            DatasetSpec(train=str(path), **keys)
+        assert str(info.value) == (f"env.train: {path} {message}; its columns: data_source, "
+                                   "ability, prompt, reward_model, extra_info")
+
+
+def test_a_file_is_read_once_into_the_cache_and_again_when_it_changes(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", [{"question": "q", "answer": 1}])
+    first = DatasetSpec(train=str(path)).splits["train"]
+    again = DatasetSpec(train=str(path)).splits["train"]
+    files = [s.data.cache_files for s in (*first.segments(), *again.segments())]
+    assert files[0] == files[1]
+    import os
+    write_jsonl(path, [{"question": "q", "answer": 1}, {"question": "r", "answer": 2}])
+    os.utime(path, ns=(1, 1))
+    assert [t.answer for t in DatasetSpec(train=str(path)).tasks("train")] == ["1", "2"]
+
+
+def test_a_file_loads_without_holding_its_columns(tmp_path: Path) -> None:
+    """A 48 MB verl-schema JSONL read as a run reads it (a child process, glibc set as a run
+    sets it): it holds less than two thirds of the file after loading, on the first read and from
+    the cache (at d79d362 whole columns were copied: about 1.5 times the file was held)."""
+    from bench.dataset import measure_load, write_verl
+
+    path = tmp_path / "verl.jsonl"
+    rows = write_verl(path, 48)
+    for _ in ("first", "cached"):
+        figures = measure_load(path, tmp_path / "cache")
+        assert figures["rows"] == rows
+        assert figures["held"] < 32, figures
+        assert figures["peak"] - figures["baseline"] < 48, figures
+
+
+def test_a_file_read_in_chunks_keeps_one_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of a few rows: integer answers in the first, doubles in a later one, a column
+    the later rows lack (null there); a column whose type changes is one line naming rows."""
+    from envs import datafiles
+
+    monkeypatch.setattr(datafiles, "CHUNK", 64)
+    rows = [{"question": f"q{i}", "answer": i, "tag": "t"} for i in range(6)]
+    rows += [{"question": f"r{i}", "answer": i + 0.5} for i in range(6)]
+    tasks = DatasetSpec(train=str(write_jsonl(tmp_path / "a.jsonl", rows))).tasks("train")
+    assert [t.answer for t in tasks] == [str(i) for i in range(6)] + \
+        [f"{i + 0.5}" for i in range(6)]
+    assert tasks[0].metadata["tag"] == "t" and tasks[11].metadata["tag"] is None
+    rows = [{"question": "q", "answer": "1", "n": 1}] * 6 + [{"question": "q", "answer": "1",
+                                                              "n": "one"}] * 6
+    with pytest.raises(EnvConfigError, match=r"b.jsonl rows \d+-\d+ key 'n': string here, int64 "
+                       "in the file's first rows; give the column one type"):
+        DatasetSpec(train=str(write_jsonl(tmp_path / "b.jsonl", rows)))

@@ -87,6 +87,29 @@ def test_check_counts_rows_fields_lengths_duplicates_and_renders_the_first_row(
     assert lines[-1] == "1 of 3 files cannot be read as they are: a run would stop on the first"
 
 
+def test_check_lists_every_bad_row_the_first_20_and_a_count(tmp_path: Path) -> None:
+    """A file with 25 bad rows of three kinds: the first 20 named in row order, and 25 said
+    (at d79d362 only the first was named)."""
+    rows: list[dict] = [{"question": "q", "answer": "1"} for _ in range(40)]
+    for n in range(0, 40, 2)[:20]:
+        rows[n] = {"question": "q", "answer": ""}  # rows 1, 3, ..., 39
+    for n in (5, 11, 17):
+        rows[n] = {"question": " ", "answer": "1"}
+    rows[13] = {"question": "q"}  # no answer at all
+    rows[15] = {"question": "q", "answer": None}
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows)
+    code, lines = run("check", bad)
+    assert code == 1
+    at = lines.index(f"train {bad}: error: 25 bad rows (the first 20 here)")
+    listed = lines[at + 1:at + 21]
+    assert all(line.startswith(f"  env.train: {bad} row ") for line in listed)
+    numbers = [int(line.split(" row ")[1].split()[0]) for line in listed]
+    assert numbers == sorted(numbers) and numbers[:5] == [1, 3, 5, 6, 7]
+    assert f"  env.train: {bad} row 6 key 'question': the prompt is empty" in listed
+    assert f"  env.train: {bad} row 14 key 'answer': the answer is empty" in listed
+    assert not lines[at + 21].startswith("  env.train:")
+
+
 def test_check_takes_the_run_s_overrides(files: dict[str, Path], tmp_path: Path) -> None:
     """rollout.max_tokens and the context decide what is left out; env.eval adds the
     train/eval overlap; env.prompt_key / answer_key map other columns; env.instruction shows
