@@ -54,6 +54,7 @@ class JudgeServer:
         self.counters: Counter[str] = Counter()
         self.url = ""
         self._inflight = 0
+        self._closing = asyncio.Event()
         self._runner: web.AppRunner | None = None
 
     async def __aenter__(self) -> Self:
@@ -70,6 +71,7 @@ class JudgeServer:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
+        self._closing.set()  # hung calls end
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
@@ -96,7 +98,8 @@ class JudgeServer:
             await asyncio.sleep(f.delay_s)
         if self._due(n, f.hang_every):
             self.counters["hung"] += 1
-            await asyncio.sleep(3600)  # until the client gives up and the server closes
+            await self._closing.wait()  # never answered: until the server closes
+            raise web.HTTPServiceUnavailable
         if self._due(n, f.fail_every):
             self.counters["failed"] += 1
             return web.json_response({"error": {"message": "overloaded"}}, status=500)
