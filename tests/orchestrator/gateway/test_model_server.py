@@ -9,6 +9,7 @@ request, a wrong key) run on the tiny model, which needs nothing installed."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import aiohttp
 import anyio
@@ -83,3 +84,44 @@ async def test_the_model_server_speaks_openai_and_checks_its_key() -> None:
                 assert r.status == 400 and "messages" in (await r.json())["error"]["message"]
             async with http.get(f"{server.base_url}/models", headers=auth) as r:
                 assert (await r.json())["data"][0]["id"] == "judge"
+
+
+@pytest.mark.anyio
+async def test_python_m_orchestrator_serve_gives_a_url_a_judge_uses(tmp_path: Path) -> None:
+    """The command a user starts for a judge of their own: a model from conf/ (here the tiny
+    one) served until SIGTERM; its url= line is what env.judge.url takes."""
+    import os
+    import signal
+    import sys
+
+    from anyio.streams.buffered import BufferedByteReceiveStream
+    from helpers import REPO
+
+    command = [sys.executable, "-m", "orchestrator.serve", "model=tiny", "model.hidden_size=32",
+               "model.num_layers=1", "model.intermediate_size=64", "model.device=cpu",
+               "--max-tokens", "4"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
+    log = tmp_path / "serve.log"
+    with log.open("w") as stderr:
+        process = await anyio.open_process(command, cwd=REPO, env=env, stderr=stderr)
+        async with process:
+            try:
+                assert process.stdout is not None
+                with anyio.fail_after(120):
+                    line = (await BufferedByteReceiveStream(process.stdout).receive_until(
+                        b"\n", 4096)).decode()
+                assert line.startswith("url=http://127.0.0.1:"), log.read_text()[-2000:]
+                await _judge_the_served(line.strip().removeprefix("url="))
+            finally:
+                process.send_signal(signal.SIGTERM)
+                with anyio.fail_after(30):
+                    code = await process.wait()
+    assert code == 0, log.read_text()[-2000:]
+
+
+async def _judge_the_served(url: str) -> None:
+    judge = Judge({"url": url, "retries": 0, "max_tokens": 4})
+    async with judge:  # the start check: it answers GET /models
+        verdict = await judge.score(PROMPT, "5", "5")
+    assert verdict.attempts == 1 and (verdict.score is not None or verdict.failure == "unparsable")
+    assert judge.metrics()["judge/calls"] == 1
