@@ -123,6 +123,17 @@ class JudgeConfig:
         return config
 
     def check(self, key: str = "env.judge") -> None:
+        for name in ("scale", "temperature", "timeout_s", "backoff_s", "start_timeout_s",
+                     "max_tokens", "retries", "concurrency"):
+            value = getattr(self, name)
+            whole = name in ("max_tokens", "retries", "concurrency")
+            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+                raise EnvConfigError(f"{key}.{name} must be {'an integer' if whole else 'a number'}"
+                                     f", got {value!r}")
+        for name in ("url", "model", "api_key_env", "template"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise EnvConfigError(f"{key}.{name} must be a string, got {value!r}")
         if not self.url:
             raise EnvConfigError(f"env.reward=judge needs {key}.url, the judge's OpenAI-"
                                  f"compatible base URL, e.g. {key}.url=http://127.0.0.1:8000/v1")

@@ -53,6 +53,8 @@ def test_a_scale_of_one_reads_probabilities() -> None:
     ({"url": "http://x/v1", "timeout_s": 0}, "env.judge.timeout_s must be > 0"),
     ({"url": "http://x/v1", "concurrency": 0}, "env.judge.concurrency must be >= 1"),
     ({"url": "http://x/v1", "retry": 3}, "env.judge has an unknown key 'retry'"),
+    ({"url": "http://x/v1", "timeout_s": "soon"}, "env.judge.timeout_s must be a number, got 'soon'"),
+    ({"url": "http://x/v1", "retries": 1.5}, "env.judge.retries must be an integer"),
     ({"url": "http://x/v1", "api_key_env": "POLYRL_NO_SUCH_KEY"}, "POLYRL_NO_SUCH_KEY, which is not set"),
     ({"url": "http://x/v1", "template": "Grade {reply} vs {truth}"}, "unknown field {truth}"),
     ({"url": "http://x/v1", "template": "Grade {question} against {answer}"}, "must contain {reply}"),
