@@ -65,7 +65,8 @@ def convert(path: Path) -> None:
 
 def measure(out: Path, steps: int, smoke: bool) -> None:
     path = write_rows(out / f"sums_{SMALL}.parquet", SMALL)
-    convert(path)
+    if not smoke:  # the smoke size says nothing of rates: the first run converts it
+        convert(path)
     train = f"env.train={path}"
     shape = [f"pipeline.num_steps={steps}",  # the smoke size keeps experiment=smoke's shape
              *(TOY_MODEL if smoke else ("rollout.max_tokens=64", "pipeline.batch_size=64",
