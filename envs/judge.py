@@ -32,7 +32,8 @@ generative reward models, ROLL's judge cluster and ART's RULER do:
 * **Start.** :meth:`Judge.__aenter__` opens the HTTP session and asks ``GET {url}/models``
   within ``start_timeout_s``: a server that does not answer, or refuses the key (401/403), is
   an :class:`~envs.errors.EnvConfigError` of one line, before any episode runs. Any other
-  answer (a server without that route says 404) counts as up.
+  answer counts as up (a 404, a server without that route or a URL without its ``/v1``, with a
+  warning).
 
 Judging overlaps rollout: :meth:`Judge.score` is a coroutine awaited in the episode's own task
 (through :class:`envs.rewards.Scorer`), so while one episode waits on its judge the others
@@ -306,6 +307,10 @@ class Judge:
                 f"no key ({self.key}.api_key_env is null)"
             raise EnvConfigError(f"{self.key}.url={self.config.url} refused the key ({status}): "
                                  f"check {where}")
+        if status == 404:  # up, but perhaps not where the chat route is
+            log.warning("%s.url=%s answered 404 to GET /models; if its calls fail as "
+                        "judge/failures/client_error, check the URL's path (it usually ends "
+                        "in /v1)", self.key, self.config.url)
 
     def prompt(self, prompt: Sequence[Mapping[str, str]] | str, completion: str,
                answer: str) -> str:

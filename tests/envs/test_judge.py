@@ -235,3 +235,16 @@ def test_a_run_with_a_judge_that_hangs_finishes_and_counts_them(tmp_path: Path) 
     assert "\n" not in line
     assert not (tmp_path / "down" / "metrics.jsonl").exists() or \
         not (tmp_path / "down" / "metrics.jsonl").read_text().strip()
+
+
+@pytest.mark.anyio
+async def test_a_url_without_its_v1_warns_at_start_and_its_calls_count_as_client_errors(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with JudgeServer() as server:
+        judge = Judge({"url": server.url.removesuffix("/v1"), "retries": 3})
+        with caplog.at_level("WARNING", logger="envs.judge"):
+            async with judge:
+                verdict = await judge.score(PROMPT, "5", "5")
+    assert any("answered 404 to GET /models" in r.getMessage() for r in caplog.records)
+    assert verdict.score is None and verdict.failure == "client_error" and verdict.attempts == 1
+    assert judge.metrics()["judge/failures/client_error"] == 1  # a 404 is not tried again
