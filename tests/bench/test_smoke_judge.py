@@ -10,6 +10,7 @@ import pytest
 from bench_smoke import run_bench
 
 
+@pytest.mark.slow  # three runs in subprocesses (about 25 s); left out of scripts/test.sh --quick
 def test_judge_smoke_counts_the_hangs_and_scores_every_sample() -> None:
     pytest.importorskip("pyarrow", reason="env=dataset needs the data extra")
     _, ratio, out = run_bench("judge", expect="judge_vs_exact")
