@@ -248,3 +248,17 @@ async def test_a_url_without_its_v1_warns_at_start_and_its_calls_count_as_client
     assert any("answered 404 to GET /models" in r.getMessage() for r in caplog.records)
     assert verdict.score is None and verdict.failure == "client_error" and verdict.attempts == 1
     assert judge.metrics()["judge/failures/client_error"] == 1  # a 404 is not tried again
+
+
+@pytest.mark.anyio
+async def test_the_judge_beside_an_isolated_reward() -> None:
+    """The judge awaited in the caller and ``regex`` in a worker process, one item: both
+    terms in the weighted sum, both started and stopped with the scorer."""
+    async with JudgeServer() as server:
+        scorer = Scorer({"judge": 0.5, "regex": 1.0}, judge={"url": server.url})
+        async with scorer:
+            right = await scorer.score("\\boxed{42}", "42", {}, prompt=PROMPT)
+            wrong = await scorer.score("\\boxed{41}", "4[2]", {}, prompt=PROMPT)
+    assert right.components == {"judge": 1.0, "regex": 1.0} and right.total == pytest.approx(1.5)
+    assert wrong.components == {"judge": 0.0, "regex": 0.0} and wrong.total == 0.0
+    assert scorer.metrics()["judge/scored"] == 2
