@@ -36,6 +36,8 @@
   stable across runs because files are read in sorted order.
 * **Reward.** ``env.reward`` through :class:`envs.rewards.Scorer` (``math`` by default), in
   worker processes with ``env.reward_timeout_s`` per item; its counters join the metrics.
+  ``env.reward=judge`` asks an LLM judge (``env.judge``, :mod:`envs.judge`), handed the task's
+  messages as the prompt it grades against.
 * **Bad input** (a missing file, an unknown extension, a file with no rows, no prompt column,
   a column named by ``env.prompt_key`` / ``env.answer_key`` that the file lacks, an empty
   answer, a prompt that is neither a string nor a list of messages, an unknown role, a
@@ -487,7 +489,8 @@ class DatasetEnv(SingleTurnEnv):
         return await super().reset(task)
 
     async def score(self, task: Task, reply: str) -> Reward:
-        return await self._spec.scorer().score(reply, task.answer, task.metadata)
+        return await self._spec.scorer().score(reply, task.answer, task.metadata,
+                                               prompt=task.messages)
 
 
 class DatasetSpec(EnvSpec):
@@ -495,7 +498,8 @@ class DatasetSpec(EnvSpec):
     train); ``prompt_key`` / ``answer_key``: dotted columns (None: found by name);
     ``system_prompt`` / ``instruction``: added where a row has none; ``reward``: a name, a
     list or ``{name: weight}`` (:mod:`envs.rewards`); ``reward_timeout_s`` per item;
-    ``reward_processes``: verification workers."""
+    ``reward_processes``: verification workers; ``judge``: the LLM judge's endpoint and
+    limits when ``reward`` names ``judge`` (:class:`envs.judge.JudgeConfig`)."""
 
     name = "dataset"  # its registry name, also its tasks' data source in evaluations
 
@@ -510,12 +514,14 @@ class DatasetSpec(EnvSpec):
         reward: Any = "math",
         reward_timeout_s: float = 10.0,
         reward_processes: int = 2,
+        judge: dict[str, Any] | None = None,
     ) -> None:
         if train is None or train == "???":
             raise EnvConfigError("env.train must name your data, e.g. env.train=data/train.jsonl")
         self.system_prompt = system_prompt
         self.instruction = instruction.strip() if instruction else None
-        self._scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes)
+        self._scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes,
+                              judge=judge)
         self.samples: Counter[str] = Counter()
         self._running = False
         splits: dict[str, Rows] = {}

@@ -4,8 +4,8 @@ A reward function takes ``(completion, answer, metadata)`` — the model's reply
 answer and the task's metadata (a dataset row's other columns) — and returns a float or a
 :class:`~envs.base.Reward`; it may be a plain or an ``async`` function. ``env.reward`` names one
 or a weighted sum (:func:`parse_terms`): ``math``, ``{math: 1.0, format: 0.1}`` or
-``[math, format]`` (weight 1 each). A name is a built-in below or any
-``package.module:function``.
+``[math, format]`` (weight 1 each). A name is a built-in below, ``judge`` (an LLM judge:
+:mod:`envs.judge`, configured by ``env.judge``) or any ``package.module:function``.
 
 Built-ins (:data:`BUILTINS`):
 
@@ -41,6 +41,13 @@ ahead of need: a replacement is ready in milliseconds, and import time is billed
 math-verify's own ``signal.alarm`` timeout works in a worker (its main thread) and is set
 below the hard limit, so a slow sympy call usually ends gracefully first.
 
+**The judge** (``judge``) is asynchronous and bounded by its own limits (a per-call timeout,
+retries, a cap on calls in flight: :class:`envs.judge.Judge`): it is awaited in the caller's
+task, never in a worker, so an episode waiting on its judge holds no worker and stops no other
+episode. It needs the prompt, which the ``(completion, answer, metadata)`` functions do not
+get: :meth:`Scorer.score` takes it as ``prompt`` and hands it to the judge alone. A sample the
+judge could not score (``judge/unscored``) scores 0 for that term.
+
 Limits: arguments and results cross a pipe by pickle (metadata must be picklable: a dataset
 row's plain values are); one item's isolated parts share its time limit.
 """
@@ -74,6 +81,7 @@ import anyio.to_thread
 from envs.answers import extract_final, extract_math, last_boxed, last_tagged, normalise
 from envs.base import Reward, RewardTerm
 from envs.errors import EnvConfigError
+from envs.judge import Judge
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +201,14 @@ BUILTINS: dict[str, Builtin] = {
 }
 _MATH_VERIFY_TIMEOUT = 5  # seconds, math-verify's own alarm in a worker (set by the pool)
 CACHE_ITEMS = 8192  # scores kept per Scorer (built-ins only)
+JUDGE = "judge"  # the LLM judge's name in env.reward (envs.judge; scored by Scorer itself)
+
+
+def judge_outside_scorer(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
+    """What ``resolve("judge")`` gives: the judge needs its endpoint and the prompt, which a
+    plain call lacks; it scores through :class:`Scorer` only."""
+    raise RuntimeError("the judge reward scores through envs.rewards.Scorer (with env.judge), "
+                       "not as a plain function")
 
 
 # --- names, weights, functions ----------------------------------------------------------------
@@ -232,9 +248,11 @@ def resolve(name: str, key: str = "env.reward") -> Callable[..., Any]:
     ``(completion, answer, metadata)``."""
     if name in BUILTINS:
         return BUILTINS[name].fn
+    if name == JUDGE:
+        return judge_outside_scorer
     if ":" not in name:
         raise EnvConfigError(f"{key} names an unknown reward {name!r}: choose from "
-                             f"{', '.join(BUILTINS)} or give package.module:function")
+                             f"{', '.join(BUILTINS)}, {JUDGE} or give package.module:function")
     module_name, _, attr = name.partition(":")
     try:
         fn: Any = importlib.import_module(module_name)
@@ -256,7 +274,7 @@ def resolve(name: str, key: str = "env.reward") -> Callable[..., Any]:
 
 
 def isolated(name: str) -> bool:
-    return BUILTINS[name].isolated if name in BUILTINS else True
+    return BUILTINS[name].isolated if name in BUILTINS else name != JUDGE
 
 
 def as_reward(value: object, name: str) -> Reward:
@@ -607,7 +625,7 @@ class Scorer:
     (each also a component, as is what a function reports beside its score); its counters go into the run's metrics (:meth:`metrics`)."""
 
     def __init__(self, reward: object, timeout_s: float = 10.0, processes: int = 2,
-                 key: str = "env.reward") -> None:
+                 key: str = "env.reward", judge: Mapping[str, Any] | None = None) -> None:
         if not timeout_s > 0:
             raise EnvConfigError(f"env.reward_timeout_s must be > 0, got {timeout_s}")
         if processes < 1:
@@ -615,7 +633,10 @@ class Scorer:
         self.terms = parse_terms(reward, key)
         self.timeout_s = timeout_s
         self.processes = processes
-        self._local = {t.name: resolve(t.name) for t in self.terms if not isolated(t.name)}
+        # the judge (env.judge) when a term names it; its settings are checked now
+        self._judge = Judge(judge) if any(t.name == JUDGE for t in self.terms) else None
+        self._local = {t.name: resolve(t.name) for t in self.terms
+                       if not isolated(t.name) and t.name != JUDGE}
         self._isolated = tuple(t.name for t in self.terms if isolated(t.name))
         self._pool: WorkerPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
@@ -630,9 +651,16 @@ class Scorer:
         self._last_error = 0.0
 
     async def __aenter__(self) -> Self:
+        if self._judge is not None:  # first: an endpoint that does not answer is one line now
+            await self._judge.__aenter__()
         if self._isolated:
             pool = WorkerPool(self._isolated, self.processes, self.timeout_s)
-            await anyio.to_thread.run_sync(pool.__enter__)
+            try:
+                await anyio.to_thread.run_sync(pool.__enter__)
+            except BaseException:
+                if self._judge is not None:
+                    await self._judge.aclose()
+                raise
             self._pool = pool
             # more waiting threads than workers: a waiting item holds no worker
             self._limiter = anyio.CapacityLimiter(4 * self.processes)
@@ -641,6 +669,8 @@ class Scorer:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         pool, self._pool = self._pool, None
+        if self._judge is not None:
+            await self._judge.aclose()
         if pool is not None:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(pool.close)
@@ -648,7 +678,10 @@ class Scorer:
             self._errors += pool.errors
 
     async def score(self, completion: str, answer: str,
-                    metadata: Mapping[str, Any] | None = None) -> Reward:
+                    metadata: Mapping[str, Any] | None = None,
+                    prompt: Sequence[Mapping[str, str]] | str | None = None) -> Reward:
+        """``completion``'s reward; ``prompt`` (the task's messages) is the judge's question
+        and reaches no other term."""
         metadata = metadata or {}
         parts: dict[str, Reward] = {}
         for name, fn in self._local.items():
@@ -656,6 +689,10 @@ class Scorer:
                 parts[name] = call(fn, name, completion, answer, metadata)
             except Exception as e:  # noqa: BLE001 - a raising reward scores 0, counted
                 self._error(f"{name}: {type(e).__name__}: {e}")
+        if self._judge is not None:  # awaited here, in the episode's task: others go on
+            verdict = await self._judge.score(prompt if prompt is not None else "", completion,
+                                              answer)
+            parts[JUDGE] = Reward(verdict.score if verdict.score is not None else 0.0)
         if self._isolated:
             if self._pool is None or self._limiter is None:
                 raise RuntimeError("Scorer.score() outside `async with scorer:` (the worker "
@@ -724,4 +761,5 @@ class Scorer:
             "reward/timeouts": float(self._timeouts + (pool.timeouts if pool else 0)),
             "reward/errors": float(self._errors + (pool.errors if pool else 0)),
             "reward/spared": float(self._spared),  # isolated scores found without a worker
+            **(self._judge.metrics() if self._judge is not None else {}),
         }

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from envs.base import EnvSpec
+from envs.errors import EnvConfigError
 from orchestrator import schema
 from orchestrator.errors import ConfigError, RunAborted, chain
 from sandboxes.api import EngineUnavailable, ImageMissing
@@ -165,7 +166,9 @@ def explain(error: BaseException) -> str | None:
     keeps its traceback)."""
     causes = chain(error)  # the error behind a task group's crash, too
     for e in causes:
-        if isinstance(e, (ConfigError, RunAborted, EngineUnavailable, ImageMissing)):  # not a bug
+        # not a bug (EnvConfigError: an env.* value, found when the run starts it, e.g. a judge
+        # endpoint that does not answer)
+        if isinstance(e, (ConfigError, EnvConfigError, RunAborted, EngineUnavailable, ImageMissing)):
             return str(e)
         if isinstance(e, MissingMandatoryValue):
             key = getattr(e, "full_key", None) or "a required key"

@@ -7,6 +7,9 @@
 * :mod:`~orchestrator.gateway.server` — the aiohttp server, one key per episode.
 * :mod:`~orchestrator.gateway.runner` — episodes and groups of the agent env, for the
   pipeline and the evaluation.
+* :mod:`~orchestrator.gateway.serve` — an engine behind an OpenAI-compatible URL with nothing
+  recorded (no episode, no key per call): a judge reward's model
+  (``python -m orchestrator.serve``).
 
 It sits above the engines and below the pipeline: the pipeline opens the gateway for an
 agent env and runs its groups here; the env (:mod:`envs.agent`) gets a base URL and a key as
