@@ -21,9 +21,12 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Protocol, Self
+from typing import TYPE_CHECKING, Self
 
 from envs.answers import extract_math
+
+if TYPE_CHECKING:
+    from envs.rewards import Scorer
 
 Message = dict[str, str]
 Clock = Callable[[], float]  # seconds; the run's one clock (its recorder's), handed to envs
@@ -96,10 +99,6 @@ class Reward:
             total += term.weight * term.value
         return cls(total, {**{t.name: t.value for t in terms}, **(diagnostics or {})},
                    tuple(terms))
-
-
-class RewardFn(Protocol):
-    async def __call__(self, task: Task, reply: str) -> float: ...
 
 
 class Env(ABC):
@@ -193,13 +192,31 @@ class EnvSpec(ABC):
         returns None, so no maj@n is reported for it."""
         return extract_math(reply)
 
+    # env.reward, scored (envs.rewards.Scorer): set by an environment whose reward it is
+    scorer: Scorer | None = None
+
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        """What the environment needs for the whole run (a sandbox pool, a service), held
-        while the run's episodes go on; the runner enters it once around all of them."""
-        yield
+        """What the environment needs for the whole run (a sandbox pool, a service; here the
+        scorer's reward workers), held while the run's episodes go on; the runner enters it
+        once around all of them. An override holds ``self.scorer`` too."""
+        if self.scorer is None:
+            yield
+            return
+        async with self.scorer:
+            yield
+
+    def reward_failure(self) -> str | None:
+        """The first way this environment's reward gave up (``name: kind: message``), or None:
+        what the run loop names when it stops a run whose rewards keep failing."""
+        return self.scorer.first_failure if self.scorer is not None else None
+
+    # env.reward_fail_steps: steps in a row with more than half the samples' rewards failed
+    # that stop the run (set from config by the orchestrator)
+    reward_fail_steps: int = 3
 
     def metrics(self) -> dict[str, float]:
         """Counters of what the environment's services rode out (``faults/sandbox_lost``, …),
-        added to each step's metrics: totals since :meth:`running` was entered."""
-        return {}
+        added to each step's metrics: totals since :meth:`running` was entered (here the
+        scorer's, ``reward/failed/<name>/<kind>`` …)."""
+        return self.scorer.metrics() if self.scorer is not None else {}

@@ -53,7 +53,7 @@ from typing import Any, overload
 
 from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
 from envs.errors import EnvConfigError
-from envs.rewards import Scorer
+from envs.rewards import Sample, Scorer
 
 log = logging.getLogger(__name__)
 
@@ -401,15 +401,18 @@ class DatasetEnv(SingleTurnEnv):
         return await super().reset(task)
 
     async def score(self, task: Task, reply: str) -> Reward:
-        return await self._spec.scorer().score(reply, task.answer, task.metadata)
+        source = task.source if isinstance(task, DatasetTask) else ""
+        return await self._spec.scorer().score(Sample(reply, task.answer, task.metadata,
+                                                      task.messages, source))
 
 
 class DatasetSpec(EnvSpec):
     """``train`` / ``eval``: files (a path, glob, list, or a list of ``{path, weight}`` for
     train); ``prompt_key`` / ``answer_key``: dotted columns (None: found by name);
     ``system_prompt`` / ``instruction``: added where a row has none; ``reward``: a name, a
-    list or ``{name: weight}`` (:mod:`envs.rewards`); ``reward_timeout_s`` per item;
-    ``reward_processes``: verification workers."""
+    list, ``{name: weight}`` or ``{by_source: …, default: …}`` (:mod:`envs.rewards`);
+    ``reward_timeout_s`` per item; ``reward_processes``: verification workers (plain
+    functions); ``reward_concurrency``: an ``async`` function's calls at once."""
 
     name = "dataset"  # its registry name, also its tasks' data source in evaluations
 
@@ -424,12 +427,14 @@ class DatasetSpec(EnvSpec):
         reward: Any = "math",
         reward_timeout_s: float = 10.0,
         reward_processes: int = 2,
+        reward_concurrency: int = 32,
     ) -> None:
         if train is None or train == "???":
             raise EnvConfigError("env.train must name your data, e.g. env.train=data/train.jsonl")
         self.system_prompt = system_prompt
         self.instruction = instruction.strip() if instruction else None
-        self._scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes)
+        self._scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes,
+                              concurrency=reward_concurrency)
         self.samples: Counter[str] = Counter()
         self._running = False
         splits: dict[str, Rows] = {}
@@ -503,6 +508,9 @@ class DatasetSpec(EnvSpec):
 
     def make_env(self) -> Env:
         return DatasetEnv(self)
+
+    def reward_failure(self) -> str | None:
+        return self._scorer.first_failure
 
     def metrics(self) -> dict[str, float]:
         return {**self._scorer.metrics(),
