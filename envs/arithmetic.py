@@ -44,6 +44,7 @@ class ArithmeticSpec(EnvSpec):
         reward_timeout_s: float = 10.0,
         reward_processes: int = 2,
         reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
     ) -> None:
         unknown = [op for op in ops if op not in _OPS]
         if unknown:
@@ -59,7 +60,8 @@ class ArithmeticSpec(EnvSpec):
                 f"{universe} distinct problems with digits={digits}"
             )
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes,
-                             concurrency=reward_concurrency)
+                             concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps)
         rng = random.Random(seed)
         seen: set[tuple[int, str, int]] = set()
         problems: list[tuple[int, str, int]] = []

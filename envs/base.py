@@ -211,9 +211,11 @@ class EnvSpec(ABC):
         what the run loop names when it stops a run whose rewards keep failing."""
         return self.scorer.first_failure if self.scorer is not None else None
 
-    # env.reward_fail_steps: steps in a row with more than half the samples' rewards failed
-    # that stop the run (set from config by the orchestrator)
-    reward_fail_steps: int = 3
+    @property
+    def reward_fail_steps(self) -> int:
+        """``env.reward_fail_steps``: how many steps in a row with more than half the samples'
+        rewards failed stop the run."""
+        return self.scorer.fail_steps if self.scorer is not None else 3
 
     def metrics(self) -> dict[str, float]:
         """Counters of what the environment's services rode out (``faults/sandbox_lost``, …),

@@ -138,6 +138,7 @@ class CodeSpec(EnvSpec):
         reward_timeout_s: float = 10.0,
         reward_processes: int = 2,
         reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
     ) -> None:
         unknown = [op for op in ops if op not in OPS]
         if unknown or not ops:
@@ -155,7 +156,8 @@ class CodeSpec(EnvSpec):
         self.sandbox_config = sandbox_config(sandbox)
         # tests_passed: the hidden tests in a sandbox (the environment's own reward)
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("tests_passed",),
-                             concurrency=reward_concurrency)
+                             concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps)
         self.test_timeout = test_timeout
         self.pool: SandboxPool | None = None
         rng = random.Random(seed)

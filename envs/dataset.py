@@ -402,7 +402,7 @@ class DatasetEnv(SingleTurnEnv):
 
     async def score(self, task: Task, reply: str) -> Reward:
         source = task.source if isinstance(task, DatasetTask) else ""
-        return await self._spec.scorer().score(Sample(reply, task.answer, task.metadata,
+        return await self._spec.running_scorer().score(Sample(reply, task.answer, task.metadata,
                                                       task.messages, source))
 
 
@@ -428,13 +428,15 @@ class DatasetSpec(EnvSpec):
         reward_timeout_s: float = 10.0,
         reward_processes: int = 2,
         reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
     ) -> None:
         if train is None or train == "???":
             raise EnvConfigError("env.train must name your data, e.g. env.train=data/train.jsonl")
         self.system_prompt = system_prompt
         self.instruction = instruction.strip() if instruction else None
-        self._scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes,
-                              concurrency=reward_concurrency)
+        self.scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes,
+                              concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps)
         self.samples: Counter[str] = Counter()
         self._running = False
         splits: dict[str, Rows] = {}
@@ -489,17 +491,19 @@ class DatasetSpec(EnvSpec):
                         "(first: %s)", found, example)
         return found
 
-    def scorer(self) -> Scorer:
+    def running_scorer(self) -> Scorer:
         if not self._running:
             from envs.errors import EnvNotRunning
 
             raise EnvNotRunning("env=dataset scores inside `async with spec.running():`, "
                                 "which holds its verification workers")
-        return self._scorer
+        assert self.scorer is not None
+        return self.scorer
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        async with self._scorer:
+        assert self.scorer is not None
+        async with self.scorer:
             self._running = True
             try:
                 yield
@@ -509,11 +513,8 @@ class DatasetSpec(EnvSpec):
     def make_env(self) -> Env:
         return DatasetEnv(self)
 
-    def reward_failure(self) -> str | None:
-        return self._scorer.first_failure
-
     def metrics(self) -> dict[str, float]:
-        return {**self._scorer.metrics(),
+        return {**super().metrics(),
                 **{f"data/samples/{source}": float(n) for source, n in self.samples.items()}}
 
     def keep(self, fits: Callable[[tuple[Message, ...]], bool]) -> dict[str, int]:

@@ -138,6 +138,7 @@ class ReasoningGymSpec(EnvSpec):
         reward_timeout_s: float = 10.0,
         reward_processes: int = 2,
         reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
     ) -> None:
         registry = _registry()
         if answer not in EXTRACTORS:
@@ -163,7 +164,8 @@ class ReasoningGymSpec(EnvSpec):
         self._config = config
         self._verifier: Any = None  # the train split's dataset object: its verifier scores
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("verifier",),
-                             concurrency=reward_concurrency)
+                             concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps)
         seen: set[str] = set()
         self.splits = {split: self._collect(split, size, _split_seed(seed, split), seen)
                         for split, size in (("train", train_size), ("eval", eval_size))}

@@ -357,7 +357,7 @@ def adapt(fn: Callable[..., Any], name: str, key: str = "env.reward") -> Adapted
     if {"solution_str", "ground_truth"} <= named and fits(
             **{k: None for k in _VERL if k in named}):
         return Adapted(name, fn, "verl", is_async, named, any_keyword)
-    if fits("completion", "answer", {}):
+    if fits("completion", "answer", {}, **{k: None for k in _EXTRAS if k in named}):
         return Adapted(name, fn, "ours", is_async, named & frozenset(_EXTRAS), any_keyword)
     raise EnvConfigError(f"{key}: reward {name}{signature} fits none of the three conventions: "
                          f"{CONVENTIONS}")
@@ -535,13 +535,16 @@ class Scorer:
 
     def __init__(self, reward: object, timeout_s: float = 10.0, processes: int = 2,
                  key: str = "env.reward", own: Sequence[str] = (),
-                 concurrency: int = 32) -> None:
+                 concurrency: int = 32, fail_steps: int = 3) -> None:
         if not timeout_s > 0:
             raise EnvConfigError(f"env.reward_timeout_s must be > 0, got {timeout_s}")
         if processes < 1:
             raise EnvConfigError(f"env.reward_processes must be >= 1, got {processes}")
         if concurrency < 1:
             raise EnvConfigError(f"env.reward_concurrency must be >= 1, got {concurrency}")
+        if fail_steps < 1:
+            raise EnvConfigError(f"env.reward_fail_steps must be >= 1, got {fail_steps}")
+        self.fail_steps = fail_steps  # read by the run loop (EnvSpec.reward_fail_steps)
         self.routes = parse_reward(reward, key, own)
         self.terms = self.routes.default  # the default route's (the only one without by_source)
         self.own = tuple(own)

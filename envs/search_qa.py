@@ -114,6 +114,7 @@ class SearchQASpec(EnvSpec):
         reward_timeout_s: float = 10.0,
         reward_processes: int = 2,
         reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
     ) -> None:
         unknown = [q for q in questions if q not in QUESTIONS]
         if unknown or not questions:
@@ -127,7 +128,8 @@ class SearchQASpec(EnvSpec):
         if time_scale < 0:
             raise EnvConfigError(f"env.time_scale={time_scale} must be >= 0")
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("searched",),
-                             concurrency=reward_concurrency)
+                             concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps)
         self.topk, self.latency = topk, latency
         self.time_scale, self.failure_rate, self.search_url = time_scale, failure_rate, search_url
         self.request_timeout, self.retries, self.backoff = request_timeout, retries, backoff

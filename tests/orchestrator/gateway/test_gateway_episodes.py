@@ -213,13 +213,15 @@ async def test_an_agents_sdk_runner_with_a_function_tool(gateway: Gateway) -> No
 
 async def test_a_transcript_is_scored_by_the_envs_reward_functions(gateway: Gateway) -> None:
     spec = AgentSpec(program="toy_agents:transcript",
-                     rewards={"toy_agents:transcript_digits": 2.0})
-    [(t, _)], outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
+                     reward={"toy_agents:transcript_digits": 2.0})
+    async with spec.running():  # env.reward's workers: a user's function runs isolated
+        [(t, _)], outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
     # the scripted reply (no tools offered, so it stays text): a call with two digits in it
     call = HermesParser.format("add", {"a": 3, "b": 4})
     share = sum(c.isdigit() for c in call) / len(call)
-    assert outcome.reward.components == {"transcript_digits": pytest.approx(share)}
-    assert t.reward == pytest.approx(2 * share) and t.metrics["reward/transcript_digits"] > 0
+    assert outcome.reward.components == {"toy_agents:transcript_digits": pytest.approx(share)}
+    assert t.reward == pytest.approx(2 * share)
+    assert t.metrics["reward/toy_agents:transcript_digits"] > 0
 
 
 def test_a_wrong_program_or_setting_is_one_line() -> None:
