@@ -193,7 +193,7 @@ class AgentSpec(EnvSpec):
         self.splits = {split: self._load(make_tasks, split) for split in ("train", "eval")}
         self.scorer = None if reward is None else Scorer(
             reward, reward_timeout_s, reward_processes, concurrency=reward_concurrency,
-                             fail_steps=reward_fail_steps)
+            fail_steps=reward_fail_steps)
         self.timeout_s = float(timeout_s)
         self.model, self.host, self.port = model, host, port
         self.max_n, self.max_calls, self.max_context = max_n, max_calls, max_context

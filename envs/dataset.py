@@ -436,7 +436,7 @@ class DatasetSpec(EnvSpec):
         self.instruction = instruction.strip() if instruction else None
         self.scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes,
                               concurrency=reward_concurrency,
-                             fail_steps=reward_fail_steps)
+                              fail_steps=reward_fail_steps)
         self.samples: Counter[str] = Counter()
         self._running = False
         splits: dict[str, Rows] = {}

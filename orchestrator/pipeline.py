@@ -74,8 +74,8 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 from envs.base import Task
 from orchestrator.algo.filters import GroupFilter
 from orchestrator.engines.base import sync_weights
-from orchestrator.faults import add_faults, kill_point
 from orchestrator.errors import RunAborted
+from orchestrator.faults import add_faults, kill_point
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.outcomes import GroupLedger, Outcome
 from orchestrator.rollout import EpisodeRunner
