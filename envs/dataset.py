@@ -435,8 +435,8 @@ class DatasetSpec(EnvSpec):
         self.system_prompt = system_prompt
         self.instruction = instruction.strip() if instruction else None
         self.scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes,
-                              concurrency=reward_concurrency,
-                              fail_steps=reward_fail_steps)
+                             concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps)
         self.samples: Counter[str] = Counter()
         self._running = False
         splits: dict[str, Rows] = {}

@@ -11,8 +11,8 @@ plain or an ``async`` function written in one of three conventions, told apart b
 * **ours**: ``fn(completion, answer, metadata)``; it may also declare any of the keywords
   ``prompt`` (the opening messages), ``data_source`` and ``transcript`` (every message of the
   episode; empty for a single turn), or ``**kwargs`` for all three.
-* **TRL's**: ``fn(prompts, completions, **columns)`` — batched lists, returning a list. It is
-  called with batches of one: ``prompts=[p]`` (the prompt text when the prompt is a single user
+* **TRL's**: ``fn(prompts, completions, **columns)`` (any function with a ``completions``
+  parameter) — batched lists, returning a list. It is called by keyword with batches of one: ``prompts=[p]`` (the prompt text when the prompt is a single user
   message, else its messages), ``completions=[c]`` (the text, or ``[{"role": "assistant",
   "content": c}]`` with a conversational prompt), ``answer=[a]`` and each column of the row as a
   list of one (only those it declares, unless it takes ``**kwargs``).
@@ -302,8 +302,9 @@ class Adapted:
 
     def __call__(self, sample: Sample) -> Any:
         if self.convention == "trl":
-            return self.fn(prompts=[_trl_prompt(sample)], completions=[_trl_completion(sample)],
-                           **self._take({"answer": sample.answer, **sample.metadata}, listed=True))
+            return self.fn(**self._take({"answer": sample.answer, **sample.metadata,
+                                         "prompts": _trl_prompt(sample),
+                                         "completions": _trl_completion(sample)}, listed=True))
         if self.convention == "verl":
             extra = sample.metadata.get("extra_info")
             values = {"data_source": sample.data_source, "solution_str": sample.completion,
@@ -352,7 +353,7 @@ def adapt(fn: Callable[..., Any], name: str, key: str = "env.reward") -> Adapted
         except TypeError:
             return False
 
-    if {"prompts", "completions"} <= named and fits(prompts=[], completions=[]):
+    if "completions" in named:  # the columns it names are the data's: checked by the call
         return Adapted(name, fn, "trl", is_async, named, any_keyword)
     if {"solution_str", "ground_truth"} <= named and fits(
             **{k: None for k in _VERL if k in named}):

@@ -227,5 +227,9 @@ async def test_a_transcript_is_scored_by_the_envs_reward_functions(gateway: Gate
 def test_a_wrong_program_or_setting_is_one_line() -> None:
     with pytest.raises(ValueError, match="env.program=toy_agents:nothing: toy_agents has no"):
         AgentSpec(program="toy_agents:nothing")
+    with pytest.raises(ValueError, match="env.rewards is replaced by env.reward"):
+        AgentSpec(program="toy_agents:transcript", rewards={"toy_agents:transcript_digits": 1})
+    with pytest.raises(ValueError, match="fits none of the three conventions"):
+        AgentSpec(program="toy_agents:transcript", reward="toy_agents:transcript")
     with pytest.raises(ValueError, match="env.timeout_s must be > 0"):
         AgentSpec(program="toy_agents:calculator", timeout_s=0)
