@@ -21,12 +21,9 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import Any, Protocol, Self
 
 from envs.answers import extract_math
-
-if TYPE_CHECKING:
-    from envs.rewards import Scorer
 
 Message = dict[str, str]
 Clock = Callable[[], float]  # seconds; the run's one clock (its recorder's), handed to envs
@@ -99,6 +96,21 @@ class Reward:
             total += term.weight * term.value
         return cls(total, {**{t.name: t.value for t in terms}, **(diagnostics or {})},
                    tuple(terms))
+
+
+class Scoring(Protocol):
+    """What an :class:`EnvSpec` uses of its reward scorer, :class:`envs.rewards.Scorer` (named
+    by its shape here: that module builds on this one)."""
+
+    fail_steps: int
+    first_failure: str | None
+
+    def metrics(self) -> dict[str, float]: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None: ...
 
 
 class Env(ABC):
@@ -193,7 +205,7 @@ class EnvSpec(ABC):
         return extract_math(reply)
 
     # env.reward, scored (envs.rewards.Scorer): set by an environment whose reward it is
-    scorer: Scorer | None = None
+    scorer: Scoring | None = None
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

@@ -71,21 +71,15 @@ def _serve(conn: Connection, score: Callable[[str, Any], Outcome]) -> None:
         conn.send(score(sample, names))
 
 
-def zygote_main(fd: int, names: Sequence[str], mv_timeout: int) -> None:
-    """The zygote (``python -m envs.reward_worker``): import the functions, say ready, then fork
-    a worker for each socket the pool sends over ``fd`` (answering with its pid) until the
-    pool closes ``fd``. Its children are reaped by the kernel (SIGCHLD ignored)."""
-    from envs import rewards  # here: envs.rewards imports this module
-
-    rewards.set_math_verify_timeout(mv_timeout)
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its per-item timeout notes
+def zygote_main(fd: int, names: Sequence[str], mv_timeout: int,
+                prepare: Callable[[Sequence[str], int], Callable[[Any, Sequence[str]], Outcome]]
+                ) -> None:
+    """The zygote (``python -m envs.reward_worker``): ``prepare`` the functions (imported once,
+    here), say ready, then fork a worker for each socket the pool sends over ``fd`` (answering
+    with its pid) until the pool closes ``fd``. Its children are reaped by the kernel (SIGCHLD
+    ignored)."""
     control = socket.socket(fileno=fd)
-    fns = {name: rewards.resolve(name) for name in names}
-    rewards.warm_up(names)  # math-verify imports its parsers on first use: once here
-
-    def score(sample: Any, asked: Sequence[str]) -> Outcome:
-        return rewards.score_parts(fns, sample, asked)
-
+    score = prepare(names, mv_timeout)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     control.sendall(b"R")
     while True:

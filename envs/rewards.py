@@ -521,6 +521,21 @@ def score_parts(fns: Mapping[str, Adapted], sample: Sample, names: Sequence[str]
     return outcome
 
 
+def prepare_worker(names: Sequence[str], mv_timeout: int
+                   ) -> Callable[[Sample, Sequence[str]], Outcome]:
+    """In the workers' zygote: resolve ``names`` and import what they need, once; the function
+    a worker scores an item with."""
+    set_math_verify_timeout(mv_timeout)
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its per-item timeout notes
+    fns = {name: resolve(name) for name in names}
+    warm_up(names)
+
+    def score(sample: Sample, asked: Sequence[str]) -> Outcome:
+        return score_parts(fns, sample, asked)
+
+    return score
+
+
 # --- the scorer every environment uses --------------------------------------------------------
 
 OwnReward = Callable[[], Awaitable[RewardValue]]
