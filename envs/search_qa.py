@@ -32,7 +32,8 @@ from typing import Any, Literal
 from envs.base import Env, EnvSpec, Message, Reward, Task
 from envs.errors import EnvConfigError, EnvError, EnvNotRunning
 from envs.parsers import HermesParser
-from envs.rewards import Scorer, em_reward, f1_reward, squad_normalise
+from envs.reward_builtins import em_reward, f1_reward, squad_normalise
+from envs.rewards import Scorer
 from envs.tool_env import Episode, ToolEnv, episode_sample
 from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
 from envs.toolset import ToolSet

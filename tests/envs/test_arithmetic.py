@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from envs.arithmetic import ArithmeticEnv, ArithmeticSpec
-from envs.rewards import Scorer, strict_reward
 from envs.base import Env, EnvSpec, Task
 from envs.errors import EnvConfigError, EnvError
 from envs.registry import available, default_config, make_spec, spec_class
+from envs.reward_builtins import strict_reward
+from envs.rewards import Scorer
 
 pytestmark = pytest.mark.anyio
 

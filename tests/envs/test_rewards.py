@@ -9,7 +9,8 @@ import pytest
 
 from envs.base import Reward, RewardTerm
 from envs.errors import EnvConfigError
-from envs.rewards import Sample, Scorer, extract_math, math_reward, parse_terms
+from envs.reward_builtins import extract_math, math_reward
+from envs.rewards import Sample, Scorer, parse_terms
 
 
 @pytest.mark.parametrize(("completion", "answer"), [
@@ -147,7 +148,7 @@ async def test_the_event_loop_runs_while_a_verification_hangs() -> None:
 
 
 def test_math_decides_in_the_caller_only_where_no_parser_is_needed() -> None:
-    from envs.rewards import math_quick
+    from envs.reward_builtins import math_quick
 
     assert math_quick("so \\boxed{16}", "16") == 1.0
     assert math_quick("it is 0.50", "0.5") == 1.0  # plain numbers, as numbers
