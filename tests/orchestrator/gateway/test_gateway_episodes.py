@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -222,6 +223,20 @@ async def test_a_transcript_is_scored_by_the_envs_reward_functions(gateway: Gate
     assert outcome.reward.components == {"toy_agents:transcript_digits": pytest.approx(share)}
     assert t.reward == pytest.approx(2 * share)
     assert t.metrics["reward/toy_agents:transcript_digits"] > 0
+
+
+async def test_a_transcript_reward_that_hangs_is_cut_off_and_counted(gateway: Gateway) -> None:
+    """It ran on the event loop with no limit before: a hang stalled the run."""
+    spec = AgentSpec(program="toy_agents:transcript", reward="toy_agents:hangs",
+                     reward_timeout_s=1.0)
+    started = time.monotonic()
+    async with spec.running():
+        _, outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
+    assert time.monotonic() - started < 10
+    assert outcome.status == "ok" and outcome.reward.total == 0.0
+    assert outcome.reward.components["failed"] == 1.0
+    assert spec.metrics()["reward/failed/toy_agents:hangs/timeout"] == 1.0
+    assert spec.reward_failure() == "toy_agents:hangs: timeout: no result within 1 s"
 
 
 def test_a_wrong_program_or_setting_is_one_line() -> None:

@@ -94,6 +94,14 @@ def transcript_digits(completion: str, answer: str, metadata: Any,
     return digit_share(completion)
 
 
+def hangs(completion: str, answer: str, metadata: Any) -> float:
+    """A reward that never returns (a stuck verifier)."""
+    import time
+
+    time.sleep(3600)
+    return 1.0
+
+
 async def flaky(task: Task, client: AsyncOpenAI) -> float:
     """By task id: two calls (the second extends the first), or a raise after one call, a
     hang, or a raise before any call."""
