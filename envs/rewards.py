@@ -61,7 +61,10 @@ function reports beside its score, and ``failed``, are diagnostics.
 model's output) run in worker processes under the hard limit ``env.reward_timeout_s``
 (:mod:`envs.reward_pool`); a plain function in ``env.reward_processes`` of them, an ``async``
 one in up to ``env.reward_concurrency`` (each waits on its own I/O, so they overlap). The
-cheap built-ins and the environment's own rewards run in the caller.
+cheap built-ins and the environment's own rewards run in the caller; a built-in registered
+with ``isolated=False`` that is ``async`` (a judge waiting on an endpoint) is awaited on the
+caller's event loop under the same hard limit (``envs.reward_builtins.BUILTINS`` is where a
+built-in registers).
 
 **Giving up.** Every way a reward gives up on a sample — our hard timeout (``timeout``), its
 own (``own_timeout``), an exception or a dead worker (``error``), a non-number or NaN
@@ -212,7 +215,7 @@ def adapt(fn: Callable[..., Any], name: str, key: str = "env.reward") -> Adapted
 def resolve(name: str, key: str = "env.reward") -> Adapted:
     """The function ``name`` stands for, adapted: a built-in or ``package.module:function``."""
     if name in BUILTINS:
-        return Adapted(name, BUILTINS[name].fn, "ours", False)
+        return adapt(BUILTINS[name].fn, name, key)
     if ":" not in name:
         raise EnvConfigError(f"{key} names an unknown reward {name!r}: choose from "
                              f"{', '.join(BUILTINS)} or give package.module:function")
@@ -458,18 +461,29 @@ class Scorer:
         wanted = {t.name for t in terms}
         parts: dict[str, Reward] = {}
         failures: list[Failure] = []
+        in_caller: dict[str, Callable[[], Any]] = {}
         for name in wanted & set(self.own):
             if own is None or name not in own:
                 raise RuntimeError(f"the environment did not provide its reward {name!r}")
+            in_caller[name] = own[name]
+        for name, fn in self._local.items():
+            if name in wanted:
+                in_caller[name] = lambda fn=fn: fn(sample)
+        for name, make in in_caller.items():
+            # in the caller: a plain built-in returns at once; an async one (a judge) waits
+            # on I/O here under the hard limit; the environment's own keep their own limits
+            # (a sandbox's timeouts, which include waiting for a session)
+            limit = None if name in self.own else self.timeout_s
             try:
-                parts[name] = as_reward(await own[name](), name)
+                with anyio.fail_after(limit):
+                    value = make()
+                    if inspect.isawaitable(value):
+                        value = await value
+                parts[name] = as_reward(value, name)
+            except TimeoutError:
+                failures.append(Failure(name, "timeout", f"no result within {self.timeout_s:g} s"))
             except Exception as e:  # noqa: BLE001 - a reward that gives up scores 0, counted
                 failures.append(failure(name, e))
-        local = {n: f for n, f in self._local.items() if n in wanted}
-        if local:
-            outcome = score_parts(local, sample, list(local))
-            parts.update(outcome.parts)
-            failures += outcome.failures
         isolated_parts = await self._isolated(sample, wanted)
         parts.update(isolated_parts.parts)
         failures += isolated_parts.failures

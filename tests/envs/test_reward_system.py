@@ -192,3 +192,24 @@ async def test_dataset_takes_env_reward(tmp_path: Path) -> None:
     assert reward.components["dataset_reward_fns:sees_everything/source_is_gsm8k"] == 1.0
     assert reward.components["dataset_reward_fns:sees_everything/has_level"] == 1.0
     assert (await episode(spec, mmlu, ["The answer is (B)."])).total == 1.0
+
+
+async def test_an_async_built_in_runs_on_the_callers_loop_under_the_hard_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """How a built-in that waits on I/O (the LLM judge) plugs in: registered in BUILTINS,
+    not isolated, awaited in the caller; past env.reward_timeout_s it is a counted timeout."""
+    from envs import reward_builtins
+
+    async def slow_judge(completion: str, answer: str, metadata: object) -> float:
+        await anyio.sleep(0.0 if completion == answer else 60)
+        return 1.0
+
+    monkeypatch.setitem(reward_builtins.BUILTINS, "slow_judge",
+                        reward_builtins.Builtin(slow_judge, isolated=False))
+    async with Scorer("slow_judge", timeout_s=0.3) as scorer:
+        assert (await scorer.score(Sample("a", "a"))).total == 1.0
+        started = time.monotonic()
+        late = await scorer.score(Sample("a", "b"))
+        assert time.monotonic() - started < 2
+    assert late.total == 0.0 and late.components["failed"] == 1.0
+    assert scorer.metrics()["reward/failed/slow_judge/timeout"] == 1.0
