@@ -410,7 +410,6 @@ class Scorer:
             raise EnvConfigError(f"env.reward_fail_steps must be >= 1, got {fail_steps}")
         self.fail_steps = fail_steps  # read by the run loop (EnvSpec.reward_fail_steps)
         self.routes = parse_reward(reward, key, own)
-        self.terms = self.routes.default  # the default route's (the only one without by_source)
         self.own = tuple(own)
         self.timeout_s = timeout_s
         self.processes = processes
