@@ -58,7 +58,7 @@ from bench.cli import add_smoke, headline
 from envs.agent import AgentEndpoint, AgentSpec
 from envs.base import Env, EnvSpec, Reward, Task
 from envs.parsers import HermesParser
-from envs.tool_env import ToolEnv, WeightedReward
+from envs.tool_env import ToolEnv
 from envs.tools import tool
 from envs.toolset import ToolSet
 from orchestrator.engines.simulated import SimulatedEngine
@@ -94,8 +94,8 @@ async def noop() -> str:
     return "ok"
 
 
-async def _one(_episode: Any) -> float:
-    return 1.0
+async def _one(_episode: Any) -> Reward:
+    return Reward(1.0)
 
 
 class NoopSpec(EnvSpec):
@@ -107,7 +107,7 @@ class NoopSpec(EnvSpec):
         return self._tasks
 
     def make_env(self) -> Env:
-        return ToolEnv(ToolSet([noop], clock=self.clock), [WeightedReward("one", _one)],
+        return ToolEnv(ToolSet([noop], clock=self.clock), _one,
                        describe_tools=False)
 
 

@@ -10,9 +10,11 @@ data; this layer never imports it). Every call the program makes with it is reco
 by token, into the episode's trajectory; the program's return value is the episode's reward.
 A plain ``def run(task, client: openai.OpenAI)`` runs in a worker thread with a synchronous
 client. A program may instead return its transcript (a list of OpenAI message dicts) and
-leave scoring to the reward functions named in ``rewards`` (``{"pkg.mod:fn": weight}``, each
-``fn(task, transcript) -> float``, plain or async); an :class:`~envs.base.Reward` is taken as
-it is.
+leave scoring to ``env.reward`` (:mod:`envs.rewards`: any reward, in worker processes under
+``env.reward_timeout_s`` like every environment's), which sees the transcript's last message
+as the completion and the whole of it as ``transcript``; a number or an
+:class:`~envs.base.Reward` the program returns is taken as it is. (``env.rewards`` and its
+``fn(task, transcript)`` are gone: one reward system, one key.)
 
 Tasks come from ``tasks`` (``"pkg.mod:fn"``, ``fn(split) -> iterable``; by default the
 ``tasks`` of the module ``env.program`` names): :class:`~envs.base.Task` objects, or mappings
@@ -40,8 +42,9 @@ import anyio
 import httpx
 
 from envs.agent_workers import AgentWorkers, ProgramError
-from envs.base import Env, EnvSpec, Message, Reward, RewardTerm, Task
+from envs.base import Env, EnvSpec, Reward, Task
 from envs.errors import EnvConfigError, EnvError
+from envs.rewards import Sample, Scorer
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +151,8 @@ class AgentSpec(EnvSpec):
         self,
         program: str,
         tasks: str | None = None,
-        rewards: Mapping[str, float] | None = None,
+        reward: Any = None,
+        rewards: Any = None,
         timeout_s: float = 300.0,
         model: str = "policy",
         host: str = "127.0.0.1",
@@ -157,7 +161,15 @@ class AgentSpec(EnvSpec):
         max_calls: int = 64,
         max_context: int | None = None,
         processes: int = 0,
+        reward_timeout_s: float = 10.0,
+        reward_processes: int = 2,
+        reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
     ) -> None:
+        if rewards:
+            raise EnvConfigError("env.rewards is replaced by env.reward (the same {package."
+                                 "module:fn: weight}); a function takes (completion, answer, "
+                                 "metadata, transcript=...) instead of (task, transcript)")
         if timeout_s <= 0:
             raise EnvConfigError(f"env.timeout_s must be > 0, got {timeout_s}")
         for key, value in (("max_n", max_n), ("max_calls", max_calls)):
@@ -179,8 +191,9 @@ class AgentSpec(EnvSpec):
         source = tasks or f"{module}:tasks"
         make_tasks = load_object(source, "env.tasks")
         self.splits = {split: self._load(make_tasks, split) for split in ("train", "eval")}
-        self.rewards = [(name, load_object(name, "env.rewards"), float(weight))
-                        for name, weight in (rewards or {}).items()]
+        self.scorer = None if reward is None else Scorer(
+            reward, reward_timeout_s, reward_processes, concurrency=reward_concurrency,
+            fail_steps=reward_fail_steps)
         self.timeout_s = float(timeout_s)
         self.model, self.host, self.port = model, host, port
         self.max_n, self.max_calls, self.max_context = max_n, max_calls, max_context
@@ -225,20 +238,24 @@ class AgentSpec(EnvSpec):
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        """With ``processes`` > 0, the worker processes the programs run in."""
-        if not self.processes:
-            yield
-            return
-        async with AgentWorkers(self.program_path, self.processes,
-                                self.timeout_s).open() as workers:
-            self._workers = workers
-            try:
+        """``env.reward``'s workers; with ``processes`` > 0, the worker processes the programs
+        run in."""
+        async with super().running():
+            if not self.processes:
                 yield
-            finally:
-                self._workers = None
+                return
+            async with AgentWorkers(self.program_path, self.processes,
+                                    self.timeout_s).open() as workers:
+                self._workers = workers
+                try:
+                    yield
+                finally:
+                    self._workers = None
 
     def metrics(self) -> dict[str, float]:
-        return {"agent/worker_restarts": float(self._workers.restarts)} if self._workers else {}
+        restarts = ({"agent/worker_restarts": float(self._workers.restarts)} if self._workers
+                    else {})
+        return {**restarts, **super().metrics()}
 
     async def _score(self, task: Task, result: Any) -> Reward:
         if isinstance(result, Reward):
@@ -246,22 +263,16 @@ class AgentSpec(EnvSpec):
         if isinstance(result, bool | int | float):
             return Reward(float(result))
         if isinstance(result, list | tuple):
-            if not self.rewards:
-                raise TypeError("the agent program returned a transcript, but env.rewards names "
-                                "no reward function to score it")
-            return await self._transcript_reward(task, [dict(m) for m in result])
+            if self.scorer is None:
+                raise TypeError("the agent program returned a transcript, but env.reward names "
+                                "no reward to score it")
+            transcript = tuple(dict(m) for m in result)
+            last = str(transcript[-1].get("content") or "") if transcript else ""
+            source = str(task.metadata.get("data_source") or self.name)
+            return await self.scorer.score(Sample(last, task.answer, task.metadata,
+                                                  task.messages, source, transcript))
         raise TypeError(f"the agent program returned {type(result).__name__}; return a reward "
                         f"(a number or envs.base.Reward) or the transcript (a list of messages)")
-
-    async def _transcript_reward(self, task: Task, transcript: list[Message]) -> Reward:
-        terms = []
-        for name, fn, weight in self.rewards:
-            value = fn(task, transcript)
-            if inspect.isawaitable(value):
-                value = await value
-            key = name.replace(":", ".").rsplit(".", 1)[-1]
-            terms.append(RewardTerm(key, weight, float(value)))
-        return Reward.weighted(terms)
 
 
 def _openai() -> Any:

@@ -1,8 +1,8 @@
 """Integer arithmetic with an exact-match reward: the default task a tiny model learns on CPU.
 
 Each task is ``a+b=`` (or ``a-b=``, ``a*b=`` when enabled) with operands of up to
-``digits`` digits; the reward is 1.0 when the reply, stripped of white space, is exactly the
-decimal result, else 0.0. Tasks are generated from a seed, so splits are reproducible and
+``digits`` digits; the reward is ``env.reward`` (:mod:`envs.rewards`), by default ``strict``:
+1.0 when the reply, stripped of white space, is exactly the decimal result, else 0.0. Tasks are generated from a seed, so splits are reproducible and
 disjoint (eval operands never appear in train).
 """
 
@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task
 from envs.errors import EnvConfigError
+from envs.rewards import Sample, Scorer
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-async def exact_match(task: Task, reply: str) -> float:
-    return 1.0 if reply.strip() == task.answer else 0.0
-
-
 class ArithmeticEnv(SingleTurnEnv):
+    def __init__(self, scorer: Scorer) -> None:
+        super().__init__()
+        self.scorer = scorer
+
     async def score(self, task: Task, reply: str) -> Reward:
-        correct = await exact_match(task, reply)
-        return Reward(total=correct, components={"exact_match": correct})
+        return await self.scorer.score(Sample(reply, task.answer, task.metadata, task.messages,
+                                              ArithmeticSpec.name))
 
 
 class ArithmeticSpec(EnvSpec):
@@ -38,6 +40,11 @@ class ArithmeticSpec(EnvSpec):
         eval_size: int = 200,
         seed: int = 0,
         zero_pad: bool = True,
+        reward: Any = "strict",
+        reward_timeout_s: float = 10.0,
+        reward_processes: int = 2,
+        reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
     ) -> None:
         unknown = [op for op in ops if op not in _OPS]
         if unknown:
@@ -52,6 +59,9 @@ class ArithmeticSpec(EnvSpec):
                 f"env.train_size + env.eval_size = {train_size + eval_size} exceeds the "
                 f"{universe} distinct problems with digits={digits}"
             )
+        self.scorer = Scorer(reward, reward_timeout_s, reward_processes,
+                             concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps)
         rng = random.Random(seed)
         seen: set[tuple[int, str, int]] = set()
         problems: list[tuple[int, str, int]] = []
@@ -77,8 +87,8 @@ class ArithmeticSpec(EnvSpec):
         )
 
     def make_env(self) -> Env:
-        return ArithmeticEnv()
+        return ArithmeticEnv(self.scorer)
 
     def extract_answer(self, reply: str) -> str | None:
-        """The reply itself, stripped: what the exact-match reward compares."""
+        """The reply itself, stripped: what the default reward (``strict``) compares."""
         return reply.strip() or None

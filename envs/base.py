@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
 from envs.answers import extract_math
 
@@ -98,8 +98,19 @@ class Reward:
                    tuple(terms))
 
 
-class RewardFn(Protocol):
-    async def __call__(self, task: Task, reply: str) -> float: ...
+class Scoring(Protocol):
+    """What an :class:`EnvSpec` uses of its reward scorer, :class:`envs.rewards.Scorer` (named
+    by its shape here: that module builds on this one)."""
+
+    fail_steps: int
+    first_failure: str | None
+
+    def metrics(self) -> dict[str, float]: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None: ...
 
 
 class Env(ABC):
@@ -193,13 +204,33 @@ class EnvSpec(ABC):
         returns None, so no maj@n is reported for it."""
         return extract_math(reply)
 
+    # env.reward, scored (envs.rewards.Scorer): set by an environment whose reward it is
+    scorer: Scoring | None = None
+
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        """What the environment needs for the whole run (a sandbox pool, a service), held
-        while the run's episodes go on; the runner enters it once around all of them."""
-        yield
+        """What the environment needs for the whole run (a sandbox pool, a service; here the
+        scorer's reward workers), held while the run's episodes go on; the runner enters it
+        once around all of them. An override holds ``self.scorer`` too."""
+        if self.scorer is None:
+            yield
+            return
+        async with self.scorer:
+            yield
+
+    def reward_failure(self) -> str | None:
+        """The first way this environment's reward gave up (``name: kind: message``), or None:
+        what the run loop names when it stops a run whose rewards keep failing."""
+        return self.scorer.first_failure if self.scorer is not None else None
+
+    @property
+    def reward_fail_steps(self) -> int:
+        """``env.reward_fail_steps``: how many steps in a row with more than half the samples'
+        rewards failed stop the run."""
+        return self.scorer.fail_steps if self.scorer is not None else 3
 
     def metrics(self) -> dict[str, float]:
         """Counters of what the environment's services rode out (``faults/sandbox_lost``, …),
-        added to each step's metrics: totals since :meth:`running` was entered."""
-        return {}
+        added to each step's metrics: totals since :meth:`running` was entered (here the
+        scorer's, ``reward/failed/<name>/<kind>`` …)."""
+        return self.scorer.metrics() if self.scorer is not None else {}

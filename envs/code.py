@@ -3,7 +3,7 @@
 Tasks are synthetic and described in words, so a tiny model can learn a few of them:
 ``Write f(x) that returns (x plus 3) times 2.`` → ``def f(x):\\n    return (x+3)*2``. Each
 task has hidden tests (inputs drawn from a seed, expected values computed here); the reward
-is the fraction that pass, run in a fresh sandbox session with the configured limits: one
+is ``env.reward`` (:mod:`envs.rewards`), by default ``tests_passed``: the fraction that pass, run in a fresh sandbox session with the configured limits: one
 program loads the model's code into a namespace of its own, then runs the tests with the
 builtins it took beforehand and reports the count after a random marker (see
 :func:`test_program` for what that does and does not stop).
@@ -33,7 +33,8 @@ from typing import Any
 from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
 from envs.errors import EnvConfigError, EnvNotRunning
 from envs.parsers import HermesParser
-from envs.tool_env import Episode, ToolEnv, WeightedReward
+from envs.rewards import Sample, Scorer
+from envs.tool_env import Episode, ToolEnv, episode_sample
 from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
 from envs.toolset import ToolSet
 from sandboxes.api import ExecResult, SandboxPool
@@ -115,9 +116,8 @@ class CodeEnv(SingleTurnEnv):
         self.spec = spec
 
     async def score(self, task: Task, reply: str) -> Reward:
-        score, info = await self.spec.grade(task, reply)
-        ran_ok = info["status"] == "ok" and info["loaded"]
-        return Reward(score, {"tests_passed": score, "ran_ok": float(ran_ok), "exec_s": info["exec_s"]})
+        sample = Sample(reply, task.answer, task.metadata, task.messages, self.spec.name)
+        return await self.spec.score(sample, task, reply)
 
 
 class CodeSpec(EnvSpec):
@@ -134,6 +134,11 @@ class CodeSpec(EnvSpec):
         num_tests: int = 5,
         test_timeout: float = 5.0,
         seed: int = 0,
+        reward: Any = "tests_passed",
+        reward_timeout_s: float = 10.0,
+        reward_processes: int = 2,
+        reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
     ) -> None:
         unknown = [op for op in ops if op not in OPS]
         if unknown or not ops:
@@ -149,6 +154,10 @@ class CodeSpec(EnvSpec):
         # a mapping with a _target_ (conf/sandbox/*.yaml), a config, or None (Docker defaults);
         # checked now, opened in running()
         self.sandbox_config = sandbox_config(sandbox)
+        # tests_passed: the hidden tests in a sandbox (the environment's own reward)
+        self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("tests_passed",),
+                             concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps)
         self.test_timeout = test_timeout
         self.pool: SandboxPool | None = None
         rng = random.Random(seed)
@@ -171,7 +180,7 @@ class CodeSpec(EnvSpec):
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        async with self.sandbox_config.pool() as pool:
+        async with self.sandbox_config.pool() as pool, self.scorer:
             self.pool = pool
             try:
                 yield
@@ -179,7 +188,20 @@ class CodeSpec(EnvSpec):
                 self.pool = None
 
     def metrics(self) -> dict[str, float]:
-        return self.pool.metrics() if self.pool is not None else {}
+        return {**(self.pool.metrics() if self.pool is not None else {}),
+                **super().metrics()}
+
+    async def score(self, sample: Sample, task: Task, reply: str,
+                    diagnostics: Mapping[str, float] | None = None) -> Reward:
+        """``env.reward`` on ``sample``; its own ``tests_passed`` grades ``reply`` (reporting
+        ``ran_ok`` and ``exec_s`` beside its score)."""
+
+        async def tests_passed() -> Reward:
+            score, info = await self.grade(task, reply)
+            ran_ok = info["status"] == "ok" and info["loaded"]
+            return Reward(score, {"ran_ok": float(ran_ok), "exec_s": info["exec_s"]})
+
+        return await self.scorer.score(sample, {"tests_passed": tests_passed}, diagnostics)
 
     def _pool(self) -> SandboxPool:
         if self.pool is None:
@@ -235,17 +257,13 @@ class CodeToolSpec(CodeSpec):
                 raise ToolError(f"{result.status}, exit code {result.exit_code}: {output}", metadata)
             return ToolOutput(output, metadata)
 
-        async def tests_passed(episode: Episode) -> float:
-            score, _ = await spec.grade(episode.task, episode.final_reply)
-            return score
+        async def score(episode: Episode) -> Reward:
+            used_python = float(any(call.name == "python" for call in episode.tool_calls))
+            return await spec.score(episode_sample(episode, spec.name), episode.task,
+                                    episode.final_reply, {"used_python": used_python})
 
-        async def used_python(episode: Episode) -> float:
-            return float(any(call.name == "python" for call in episode.tool_calls))
-
-        rewards = [WeightedReward("tests_passed", tests_passed, 1.0),
-                   WeightedReward("used_python", used_python, 0.0)]
         tools = ToolSet([python], max_calls_per_turn=self.max_calls_per_turn, clock=self.clock)
-        return ToolEnv(tools, rewards, system_prompt=self.system_prompt,
+        return ToolEnv(tools, score, system_prompt=self.system_prompt,
                        describe_tools=self.describe_tools)
 
     def demonstration(self, task: Task) -> tuple[Message, ...]:

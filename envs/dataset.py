@@ -67,7 +67,7 @@ from typing import Any, overload
 
 from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
 from envs.errors import EnvConfigError
-from envs.rewards import Scorer
+from envs.rewards import Sample, Scorer
 
 log = logging.getLogger(__name__)
 
@@ -489,17 +489,19 @@ class DatasetEnv(SingleTurnEnv):
         return await super().reset(task)
 
     async def score(self, task: Task, reply: str) -> Reward:
-        return await self._spec.scorer().score(reply, task.answer, task.metadata,
-                                               prompt=task.messages)
+        source = task.source if isinstance(task, DatasetTask) else ""
+        return await self._spec.running_scorer().score(Sample(reply, task.answer, task.metadata,
+                                                      task.messages, source))
 
 
 class DatasetSpec(EnvSpec):
     """``train`` / ``eval``: files (a path, glob, list, or a list of ``{path, weight}`` for
     train); ``prompt_key`` / ``answer_key``: dotted columns (None: found by name);
     ``system_prompt`` / ``instruction``: added where a row has none; ``reward``: a name, a
-    list or ``{name: weight}`` (:mod:`envs.rewards`); ``reward_timeout_s`` per item;
-    ``reward_processes``: verification workers; ``judge``: the LLM judge's endpoint and
-    limits when ``reward`` names ``judge`` (:class:`envs.judge.JudgeConfig`)."""
+    list, ``{name: weight}`` or ``{by_source: …, default: …}`` (:mod:`envs.rewards`);
+    ``reward_timeout_s`` per item; ``reward_processes``: verification workers (plain
+    functions); ``reward_concurrency``: an ``async`` function's calls at once; ``judge``: the
+    LLM judge's endpoint and limits when ``reward`` names ``judge`` (:class:`envs.judge.JudgeConfig`)."""
 
     name = "dataset"  # its registry name, also its tasks' data source in evaluations
 
@@ -514,14 +516,17 @@ class DatasetSpec(EnvSpec):
         reward: Any = "math",
         reward_timeout_s: float = 10.0,
         reward_processes: int = 2,
+        reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
         judge: dict[str, Any] | None = None,
     ) -> None:
         if train is None or train == "???":
             raise EnvConfigError("env.train must name your data, e.g. env.train=data/train.jsonl")
         self.system_prompt = system_prompt
         self.instruction = instruction.strip() if instruction else None
-        self._scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes,
-                              judge=judge)
+        self.scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes,
+                             concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps, judge=judge)
         self.samples: Counter[str] = Counter()
         self._running = False
         splits: dict[str, Rows] = {}
@@ -581,17 +586,19 @@ class DatasetSpec(EnvSpec):
                         "(first: %s)", found, example)
         return found
 
-    def scorer(self) -> Scorer:
+    def running_scorer(self) -> Scorer:
         if not self._running:
             from envs.errors import EnvNotRunning
 
             raise EnvNotRunning("env=dataset scores inside `async with spec.running():`, "
                                 "which holds its verification workers")
-        return self._scorer
+        assert self.scorer is not None
+        return self.scorer
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        async with self._scorer:
+        assert self.scorer is not None
+        async with self.scorer:
             self._running = True
             try:
                 yield
@@ -602,7 +609,7 @@ class DatasetSpec(EnvSpec):
         return DatasetEnv(self)
 
     def metrics(self) -> dict[str, float]:
-        return {**self._scorer.metrics(),
+        return {**super().metrics(),
                 **{f"data/samples/{source}": float(n) for source, n in self.samples.items()}}
 
     def keep(self, fits: Callable[[tuple[Message, ...]], bool]) -> dict[str, int]:

@@ -20,9 +20,11 @@ from ``env.seed``, ``env.train_size`` and ``env.eval_size``.
   stripped of surrounding white space either way (reasoning-gym's answers are plain strings,
   and its own ``extract_answer`` does the same). ``last_number``: the last number in the
   completion (for numeric datasets and a model that answers in a sentence).
-* **Reward.** The dataset's own verifier, ``dataset.score_answer(extracted, entry)``, in
-  [0, 1]; some verifiers give partial credit. A verifier that raises on a model's garbage
-  scores 0 (counted as ``verifier_error``): a model mistake, not an operator's.
+* **Reward.** ``env.reward`` (:mod:`envs.rewards`), by default ``verifier``: the dataset's own
+  verifier, ``dataset.score_answer(extracted, entry)``, in [0, 1]; some verifiers give partial
+  credit. A verifier that raises on a model's garbage scores 0 (logged as
+  ``verifier/error``, not a reward failure): a model mistake, not an operator's.
+  ``exact_match`` and ``tagged`` are logged beside it.
 * **Warm start.** Each task's reference answer is the dataset's own answer, so the supervised
   warm start learns from it (the plain answer, without tags).
 * **Characters.** The default tiny model's tokenizer knows printable ASCII and newline only
@@ -43,6 +45,7 @@ from typing import Any
 
 from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task
 from envs.errors import EnvConfigError
+from envs.rewards import Sample, Scorer
 
 INSTALL_HINT = "env=reasoning_gym needs the reasoning-gym package: pip install -e .[tasks]"
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -87,25 +90,27 @@ def _printable(entry: dict[str, Any]) -> bool:
 
 
 class ReasoningGymEnv(SingleTurnEnv):
-    def __init__(self, dataset: Any, answer: str = "tagged") -> None:
+    def __init__(self, spec: ReasoningGymSpec) -> None:
         super().__init__()
-        self._dataset = dataset
-        self._answer = answer
+        self._spec = spec
 
     async def score(self, task: Task, reply: str) -> Reward:
-        answer = extract_answer(reply, self._answer)
+        spec = self._spec
+        answer = extract_answer(reply, spec.answer)
         entry = task.metadata["entry"]
-        try:
-            score = float(self._dataset.score_answer(answer, entry))
-            error = 0.0
-        except Exception:  # noqa: BLE001 - a verifier tripping over model output scores 0
-            score, error = 0.0, 1.0
-        return Reward(total=score, components={
-            "score": score,
-            "exact_match": 1.0 if answer == task.answer else 0.0,
-            "tagged": 1.0 if _ANSWER.search(reply) else 0.0,
-            "verifier_error": error,
-        })
+
+        async def verifier() -> Reward:
+            try:
+                return Reward(float(spec._verifier.score_answer(answer, entry)), {"error": 0.0})
+            except Exception:  # noqa: BLE001 - a verifier tripping over model output scores 0
+                return Reward(0.0, {"error": 1.0})
+
+        assert spec.scorer is not None
+        return await spec.scorer.score(
+            Sample(reply, task.answer, task.metadata, task.messages, spec.dataset),
+            {"verifier": verifier},
+            {"exact_match": 1.0 if answer == task.answer else 0.0,
+             "tagged": 1.0 if _ANSWER.search(reply) else 0.0})
 
 
 class ReasoningGymSpec(EnvSpec):
@@ -113,7 +118,8 @@ class ReasoningGymSpec(EnvSpec):
     ``train_size``/``eval_size`` distinct questions per split; ``seed`` derives both splits'
     dataset seeds; ``ascii_only`` skips entries the char tokenizer cannot write;
     ``instruction`` follows each question, after an optional ``system_prompt``; ``answer``
-    says how the answer is taken from a completion (``tagged`` or ``last_number``)."""
+    says how the answer is taken from a completion (``tagged`` or ``last_number``);
+    ``reward``: ``env.reward`` (``verifier``, the dataset's own, by default)."""
 
     name = "reasoning_gym"  # its registry name, also its tasks' data source in evaluations
 
@@ -128,6 +134,11 @@ class ReasoningGymSpec(EnvSpec):
         instruction: str | None = None,
         system_prompt: str | None = None,
         answer: str = "tagged",
+        reward: Any = "verifier",
+        reward_timeout_s: float = 10.0,
+        reward_processes: int = 2,
+        reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
     ) -> None:
         registry = _registry()
         if answer not in EXTRACTORS:
@@ -151,7 +162,10 @@ class ReasoningGymSpec(EnvSpec):
         self._instruction = f" {instruction.strip()}" if instruction else ""
         self._classes = registry[dataset]  # (dataset class, its config dataclass)
         self._config = config
-        self._scorer: Any = None  # the train split's dataset object: its verifier scores
+        self._verifier: Any = None  # the train split's dataset object: its verifier scores
+        self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("verifier",),
+                             concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps)
         seen: set[str] = set()
         self.splits = {split: self._collect(split, size, _split_seed(seed, split), seen)
                         for split, size in (("train", train_size), ("eval", eval_size))}
@@ -181,8 +195,8 @@ class ReasoningGymSpec(EnvSpec):
         index = 0
         for attempts in (2 * size + 16, _ATTEMPTS_PER_ITEM * size + 100):
             source = self._create(split_seed, attempts)
-            if self._scorer is None:
-                self._scorer = source
+            if self._verifier is None:
+                self._verifier = source
             while len(tasks) < size and index < attempts:
                 entry = source[index]
                 index += 1
@@ -207,7 +221,7 @@ class ReasoningGymSpec(EnvSpec):
             "fewer or widen the config")
 
     def make_env(self) -> Env:
-        return ReasoningGymEnv(self._scorer, self.answer)
+        return ReasoningGymEnv(self)
 
     def extract_answer(self, reply: str) -> str | None:
         """The answer as the reward takes it (``env.answer``: ``tagged`` or ``last_number``)."""

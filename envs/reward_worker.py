@@ -1,9 +1,10 @@
 """The reward workers' zygote: ``python -m envs.reward_worker FD MV_TIMEOUT NAME…``, started by
-:class:`envs.rewards.WorkerPool` (see there); it forks each worker from itself."""
+:class:`envs.reward_pool.WorkerPool` (see there); it forks each worker from itself."""
 
 import sys
 
-from envs.rewards import zygote_main
+from envs.reward_pool import zygote_main
+from envs.rewards import prepare_worker
 
 if __name__ == "__main__":
-    zygote_main(int(sys.argv[1]), sys.argv[3:], int(sys.argv[2]))
+    zygote_main(int(sys.argv[1]), sys.argv[3:], int(sys.argv[2]), prepare_worker)

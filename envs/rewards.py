@@ -1,22 +1,51 @@
-"""Rewards by name, usable by every environment, and verification that cannot stall a run.
+"""One reward system for every environment: the protocol, the registry, the weighted sum and
+verification that cannot stall a run.
 
-A reward function takes ``(completion, answer, metadata)`` — the model's reply, the reference
-answer and the task's metadata (a dataset row's other columns) — and returns a float or a
-:class:`~envs.base.Reward`; it may be a plain or an ``async`` function. ``env.reward`` names one
-or a weighted sum (:func:`parse_terms`): ``math``, ``{math: 1.0, format: 0.1}`` or
-``[math, format]`` (weight 1 each). A name is a built-in below, ``judge`` (an LLM judge:
-:mod:`envs.judge`, configured by ``env.judge``) or any ``package.module:function``.
+**The protocol.** A reward scores one :class:`Sample` — the model's reply (``completion``),
+the reference ``answer``, the row's other columns (``metadata``), the ``prompt`` messages, the
+``data_source`` and, for a multi-turn episode, its ``transcript`` — and returns a float or a
+:class:`~envs.base.Reward` (its ``components`` are logged as diagnostics, never summed). It is a
+plain or an ``async`` function written in one of three conventions, told apart by its signature
+(:func:`adapt`):
 
-Built-ins (:data:`BUILTINS`):
+* **ours**: ``fn(completion, answer, metadata)``; it may also declare any of the keywords
+  ``prompt`` (the opening messages), ``data_source`` and ``transcript`` (every message of the
+  episode; empty for a single turn), or ``**kwargs`` for all three.
+* **TRL's**: ``fn(prompts, completions, **columns)`` (any function with a ``completions``
+  parameter) — batched lists, returning a list. It is called by keyword with batches of one: ``prompts=[p]`` (the prompt text when the prompt is a single user
+  message, else its messages), ``completions=[c]`` (the text, or ``[{"role": "assistant",
+  "content": c}]`` with a conversational prompt), ``answer=[a]`` and each column of the row as a
+  list of one (only those it declares, unless it takes ``**kwargs``).
+* **verl's**: ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``,
+  called by keyword; ``extra_info`` is the row's ``extra_info`` column when it has one, else
+  all its columns. A returned dict gives its ``score``; its other numbers are diagnostics.
+
+A signature that fits none is refused when the run starts, in one line naming the function and
+the three conventions.
+
+**The registry.** ``env.reward`` names one reward, a weighted sum or a route by data source
+(:func:`parse_reward`): ``math``; ``{math: 1.0, format: 0.1}``; ``[math, format]`` (weight 1
+each); or ``{by_source: {gsm8k: math, mmlu: {choice: 1, format: 0.1}}, default: exact}`` (each
+value any of the former; ``default``, required, scores every other source). A name is a
+built-in below, ``package.module:function``, or a reward the environment itself provides (code's
+``tests``, reasoning_gym's ``verifier``, search_qa's ``searched``: they need the episode's
+sandbox or dataset object, so they run in the caller).
+
+Built-ins (:data:`envs.reward_builtins.BUILTINS`):
 
 * ``math`` — math-verify. The answer is taken from the reply's last ``\\boxed{…}`` (or
   ``\\fbox{…}``), else the last ``<answer>…</answer>``, else the last number in it; a reply with
   none of these scores 0: the whole text is never compared. The answer and the ground truth
   (``$…$`` stripped, each read as the content of a ``\\boxed{}``) are parsed by math-verify and
   checked for mathematical equivalence (``\\frac{3}{4}`` = ``0.75``, sets, intervals,
-  equations, LaTeX or plain); equal normalised strings count too (a text answer).
+  equations, LaTeX or plain); equal normalised strings count too (a text answer). Its own
+  timeout (0.8 × ``env.reward_timeout_s``) is a failure (``own_timeout``), not a 0.
 * ``exact`` — the extracted answer (boxed, then tags, then the whole reply) equals the answer
   after normalising: case, white space, surrounding ``$`` and a final period.
+* ``strict`` — the whole reply, stripped of surrounding white space, is the answer (the
+  arithmetic environment's default).
+* ``em`` / ``f1`` — SQuAD-style exact match and token F1 of the whole reply (lower case, no
+  punctuation or articles; search_qa's).
 * ``choice`` — a multiple-choice letter (A–Z): boxed, tagged, "answer is (B)", or a reply
   that is only the letter; compared with the answer's leading letter.
 * ``regex`` — the reference answer is a regular expression that must match the whole
@@ -24,32 +53,33 @@ Built-ins (:data:`BUILTINS`):
 * ``format`` — 1 when the reply has an extractable final answer (``\\boxed{}`` or
   ``<answer>`` tags), for a small weight beside another reward.
 
+**The judge** (``judge``: an LLM judge, :mod:`envs.judge`, configured by ``env.judge``) is
+asynchronous and bounded by its own limits (a per-call timeout, retries, a cap on calls in
+flight): it is awaited in the caller's task, never in a worker, so an episode waiting on its
+judge holds no worker and stops no other episode; its question is the sample's ``prompt``. A
+sample it could not score after its retries is a failure (``reward/failed/judge/error``,
+``judge/unscored``) and scores 0 for that term.
+
+**The weighted sum** is :meth:`envs.base.Reward.weighted`, the only one: the terms are the
+route's ``name: weight`` entries (``Reward.terms``, what GDPO normalises apart); whatever a
+function reports beside its score, and ``failed``, are diagnostics.
+
 **Isolation.** ``math``, ``regex`` and every ``module:function`` (anything that can hang on a
-model's output: sympy, a catastrophic pattern, user code) run in worker processes
-(:class:`WorkerPool`), ``exact``, ``choice`` and ``format`` in the caller. Each item's isolated
-parts run in one worker under a hard wall-clock limit (``timeout_s``): a worker past it is
-killed (SIGKILL) and replaced by a fresh one, and the item's isolated parts score 0 (counted
-in ``reward/timeouts``); a worker that dies (``os._exit``, a segfault) likewise (counted in
-``reward/errors``); a function that raises scores 0 for its part and is counted in
-``reward/errors``, its worker kept. The caller's event loop only waits: each item's wait runs
-in a thread of the pool's own (``anyio.to_thread``), so a slow verification delays only its
-own episode. A verification past a quarter of its limit (at most 1 s) stops counting against
-``processes``: the next item gets another worker, so a hang holds only its own item. Workers
-are forked by a zygote, one fresh interpreter (``python -m envs.reward_worker``, on a socket
-pair; not a fork of the caller, which has threads) that imports the reward functions once,
-ahead of need: a replacement is ready in milliseconds, and import time is billed to no item.
-math-verify's own ``signal.alarm`` timeout works in a worker (its main thread) and is set
-below the hard limit, so a slow sympy call usually ends gracefully first.
+model's output) run in worker processes under the hard limit ``env.reward_timeout_s``
+(:mod:`envs.reward_pool`); a plain function in ``env.reward_processes`` of them, an ``async``
+one in up to ``env.reward_concurrency`` (each waits on its own I/O, so they overlap). The
+cheap built-ins and the environment's own rewards run in the caller; a built-in registered
+with ``isolated=False`` that is ``async`` (a judge waiting on an endpoint) is awaited on the
+caller's event loop under the same hard limit (``envs.reward_builtins.BUILTINS`` is where a
+built-in registers).
 
-**The judge** (``judge``) is asynchronous and bounded by its own limits (a per-call timeout,
-retries, a cap on calls in flight: :class:`envs.judge.Judge`): it is awaited in the caller's
-task, never in a worker, so an episode waiting on its judge holds no worker and stops no other
-episode. It needs the prompt, which the ``(completion, answer, metadata)`` functions do not
-get: :meth:`Scorer.score` takes it as ``prompt`` and hands it to the judge alone. A sample the
-judge could not score (``judge/unscored``) scores 0 for that term.
-
-Limits: arguments and results cross a pipe by pickle (metadata must be picklable: a dataset
-row's plain values are); one item's isolated parts share its time limit.
+**Giving up.** Every way a reward gives up on a sample — our hard timeout (``timeout``), its
+own (``own_timeout``), an exception or a dead worker (``error``), a non-number or NaN
+(``invalid``) — scores that term 0, marks the sample's reward ``failed`` (a diagnostic, logged
+as ``reward/failed``: the step's failed share) and is counted in
+``reward/failed/<name>/<kind>``. The run loop stops a run whose rewards failed on more than
+half a step's samples for ``env.reward_fail_steps`` steps in a row, naming the reward and its
+first error (:attr:`Scorer.first_failure`).
 """
 
 from __future__ import annotations
@@ -59,197 +89,153 @@ import importlib
 import inspect
 import logging
 import math
-import os
-import queue
-import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any, Protocol, Self
 
 import anyio
 import anyio.to_thread
 
-from envs.answers import extract_final, extract_math, last_boxed, last_tagged, normalise
-from envs.base import Reward, RewardTerm
+from envs.base import Message, Reward, RewardTerm
 from envs.errors import EnvConfigError
 from envs.judge import Judge
+from envs.reward_builtins import BUILTINS, set_math_verify_timeout, warm_up
+from envs.reward_pool import Failure, Outcome, VerificationLost, WorkerPool
 
 log = logging.getLogger(__name__)
 
 RewardValue = float | Reward
 
 
+@dataclass(frozen=True)
+class Sample:
+    """What a reward sees of one episode (picklable: it crosses to the reward workers)."""
+
+    completion: str
+    answer: str
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    prompt: tuple[Message, ...] = ()
+    data_source: str = ""
+    transcript: tuple[Message, ...] = ()
+
+
 class RewardFunction(Protocol):
-    """What a user hands in as ``package.module:function`` (or ``async def``)."""
+    """Our convention (see the module docstring for TRL's and verl's, adapted as they are)."""
 
     def __call__(self, completion: str, answer: str,
                  metadata: Mapping[str, Any]) -> RewardValue | Awaitable[RewardValue]: ...
 
 
-# --- the built-ins ----------------------------------------------------------------------------
+class InvalidReward(TypeError):
+    """A reward returned no finite number: counted as ``invalid``."""
 
 
-def _as_boxed(text: str) -> str:
-    text = text.strip()
-    if "\\boxed" in text or "\\fbox" in text:
-        return text
-    if len(text) >= 2 and text[0] == text[-1] == "$":
-        text = text.strip("$")
-    return f"\\boxed{{{text}}}"
+CACHE_ITEMS = 8192  # scores kept per Scorer (built-ins only)
 
 
-def math_reward(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
-    from math_verify import parse, verify
+# --- the three conventions, adapted -----------------------------------------------------------
 
-    extracted = extract_math(completion)
-    if extracted is None:
-        return 0.0
-    if normalise(extracted) == normalise(answer):
-        return 1.0
-    limit = _MATH_VERIFY_TIMEOUT
-    gold = parse(_as_boxed(answer), parsing_timeout=limit)
-    guess = parse(_as_boxed(extracted), parsing_timeout=limit)
-    if not gold or not guess:
-        return 0.0
-    return 1.0 if verify(gold, guess, timeout_seconds=limit) else 0.0
-
-
-def exact_reward(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
-    return 1.0 if normalise(extract_final(completion)) == normalise(answer) else 0.0
-
-
-_LETTER = re.compile(r"^\(?([A-Za-z])\)?(?:[.):\s]|$)")
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*\(?([A-Z])\b\)?", re.IGNORECASE)
-
-
-def _letter(text: str) -> str | None:
-    match = _LETTER.match(text.strip())
-    return match.group(1).upper() if match else None
-
-
-def choice_reward(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
-    reference = _letter(answer)
-    if reference is None:
-        return 0.0
-    picked = None
-    for found in (last_boxed(completion), last_tagged(completion)):
-        if found:
-            picked = _letter(found)
-            break
-    if picked is None:
-        stated = _ANSWER_IS.findall(completion)
-        if stated:
-            picked = stated[-1].upper()
-        elif len(completion.strip()) <= 3:
-            picked = _letter(completion)
-    return 1.0 if picked == reference else 0.0
-
-
-def regex_reward(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
-    return 1.0 if re.fullmatch(answer, extract_final(completion), flags=re.DOTALL) else 0.0
-
-
-def format_reward(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
-    return 1.0 if last_boxed(completion) or last_tagged(completion) else 0.0
-
-
-_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def _plain_number(text: str) -> float | None:
-    text = text.strip().strip("$").strip()
-    return float(text) if _PLAIN_NUMBER.fullmatch(text) else None
-
-
-def math_quick(completion: str, answer: str) -> float | None:
-    """``math``'s score where it needs no parser (so cannot hang): nothing extractable (0),
-    the same text (1), two plain decimal numbers (compared as numbers); else None."""
-    extracted = extract_math(completion)
-    if extracted is None:
-        return 0.0
-    if normalise(extracted) == normalise(answer):
-        return 1.0
-    guess, gold = _plain_number(extracted), _plain_number(answer)
-    if guess is None or gold is None:
-        return None
-    return 1.0 if math.isclose(guess, gold, rel_tol=1e-9, abs_tol=1e-12) else 0.0
+CONVENTIONS = ("(completion, answer, metadata[, prompt=, data_source=, transcript=]), "
+               "TRL's (prompts, completions, **columns) or verl's compute_score(data_source, "
+               "solution_str, ground_truth, extra_info)")
+_EXTRAS = ("prompt", "data_source", "transcript")
+_VERL = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
 @dataclass(frozen=True)
-class Builtin:
-    fn: Callable[[str, str, Mapping[str, Any]], float]
-    isolated: bool  # may hang or crash on a model's output: runs in a worker process
-    # an isolated built-in's score in the caller where it is certain without the risky part
-    quick: Callable[[str, str], float | None] | None = None
+class Adapted:
+    """A reward function and how to call it with a :class:`Sample`."""
+
+    name: str
+    fn: Callable[..., Any]
+    convention: str  # ours | trl | verl
+    is_async: bool
+    keywords: frozenset[str] = frozenset()  # what it declares (or _EXTRAS... with **kwargs)
+    any_keyword: bool = False
+
+    def __call__(self, sample: Sample) -> Any:
+        if self.convention == "trl":
+            return self.fn(**self._take({"answer": sample.answer, **sample.metadata,
+                                         "prompts": _trl_prompt(sample),
+                                         "completions": _trl_completion(sample)}, listed=True))
+        if self.convention == "verl":
+            extra = sample.metadata.get("extra_info")
+            values = {"data_source": sample.data_source, "solution_str": sample.completion,
+                      "ground_truth": sample.answer,
+                      "extra_info": extra if isinstance(extra, Mapping) else dict(sample.metadata)}
+            return self.fn(**self._take(values))
+        extras = {"prompt": list(sample.prompt), "data_source": sample.data_source,
+                  "transcript": list(sample.transcript)}
+        return self.fn(sample.completion, sample.answer, sample.metadata, **self._take(extras))
+
+    def _take(self, values: Mapping[str, Any], listed: bool = False) -> dict[str, Any]:
+        return {k: [v] if listed else v for k, v in values.items()
+                if self.any_keyword or k in self.keywords}
 
 
-BUILTINS: dict[str, Builtin] = {
-    "math": Builtin(math_reward, isolated=True, quick=math_quick),
-    "exact": Builtin(exact_reward, isolated=False),
-    "choice": Builtin(choice_reward, isolated=False),
-    "regex": Builtin(regex_reward, isolated=True),
-    "format": Builtin(format_reward, isolated=False),
-}
-_MATH_VERIFY_TIMEOUT = 5  # seconds, math-verify's own alarm in a worker (set by the pool)
-CACHE_ITEMS = 8192  # scores kept per Scorer (built-ins only)
-JUDGE = "judge"  # the LLM judge's name in env.reward (envs.judge; scored by Scorer itself)
+def _trl_prompt(sample: Sample) -> Any:
+    if len(sample.prompt) == 1 and sample.prompt[0]["role"] == "user":
+        return sample.prompt[0]["content"]
+    return [dict(m) for m in sample.prompt]
+
+
+def _trl_completion(sample: Sample) -> Any:
+    if len(sample.prompt) == 1 and sample.prompt[0]["role"] == "user":
+        return sample.completion
+    return [{"role": "assistant", "content": sample.completion}]
+
+
+def adapt(fn: Callable[..., Any], name: str, key: str = "env.reward") -> Adapted:
+    """``fn`` with the adapter its signature calls for; EnvConfigError (one line naming the
+    function and the three conventions) when it fits none."""
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        type(fn).__call__)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a C function): ours, trusted
+        return Adapted(name, fn, "ours", is_async)
+    params = signature.parameters
+    named = frozenset(n for n, p in params.items()
+                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def fits(*args: Any, **kwargs: Any) -> bool:
+        try:
+            signature.bind(*args, **kwargs)
+            return True
+        except TypeError:
+            return False
+
+    if "completions" in named:  # the columns it names are the data's: checked by the call
+        return Adapted(name, fn, "trl", is_async, named, any_keyword)
+    if {"solution_str", "ground_truth"} <= named and fits(
+            **{k: None for k in _VERL if k in named}):
+        return Adapted(name, fn, "verl", is_async, named, any_keyword)
+    if fits("completion", "answer", {}, **{k: None for k in _EXTRAS if k in named}):
+        return Adapted(name, fn, "ours", is_async, named & frozenset(_EXTRAS), any_keyword)
+    raise EnvConfigError(f"{key}: reward {name}{signature} fits none of the three conventions: "
+                         f"{CONVENTIONS}")
+
+
+JUDGE = "judge"  # the LLM judge's name in env.reward (envs.judge; scored by the Scorer itself)
 
 
 def judge_outside_scorer(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
-    """What ``resolve("judge")`` gives: the judge needs its endpoint and the prompt, which a
-    plain call lacks; it scores through :class:`Scorer` only."""
+    """What ``resolve("judge")`` gives: the judge needs its endpoint (``env.judge``) and the
+    prompt, so it scores through :class:`Scorer` only."""
     raise RuntimeError("the judge reward scores through envs.rewards.Scorer (with env.judge), "
                        "not as a plain function")
 
 
-# --- names, weights, functions ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Term:
-    name: str
-    weight: float
-
-
-def parse_terms(value: object, key: str = "env.reward") -> tuple[Term, ...]:
-    """``env.reward`` as weighted terms: a name, a list of names (weight 1 each) or a mapping
-    of names to weights. Every name is resolved now (EnvConfigError naming ``key``)."""
-    if isinstance(value, str):
-        terms = [Term(value, 1.0)]
-    elif isinstance(value, Mapping):
-        terms = []
-        for name, weight in value.items():
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-                raise EnvConfigError(f"{key}.{name} must be a number (its weight), got {weight!r}")
-            terms.append(Term(str(name), float(weight)))
-    elif isinstance(value, Sequence):
-        terms = [Term(str(name), 1.0) for name in value]
-    else:
-        raise EnvConfigError(f"{key} must be a reward name, a list of names or a mapping of "
-                             f"names to weights, got {value!r}")
-    if not terms:
-        raise EnvConfigError(f"{key} names no reward; e.g. {key}=math")
-    for term in terms:
-        resolve(term.name, key)
-    return tuple(terms)
-
-
-def resolve(name: str, key: str = "env.reward") -> Callable[..., Any]:
-    """The function ``name`` stands for: a built-in or ``package.module:function`` taking
-    ``(completion, answer, metadata)``."""
+def resolve(name: str, key: str = "env.reward") -> Adapted:
+    """The function ``name`` stands for, adapted: a built-in or ``package.module:function``."""
     if name in BUILTINS:
-        return BUILTINS[name].fn
+        return adapt(BUILTINS[name].fn, name, key)
     if name == JUDGE:
-        return judge_outside_scorer
+        return adapt(judge_outside_scorer, name, key)
     if ":" not in name:
         raise EnvConfigError(f"{key} names an unknown reward {name!r}: choose from "
                              f"{', '.join(BUILTINS)}, {JUDGE} or give package.module:function")
@@ -264,470 +250,336 @@ def resolve(name: str, key: str = "env.reward") -> Callable[..., Any]:
         raise EnvConfigError(f"{key}: {module_name} has no {attr} (reward {name})") from e
     if not callable(fn):
         raise EnvConfigError(f"{key}: {name} is not a function")
-    try:
-        inspect.signature(fn).bind("completion", "answer", {})
-    except TypeError as e:
-        raise EnvConfigError(f"{key}: {name} must take (completion, answer, metadata): {e}") from e
-    except ValueError:
-        pass  # no signature to read (a builtin): trust it
-    return fn
+    return adapt(fn, name, key)
 
 
 def isolated(name: str) -> bool:
     return BUILTINS[name].isolated if name in BUILTINS else name != JUDGE
 
 
+# --- names, weights, routes -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    weight: float
+
+
+@dataclass(frozen=True)
+class Routes:
+    """``env.reward`` parsed: the terms for each data source, and for every other one."""
+
+    default: tuple[Term, ...]
+    by_source: Mapping[str, tuple[Term, ...]] = field(default_factory=dict)
+
+    def terms(self, data_source: str) -> tuple[Term, ...]:
+        return self.by_source.get(data_source, self.default)
+
+    def names(self) -> list[str]:
+        """Every name, once, in order."""
+        seen: dict[str, None] = {}
+        for terms in (self.default, *self.by_source.values()):
+            seen.update((t.name, None) for t in terms)
+        return list(seen)
+
+
+def parse_terms(value: object, key: str = "env.reward",
+                own: Sequence[str] = ()) -> tuple[Term, ...]:
+    """One route's weighted terms: a name, a list of names (weight 1 each) or a mapping of
+    names to weights. Every name is resolved now (EnvConfigError naming ``key``); ``own``:
+    the names of the environment's own rewards."""
+    if isinstance(value, str):
+        terms = [Term(value, 1.0)]
+    elif isinstance(value, Mapping):
+        terms = []
+        for name, weight in value.items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise EnvConfigError(f"{key}.{name} must be a number (its weight), got {weight!r}")
+            terms.append(Term(str(name), float(weight)))
+    elif isinstance(value, Sequence):
+        terms = [Term(str(name), 1.0) for name in value]
+    else:
+        raise EnvConfigError(f"{key} must be a reward name, a list of names, a mapping of "
+                             f"names to weights or {{by_source: …, default: …}}, got {value!r}")
+    if not terms:
+        raise EnvConfigError(f"{key} names no reward; e.g. {key}=math")
+    for term in terms:
+        if term.name not in own:
+            resolve(term.name, key)
+    return tuple(terms)
+
+
+def parse_reward(value: object, key: str = "env.reward", own: Sequence[str] = ()) -> Routes:
+    """``env.reward``: one route (:func:`parse_terms`) or ``{by_source: {source: route, …},
+    default: route}``."""
+    if isinstance(value, Mapping) and "by_source" in value:
+        unknown = sorted(set(value) - {"by_source", "default"})
+        if unknown:
+            raise EnvConfigError(f"{key} has an unknown key {unknown[0]!r}: by_source and "
+                                 f"default only")
+        if "default" not in value:
+            raise EnvConfigError(f"{key}.default must name the reward of every other data "
+                                 f"source, e.g. {key}.default=exact")
+        routes = value["by_source"]
+        if not isinstance(routes, Mapping) or not routes:
+            raise EnvConfigError(f"{key}.by_source must map data sources to rewards, e.g. "
+                                 f"{{gsm8k: math, mmlu: choice}}")
+        return Routes(parse_terms(value["default"], f"{key}.default", own),
+                      {str(s): parse_terms(v, f"{key}.by_source.{s}", own)
+                       for s, v in routes.items()})
+    return Routes(parse_terms(value, key, own))
+
+
+# --- calling ----------------------------------------------------------------------------------
+
+
 def as_reward(value: object, name: str) -> Reward:
-    """A function's result as a Reward; TypeError for anything else (counted as an error)."""
+    """A function's result as a Reward; InvalidReward for anything else. A list (TRL's) gives
+    its one item; a dict (verl's) its ``score``, its other numbers diagnostics."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, Mapping) and "score" in value:
+        extra = {str(k): float(v) for k, v in value.items() if k != "score"
+                 and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        value = Reward(as_reward(value["score"], name).total, extra)
     if isinstance(value, Reward):
+        if not math.isfinite(value.total):
+            raise InvalidReward(f"returned a Reward of {value.total}")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"reward {name} returned {type(value).__name__}, not a float or Reward")
+        raise InvalidReward(f"returned {type(value).__name__}, not a number")
     if not math.isfinite(value):
-        raise TypeError(f"reward {name} returned {value}")
+        raise InvalidReward(f"returned {value}")
     return Reward(total=float(value))
 
 
-def call(fn: Callable[..., Any], name: str, completion: str, answer: str,
-         metadata: Mapping[str, Any]) -> Reward:
+def call(fn: Adapted, sample: Sample) -> Reward:
     """Call a reward function (an async one in a fresh event loop: this runs in a worker
-    process or in a thread, never on the caller's loop)."""
-    value = fn(completion, answer, metadata)
+    process, never on the caller's loop)."""
+    value = fn(sample)
     if inspect.isawaitable(value):
         value = asyncio.run(_await(value))
-    return as_reward(value, name)
+    return as_reward(value, fn.name)
 
 
 async def _await(value: Awaitable[Any]) -> Any:
     return await value
 
 
-# --- the worker processes ---------------------------------------------------------------------
+def failure(name: str, error: BaseException) -> Failure:
+    """How ``error`` (raised by reward ``name``) is counted."""
+    if isinstance(error, InvalidReward):
+        kind = "invalid"
+    elif isinstance(error, TimeoutError) or "Timeout" in type(error).__name__:
+        kind = "own_timeout"
+    else:
+        kind = "error"
+    return Failure(name, kind, f"{type(error).__name__}: {error}"[:300])
 
-_READY_TIMEOUT_S = 120.0  # the zygote importing the reward functions (once, before any item)
-_FORK_TIMEOUT_S = 10.0  # the zygote answering a fork request
 
-
-@dataclass
-class _Outcome:
-    parts: dict[str, Reward] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)  # "name: message" per function that raised
-
-
-def _serve(conn: Connection, fns: Mapping[str, Callable[..., Any]]) -> None:
-    """A worker's loop: score items from ``conn`` until it closes."""
-    while True:
+def score_parts(fns: Mapping[str, Adapted], sample: Sample, names: Sequence[str]) -> Outcome:
+    """Each of ``names`` on ``sample``: its Reward, or how it gave up."""
+    outcome = Outcome()
+    for name in names:
         try:
-            completion, answer, metadata, names = conn.recv()
-        except EOFError:
-            return
-        outcome = _Outcome()
-        for name in names:
-            try:
-                outcome.parts[name] = call(fns[name], name, completion, answer, metadata)
-            except Exception as e:  # noqa: BLE001 - a raising verification scores 0, counted
-                outcome.errors.append(f"{name}: {type(e).__name__}: {e}"[:300])
-        conn.send(outcome)
+            outcome.parts[name] = call(fns[name], sample)
+        except Exception as e:  # noqa: BLE001 - a reward that gives up scores 0, counted
+            outcome.failures.append(failure(name, e))
+    return outcome
 
 
-def zygote_main(fd: int, names: Sequence[str], mv_timeout: int) -> None:
-    """The zygote (``python -m envs.reward_worker``): import the functions, say ready, then fork
-    a worker for each socket the pool sends over ``fd`` (answering with its pid) until the
-    pool closes ``fd``. Its children are reaped by the kernel (SIGCHLD ignored)."""
-    global _MATH_VERIFY_TIMEOUT
-    _MATH_VERIFY_TIMEOUT = mv_timeout
+def prepare_worker(names: Sequence[str], mv_timeout: int
+                   ) -> Callable[[Sample, Sequence[str]], Outcome]:
+    """In the workers' zygote: resolve ``names`` and import what they need, once; the function
+    a worker scores an item with."""
+    set_math_verify_timeout(mv_timeout)
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its per-item timeout notes
-    control = socket.socket(fileno=fd)
     fns = {name: resolve(name) for name in names}
-    if "math" in fns:  # math-verify imports its parsers on first use: once here, not per worker
-        math_reward("\\boxed{\\frac{1}{2}}", "0.5", {})
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    control.sendall(b"R")
-    while True:
-        try:
-            message, fds, _, _ = socket.recv_fds(control, 1, 1)
-        except OSError:
-            return
-        if not message or not fds:  # the pool closed its end
-            return
-        pid = os.fork()
-        if pid == 0:  # the worker
-            code = 0
-            try:
-                control.close()
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a function may run subprocesses
-                _serve(Connection(fds[0]), fns)
-            except BaseException:  # noqa: BLE001 - reported to the pool as a dead worker
-                code = 1
-            finally:
-                os._exit(code)  # never the zygote's clean-up
-        os.close(fds[0])
-        control.sendall(pid.to_bytes(4, "big"))
+    warm_up(names)
 
+    def score(sample: Sample, asked: Sequence[str]) -> Outcome:
+        return score_parts(fns, sample, asked)
 
-class _Worker:
-    """One worker process (forked by the zygote, so not our child) on a socket pair; killed
-    through a pidfd where the platform has one, so a recycled pid is never signalled."""
-
-    def __init__(self, pid: int, conn: Connection) -> None:
-        self.pid = pid
-        self.conn = conn
-        self._pidfd: int | None = None
-        if hasattr(os, "pidfd_open"):
-            try:
-                self._pidfd = os.pidfd_open(pid)
-            except OSError:  # already gone: it will read as dead
-                self._pidfd = None
-
-    def kill(self) -> None:
-        """Kill it and close its socket (again: a no-op)."""
-        try:
-            if self._pidfd is not None:
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            elif not hasattr(os, "pidfd_open"):
-                os.kill(self.pid, signal.SIGKILL)
-        except OSError:  # already gone
-            pass
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-        if not self.conn.closed:
-            self.conn.close()
-
-
-class _Zygote:
-    """A fresh interpreter (not a fork of the caller, which has threads) that imports the reward
-    functions once and forks every worker from itself: a worker is ready in milliseconds, where
-    a fresh interpreter spends a core for most of a second importing sympy, so a killed worker
-    costs the run nothing to replace."""
-
-    def __init__(self, names: tuple[str, ...], mv_timeout: int) -> None:
-        ours, theirs = socket.socketpair()
-        path = [p for p in sys.path if p and os.path.isdir(p)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "envs.reward_worker", str(theirs.fileno()),
-                 str(mv_timeout), *names],
-                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
-        finally:
-            theirs.close()
-        self.control = ours
-        self.ready = False
-
-    def wait_ready(self) -> bool:
-        if not self.ready:
-            try:
-                self.control.settimeout(_READY_TIMEOUT_S)
-                self.ready = self.control.recv(1) == b"R"
-            except OSError:
-                self.ready = False
-        return self.ready
-
-    def fork(self) -> _Worker | None:
-        """A new worker, or None when the zygote is gone."""
-        if not self.wait_ready():
-            return None
-        ours, theirs = socket.socketpair()
-        try:
-            self.control.settimeout(_FORK_TIMEOUT_S)
-            socket.send_fds(self.control, [b"F"], [theirs.fileno()])
-            answer = b""
-            while len(answer) < 4:
-                chunk = self.control.recv(4 - len(answer))
-                if not chunk:
-                    raise EOFError
-                answer += chunk
-        except (OSError, EOFError):
-            ours.close()
-            return None
-        finally:
-            theirs.close()
-        return _Worker(int.from_bytes(answer, "big"), Connection(ours.detach()))
-
-    def close(self) -> int | None:
-        """Stop it (closing its socket ends its loop); its exit code."""
-        self.control.close()
-        try:
-            return self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait(5)
-
-
-class VerificationLost(Exception):
-    """Internal: an item's worker timed out or died."""
-
-
-class WorkerPool:
-    """Workers scoring the isolated functions ``names``, each item under ``timeout_s`` of
-    wall-clock time; :meth:`run` blocks and is called from threads. Use as a (sync) context
-    manager.
-
-    ``processes`` workers serve items; a worker busy past :attr:`stall_s` stops counting
-    against that number, so a hung verification holds its own worker and item and nothing
-    else: the next item gets a freshly forked worker. A spare left over once the stalled one
-    returns is stopped. ``stall_s`` is ten times what an item has been taking (a running
-    mean), at least 50 ms and at most a quarter of the limit or 1 s: a slow but sound item
-    costs at most a fork."""
-
-    def __init__(self, names: Sequence[str], processes: int, timeout_s: float) -> None:
-        self.names = tuple(names)
-        self.timeout_s = timeout_s
-        self._stall_cap = min(1.0, timeout_s / 4)
-        self._item_s = 0.0  # the running mean of an item's time
-        self.processes = processes
-        self._mv_timeout = max(1, int(timeout_s * 0.8))
-        self._zygote: _Zygote | None = None
-        self._fork_lock = threading.Lock()  # one fork request on the zygote's socket at a time
-        self._idle: queue.Queue[_Worker] = queue.Queue()
-        self._busy: dict[_Worker, float] = {}  # when each busy worker took its item
-        self._alive = 0  # workers forked and not stopped (reserved before a fork)
-        self._lock = threading.Lock()
-        self._closed = False
-        self.timeouts = 0
-        self.errors = 0
-
-    def __enter__(self) -> Self:
-        """Start the zygote and fork ``processes`` workers: the reward functions are imported
-        before the first item, not while it waits."""
-        self._zygote = _Zygote(self.names, self._mv_timeout)
-        workers = []
-        try:
-            while self._room():
-                workers.append(self._fork())
-        except VerificationLost:
-            pass  # counted; the first items score 0 and say why
-        for worker in workers:
-            self._idle.put(worker)
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            workers = list(self._busy)
-            self._busy.clear()
-        while True:
-            try:
-                workers.append(self._idle.get_nowait())
-            except queue.Empty:
-                break
-        for worker in workers:
-            worker.kill()
-        with self._fork_lock:
-            if self._zygote is not None:
-                self._zygote.close()
-                self._zygote = None
-
-    @property
-    def stall_s(self) -> float:
-        """How long a worker is busy before it stops counting against ``processes``."""
-        return min(self._stall_cap, max(0.05, 10 * self._item_s))
-
-    def _room(self) -> bool:
-        """Reserve a new worker if fewer than ``processes`` are alive and not stalled."""
-        with self._lock:
-            if self._alive < self.processes + self._stalled():
-                self._alive += 1
-                return True
-            return False
-
-    def _stalled(self) -> int:
-        """Busy workers past ``stall_s`` (with the lock held)."""
-        now, stall_s = time.monotonic(), self.stall_s
-        return sum(1 for t in self._busy.values() if now - t >= stall_s)
-
-    def _fork(self) -> _Worker:
-        """A worker for the reservation just made (the zygote restarted once if it is gone)."""
-        with self._fork_lock:
-            for _ in range(2):
-                if self._zygote is None:
-                    break  # closed
-                worker = self._zygote.fork()
-                if worker is not None:
-                    return worker
-                code = self._zygote.close()
-                log.warning("the reward workers' zygote exited (code %s); starting another", code)
-                self._zygote = _Zygote(self.names, self._mv_timeout)
-        with self._lock:
-            self._alive -= 1
-            self.errors += 1
-        raise VerificationLost("reward workers cannot start (the functions fail to import?)")
-
-    def _acquire(self) -> _Worker:
-        while True:
-            if self._closed:
-                raise VerificationLost("the reward pool is closed")
-            try:
-                worker = self._idle.get_nowait()
-            except queue.Empty:
-                worker = self._fork() if self._room() else None
-            if worker is None:
-                try:
-                    worker = self._idle.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-            with self._lock:
-                self._busy[worker] = time.monotonic()
-            return worker
-
-    def _release(self, worker: _Worker) -> None:
-        """``worker`` is done with its item: idle again, or stopped if it is a spare too many."""
-        with self._lock:
-            took = time.monotonic() - self._busy.pop(worker)
-            self._item_s += 0.1 * (took - self._item_s)
-            surplus = self._closed or self._alive > self.processes + self._stalled()
-            if surplus:
-                self._alive -= 1
-        if surplus:
-            worker.kill()
-        else:
-            self._idle.put(worker)
-
-    def _discard(self, worker: _Worker, timed_out: bool) -> None:
-        with self._lock:
-            self._busy.pop(worker, None)
-            self._alive -= 1
-            if timed_out:
-                self.timeouts += 1
-            else:
-                self.errors += 1
-        worker.kill()
-
-    def run(self, completion: str, answer: str, metadata: Mapping[str, Any],
-            names: Sequence[str] | None = None) -> _Outcome:
-        """Score one item with the functions ``names`` (all by default); VerificationLost when
-        its worker timed out or died (stopped)."""
-        worker = self._acquire()
-        try:
-            worker.conn.send((completion, answer, dict(metadata), tuple(names or self.names)))
-            if worker.conn.poll(self.timeout_s):
-                outcome: _Outcome = worker.conn.recv()
-                self._release(worker)
-                return outcome
-            reason, timed_out = f"no result within {self.timeout_s:g} s", True
-        except (EOFError, OSError):
-            reason, timed_out = "its worker died", False
-        self._discard(worker, timed_out)
-        raise VerificationLost(reason)
+    return score
 
 
 # --- the scorer every environment uses --------------------------------------------------------
 
+OwnReward = Callable[[], Awaitable[RewardValue]]
+
 
 class Scorer:
-    """``env.reward``'s weighted terms, scored: an async context manager holding the worker
-    pool while any term is isolated. :meth:`score` gives the weighted total with its terms
-    (each also a component, as is what a function reports beside its score); its counters go into the run's metrics (:meth:`metrics`)."""
+    """``env.reward``'s routes, scored: an async context manager holding the worker pools while
+    any term is isolated. :meth:`score` gives the weighted total with its terms; how rewards
+    gave up is counted (:meth:`metrics`) and the first time kept (:attr:`first_failure`).
+
+    ``own``: the names of rewards the environment computes itself (handed to :meth:`score` as
+    zero-argument async callables for each episode)."""
 
     def __init__(self, reward: object, timeout_s: float = 10.0, processes: int = 2,
-                 key: str = "env.reward", judge: Mapping[str, Any] | None = None) -> None:
+                 key: str = "env.reward", own: Sequence[str] = (),
+                 concurrency: int = 32, fail_steps: int = 3,
+                 judge: Mapping[str, Any] | None = None) -> None:
         if not timeout_s > 0:
             raise EnvConfigError(f"env.reward_timeout_s must be > 0, got {timeout_s}")
         if processes < 1:
             raise EnvConfigError(f"env.reward_processes must be >= 1, got {processes}")
-        self.terms = parse_terms(reward, key)
+        if concurrency < 1:
+            raise EnvConfigError(f"env.reward_concurrency must be >= 1, got {concurrency}")
+        if fail_steps < 1:
+            raise EnvConfigError(f"env.reward_fail_steps must be >= 1, got {fail_steps}")
+        self.fail_steps = fail_steps  # read by the run loop (EnvSpec.reward_fail_steps)
+        self.routes = parse_reward(reward, key, own)
+        self.own = tuple(own)
         self.timeout_s = timeout_s
         self.processes = processes
-        # the judge (env.judge) when a term names it; its settings are checked now
-        self._judge = Judge(judge) if any(t.name == JUDGE for t in self.terms) else None
-        self._local = {t.name: resolve(t.name) for t in self.terms
-                       if not isolated(t.name) and t.name != JUDGE}
-        self._isolated = tuple(t.name for t in self.terms if isolated(t.name))
-        self._pool: WorkerPool | None = None
-        self._limiter: anyio.CapacityLimiter | None = None
+        self.concurrency = concurrency
+        names = [n for n in self.routes.names() if n not in self.own]
+        self._local: dict[str, Callable[[Sample], Any]] = {
+            n: resolve(n, key) for n in names if not isolated(n) and n != JUDGE}
+        # the judge (env.judge) when a route names it: its settings are checked now, its
+        # endpoint at the start (__aenter__); awaited in the caller under its own limits
+        self._judge = Judge(judge) if JUDGE in names else None
+        if self._judge is not None:
+            self._local[JUDGE] = self._judged
+        adapted = {n: resolve(n, key) for n in names if isolated(n)}
+        # a plain function holds a worker while it runs; an async one mostly waits on I/O, so
+        # those get a pool of their own, sized for overlap
+        self._groups = {False: tuple(n for n, f in adapted.items() if not f.is_async),
+                        True: tuple(n for n, f in adapted.items() if f.is_async)}
+        self._pools: dict[bool, WorkerPool] = {}
+        self._limiters: dict[bool, anyio.CapacityLimiter] = {}
         # Built-ins are functions of (completion, answer) alone: each one's score is decided
         # in the caller where that is certain, or kept for the same reply to the same answer
         # (a group's samples often repeat one). A user's function is always asked.
         self._cache: OrderedDict[tuple[str, str, str], Reward] = OrderedDict()
         self._spared = 0  # items whose isolated terms were all scored without a worker
-        self._errors = 0  # raised in the caller (local terms) or in a worker
-        self._timeouts = 0  # of pools closed already
+        self.failed: Counter[tuple[str, str]] = Counter()  # (name, kind) -> samples
+        self.first_failure: str | None = None  # "name: kind: message", the first one
         self._scored = 0
-        self._last_error = 0.0
+        self._last_warning = 0.0
 
     async def __aenter__(self) -> Self:
         if self._judge is not None:  # first: an endpoint that does not answer is one line now
             await self._judge.__aenter__()
-        if self._isolated:
-            pool = WorkerPool(self._isolated, self.processes, self.timeout_s)
-            try:
-                await anyio.to_thread.run_sync(pool.__enter__)
-            except BaseException:
-                if self._judge is not None:
-                    await self._judge.aclose()
-                raise
-            self._pool = pool
+        for is_async, names in self._groups.items():
+            if not names:
+                continue
+            size = self.concurrency if is_async else self.processes
+            pool = WorkerPool(names, size, self.timeout_s)
+            await anyio.to_thread.run_sync(pool.__enter__)
+            self._pools[is_async] = pool
             # more waiting threads than workers: a waiting item holds no worker
-            self._limiter = anyio.CapacityLimiter(4 * self.processes)
+            self._limiters[is_async] = anyio.CapacityLimiter(4 * size)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        pool, self._pool = self._pool, None
+        pools, self._pools = self._pools, {}
         if self._judge is not None:
             await self._judge.aclose()
-        if pool is not None:
+        for pool in pools.values():
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(pool.close)
-            self._timeouts += pool.timeouts
-            self._errors += pool.errors
 
-    async def score(self, completion: str, answer: str,
-                    metadata: Mapping[str, Any] | None = None,
-                    prompt: Sequence[Mapping[str, str]] | str | None = None) -> Reward:
-        """``completion``'s reward; ``prompt`` (the task's messages) is the judge's question
-        and reaches no other term."""
-        metadata = metadata or {}
+    async def score(self, sample: Sample, own: Mapping[str, OwnReward] | None = None,
+                    diagnostics: Mapping[str, float] | None = None) -> Reward:
+        """``sample`` scored by its data source's route; ``own``: this episode's own rewards;
+        ``diagnostics``: logged beside the terms, never summed."""
+        terms = self.routes.terms(sample.data_source)
+        wanted = {t.name for t in terms}
         parts: dict[str, Reward] = {}
+        failures: list[Failure] = []
+        in_caller: dict[str, Callable[[], Any]] = {}
+        for name in wanted & set(self.own):
+            if own is None or name not in own:
+                raise RuntimeError(f"the environment did not provide its reward {name!r}")
+            in_caller[name] = own[name]
         for name, fn in self._local.items():
+            if name in wanted:
+                in_caller[name] = lambda fn=fn: fn(sample)
+        for name, make in in_caller.items():
+            # in the caller: a plain built-in returns at once; an async one (a judge) waits
+            # on I/O here under the hard limit; the environment's own keep their own limits
+            # (a sandbox's timeouts, which include waiting for a session)
+            limit = None if name in self.own or name == JUDGE else self.timeout_s
             try:
-                parts[name] = call(fn, name, completion, answer, metadata)
-            except Exception as e:  # noqa: BLE001 - a raising reward scores 0, counted
-                self._error(f"{name}: {type(e).__name__}: {e}")
-        if self._judge is not None:  # awaited here, in the episode's task: others go on
-            verdict = await self._judge.score(prompt if prompt is not None else "", completion,
-                                              answer)
-            parts[JUDGE] = Reward(verdict.score if verdict.score is not None else 0.0)
-        if self._isolated:
-            if self._pool is None or self._limiter is None:
-                raise RuntimeError("Scorer.score() outside `async with scorer:` (the worker "
-                                   "pool runs there)")
-            asked = []
-            for name in self._isolated:
-                known = self._known(name, completion, answer)
-                if known is None:
-                    asked.append(name)
-                else:
-                    parts[name] = known
-            if not asked:  # decided here, or scored before: no worker round trip
-                self._spared += 1
-            else:
-                try:
-                    outcome = await anyio.to_thread.run_sync(
-                        self._pool.run, completion, answer, metadata, tuple(asked),
-                        limiter=self._limiter, abandon_on_cancel=True)
-                    parts.update(outcome.parts)
-                    for message in outcome.errors:
-                        self._error(message)
-                    for name, part in outcome.parts.items():
-                        if name in BUILTINS:
-                            self._remember((name, completion, answer), part)
-                except VerificationLost as e:
-                    self._warn(f"reward verification scored 0: {e}")
+                with anyio.fail_after(limit):
+                    value = make()
+                    if inspect.isawaitable(value):
+                        value = await value
+                parts[name] = as_reward(value, name)
+            except TimeoutError:
+                failures.append(Failure(name, "timeout", f"no result within {self.timeout_s:g} s"))
+            except Exception as e:  # noqa: BLE001 - a reward that gives up scores 0, counted
+                failures.append(failure(name, e))
+        isolated_parts = await self._isolated(sample, wanted)
+        parts.update(isolated_parts.parts)
+        failures += isolated_parts.failures
         self._scored += 1
-        terms: list[RewardTerm] = []
-        diagnostics: dict[str, float] = {}  # what a function reports beside its score
-        for term in self.terms:
+        for f in failures:
+            self._count(f)
+        summed: list[RewardTerm] = []
+        extra: dict[str, float] = {}
+        for term in terms:
             part = parts.get(term.name, Reward(0.0))
-            terms.append(RewardTerm(term.name, term.weight, part.total))
+            summed.append(RewardTerm(term.name, term.weight, part.total))
             for sub, value in part.components.items():
-                diagnostics[f"{term.name}/{sub}"] = value
-        return Reward.weighted(terms, diagnostics)
+                extra[f"{term.name}/{sub}"] = value
+        if failures:
+            extra["failed"] = 1.0
+        return Reward.weighted(summed, {**extra, **(diagnostics or {})})
+
+    async def _judged(self, sample: Sample) -> float:
+        """The judge's score of ``sample`` (its prompt is the question); one it could not give
+        after its retries is a failure, counted like any reward's."""
+        assert self._judge is not None
+        verdict = await self._judge.score(sample.prompt or "", sample.completion, sample.answer)
+        if verdict.score is None:
+            raise RuntimeError(f"unscored: {self._judge.last_failure}")
+        return verdict.score
+
+    async def _isolated(self, sample: Sample, wanted: set[str]) -> Outcome:
+        """The isolated terms of ``wanted``, each group in its pool, the groups at once."""
+        result = Outcome()
+        asked: dict[bool, list[str]] = {}
+        for is_async, names in self._groups.items():
+            for name in names:
+                if name not in wanted:
+                    continue
+                known = self._known(name, sample.completion, sample.answer)
+                if known is None:
+                    asked.setdefault(is_async, []).append(name)
+                else:
+                    result.parts[name] = known
+        if not asked:
+            if any(n in wanted for names in self._groups.values() for n in names):
+                self._spared += 1  # decided here, or scored before: no worker round trip
+            return result
+        if not self._pools:
+            raise RuntimeError("Scorer.score() outside `async with scorer:` (the worker pools "
+                               "run there)")
+
+        async def one(is_async: bool, names: list[str]) -> None:
+            try:
+                outcome = await anyio.to_thread.run_sync(
+                    self._pools[is_async].run, sample, tuple(names),
+                    limiter=self._limiters[is_async], abandon_on_cancel=True)
+            except VerificationLost as e:
+                kind = "timeout" if e.timed_out else "error"
+                result.failures.extend(Failure(n, kind, str(e)) for n in names)
+                return
+            result.parts.update(outcome.parts)
+            result.failures.extend(outcome.failures)
+            for name, part in outcome.parts.items():
+                if name in BUILTINS:
+                    self._remember((name, sample.completion, sample.answer), part)
+
+        async with anyio.create_task_group() as tg:
+            for is_async, names in asked.items():
+                tg.start_soon(one, is_async, names)
+        return result
 
     def _known(self, name: str, completion: str, answer: str) -> Reward | None:
         """An isolated built-in's score without a worker: decided here (``Builtin.quick``) or
@@ -745,21 +597,26 @@ class Scorer:
         if len(self._cache) > CACHE_ITEMS:
             self._cache.popitem(last=False)
 
-    def _error(self, message: str) -> None:
-        self._errors += 1
-        self._warn(f"reward raised, scored 0: {message}")
-
-    def _warn(self, message: str) -> None:
+    def _count(self, f: Failure) -> None:
+        self.failed[f.name, f.kind] += 1
+        line = f"{f.name}: {f.kind}: {f.message}"
+        if self.first_failure is None:
+            self.first_failure = line
         now = time.monotonic()
-        if now - self._last_error > 10.0:  # at most one line in 10 s: a broken verifier is loud enough
-            log.warning("%s (reward/timeouts and reward/errors count them)", message)
-            self._last_error = now
+        if now - self._last_warning > 10.0:  # at most one line in 10 s; the counters have all
+            log.warning("reward gave up, scored 0 (reward/failed/<name>/<kind> counts): %s", line)
+            self._last_warning = now
 
     def metrics(self) -> dict[str, float]:
-        pool = self._pool
-        return {
-            "reward/timeouts": float(self._timeouts + (pool.timeouts if pool else 0)),
-            "reward/errors": float(self._errors + (pool.errors if pool else 0)),
-            "reward/spared": float(self._spared),  # isolated scores found without a worker
-            **(self._judge.metrics() if self._judge is not None else {}),
-        }
+        """Totals since the start: ``reward/failed/<name>/<kind>`` per way a reward gave up,
+        ``reward/timeouts`` (ours and their own) and ``reward/errors`` (the rest) summed, and
+        ``reward/spared`` (isolated scores found without a worker)."""
+        out = {f"reward/failed/{name}/{kind}": float(n)
+               for (name, kind), n in sorted(self.failed.items())}
+        timeouts = sum(n for (_, kind), n in self.failed.items() if kind.endswith("timeout"))
+        out["reward/timeouts"] = float(timeouts)
+        out["reward/errors"] = float(sum(self.failed.values()) - timeouts)
+        out["reward/spared"] = float(self._spared)
+        if self._judge is not None:
+            out.update(self._judge.metrics())
+        return out

@@ -14,26 +14,27 @@ port with the PolyTrace latency model, held by ``spec.running()`` on the run's o
 (asyncio: the server is aiohttp's), or an external one at ``search_url``. A failed search (after the client's retries) is an error
 observation; the episode goes on.
 
-Rewards: exact match after SQuAD-style normalisation (``reward=em``) or token F1
-(``reward=f1``); the other one, and ``searched`` (whether a search call came before the
-answer), are logged with weight 0.
+Reward: ``env.reward`` (:mod:`envs.rewards`), by default ``em`` (exact match after SQuAD-style
+normalisation; ``f1`` is token F1), the episode's transcript handed to it; its own
+``searched`` (whether a search call came before the answer) is a reward a config may weigh and
+is always logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import re
-import string
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Any, Literal
 
-from envs.base import Env, EnvSpec, Message, Task
+from envs.base import Env, EnvSpec, Message, Reward, Task
 from envs.errors import EnvConfigError, EnvError, EnvNotRunning
 from envs.parsers import HermesParser
-from envs.tool_env import Episode, ToolEnv, WeightedReward
+from envs.reward_builtins import em_reward, f1_reward, squad_normalise
+from envs.rewards import Scorer
+from envs.tool_env import Episode, ToolEnv, episode_sample
 from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
 from envs.toolset import ToolSet
 from sandboxes.search.bm25 import BM25Index, Document
@@ -67,24 +68,15 @@ def _unique_words(rng: random.Random, n: int, syllables: int, taken: set[str]) -
 
 # -- answers ----------------------------------------------------------------------------------
 
-def normalize(text: str) -> str:
-    """SQuAD-style: lower case, no punctuation, no articles, single spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
+normalize = squad_normalise  # what the reward compares, for maj@n
 
 
 def exact_match(prediction: str, answer: str) -> float:
-    return float(normalize(prediction) == normalize(answer))
+    return em_reward(prediction, answer, {})
 
 
 def f1(prediction: str, answer: str) -> float:
-    pred, gold = normalize(prediction).split(), normalize(answer).split()
-    common = sum((Counter(pred) & Counter(gold)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(gold)
-    return 2 * precision * recall / (precision + recall)
+    return f1_reward(prediction, answer, {})
 
 
 def format_hits(documents: Sequence[dict]) -> str:
@@ -106,7 +98,7 @@ class SearchQASpec(EnvSpec):
         eval_size: int = 200,
         questions: Sequence[str] = ("town", "job"),
         topk: int = 1,
-        reward: Literal["em", "f1"] = "em",
+        reward: Any = "em",
         latency: Literal["none", "empirical", "parametric"] = "empirical",
         time_scale: float = 0.1,
         failure_rate: float = 0.0,
@@ -120,6 +112,10 @@ class SearchQASpec(EnvSpec):
         describe_tools: bool = False,
         system_prompt: str | None = None,
         seed: int = 0,
+        reward_timeout_s: float = 10.0,
+        reward_processes: int = 2,
+        reward_concurrency: int = 32,
+        reward_fail_steps: int = 3,
     ) -> None:
         unknown = [q for q in questions if q not in QUESTIONS]
         if unknown or not questions:
@@ -132,7 +128,10 @@ class SearchQASpec(EnvSpec):
             raise EnvConfigError(f"env.failure_rate={failure_rate} must be in [0, 1]")
         if time_scale < 0:
             raise EnvConfigError(f"env.time_scale={time_scale} must be >= 0")
-        self.topk, self.reward_kind, self.latency = topk, reward, latency
+        self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("searched",),
+                             concurrency=reward_concurrency,
+                             fail_steps=reward_fail_steps)
+        self.topk, self.latency = topk, latency
         self.time_scale, self.failure_rate, self.search_url = time_scale, failure_rate, search_url
         self.request_timeout, self.retries, self.backoff = request_timeout, retries, backoff
         self.slow_request_s = slow_request_s
@@ -183,9 +182,15 @@ class SearchQASpec(EnvSpec):
     async def running(self) -> AsyncIterator[None]:
         """The in-process search server (unless ``search_url`` names one), serving on the
         caller's event loop until the block ends."""
-        if self.search_url:
-            yield
-            return
+        async with self.scorer:
+            if self.search_url:
+                yield
+                return
+            async with self._serving():
+                yield
+
+    @asynccontextmanager
+    async def _serving(self) -> AsyncIterator[None]:
         if self._server is not None:
             raise EnvError("the search_qa environment is already running: enter spec.running() once")
         try:
@@ -236,14 +241,18 @@ class SearchQASpec(EnvSpec):
                                         "attempt_statuses": [a.status for a in attempts],
                                         "response_chars": len(content)})
 
-        rewards = [
-            WeightedReward("exact_match", _em, 1.0 if self.reward_kind == "em" else 0.0),
-            WeightedReward("f1", _f1, 1.0 if self.reward_kind == "f1" else 0.0),
-            WeightedReward("searched", _searched, 0.0),
-        ]
+        async def score(episode: Episode) -> Reward:
+            searched = float(any(call.name == "search" for call in episode.tool_calls))
+
+            async def own() -> float:
+                return searched
+
+            return await spec.scorer.score(episode_sample(episode, spec.name),
+                                           {"searched": own}, {"searched": searched})
+
         return ToolEnv(ToolSet([search], max_calls_per_turn=self.max_calls_per_turn,
                                clock=self.clock),
-                       rewards, system_prompt=self.system_prompt, describe_tools=self.describe_tools)
+                       score, system_prompt=self.system_prompt, describe_tools=self.describe_tools)
 
     def _count(self, attempts: Sequence[Attempt]) -> None:
         for attempt in attempts:
@@ -259,7 +268,7 @@ class SearchQASpec(EnvSpec):
         (``faults/search_errors``), unanswered in ``request_timeout``
         (``faults/search_timeouts``), not connected (``faults/search_connection_errors``); and
         answers that came but took ``slow_request_s`` or longer (``faults/search_slow``)."""
-        return {key: float(n) for key, n in self.faults.items()}
+        return {**{key: float(n) for key, n in self.faults.items()}, **super().metrics()}
 
     def demonstration(self, task: Task) -> tuple[Message, ...]:
         """Search with the question itself, read the hit, answer. (Searching the question, not
@@ -274,16 +283,3 @@ class SearchQASpec(EnvSpec):
             {"role": "tool", "content": format_hits(hits)},
             {"role": "assistant", "content": task.answer},
         )
-
-
-async def _em(episode: Episode) -> float:
-    return exact_match(episode.final_reply, episode.task.answer)
-
-
-async def _f1(episode: Episode) -> float:
-    return f1(episode.final_reply, episode.task.answer)
-
-
-async def _searched(episode: Episode) -> float:
-    """1 when the final answer came after at least one search call."""
-    return float(any(call.name == "search" for call in episode.tool_calls))

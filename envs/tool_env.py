@@ -7,18 +7,20 @@ episode. Per-episode tool state lives in an :class:`~envs.tools.EpisodeContext` 
 closed before the rewards are computed, and by ``aclose()`` — the runner's ``async with
 env`` — also on cancellation.
 
-Rewards are async functions of the finished :class:`Episode`, combined with weights; a
-weight-0 reward is computed and logged but does not count.
+The reward is an async function of the finished :class:`Episode` (``score``); an environment
+built from config scores with ``env.reward`` (:mod:`envs.rewards`), the transcript handed to
+the reward as :attr:`envs.rewards.Sample.transcript` (:func:`episode_sample`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from envs.base import Env, Message, Reward, RewardTerm, StepResult, Task, ToolCallRecord
+from envs.base import Env, Message, Reward, StepResult, Task, ToolCallRecord
 from envs.parsers import make_parser
+from envs.rewards import Sample
 from envs.tools import EpisodeContext
 from envs.toolset import ToolSet
 
@@ -31,34 +33,28 @@ class Episode:
     final_reply: str = ""
 
 
-EpisodeReward = Callable[[Episode], Awaitable[float]]
+EpisodeScore = Callable[[Episode], Awaitable[Reward]]
 
 
-@dataclass(frozen=True)
-class WeightedReward:
-    name: str
-    fn: EpisodeReward
-    weight: float = 1.0
-
-
-async def combine_rewards(rewards: Sequence[WeightedReward], episode: Episode) -> Reward:
-    return Reward.weighted([RewardTerm(r.name, r.weight, float(await r.fn(episode)))
-                            for r in rewards])
+def episode_sample(episode: Episode, data_source: str) -> Sample:
+    """What a reward sees of a finished episode: its final reply, the task, the whole
+    conversation."""
+    task = episode.task
+    return Sample(episode.final_reply, task.answer, task.metadata, task.messages, data_source,
+                  tuple(episode.messages))
 
 
 class ToolEnv(Env):
     def __init__(
         self,
         tools: ToolSet,
-        rewards: Sequence[WeightedReward],
+        score: EpisodeScore,
         parser: str = "hermes",
         system_prompt: str | None = None,
         describe_tools: bool = True,
     ) -> None:
-        if not rewards:
-            raise ValueError("a tool environment needs at least one reward")
         self.tools = tools
-        self.rewards = list(rewards)
+        self.score = score
         self.parser = make_parser(parser)
         self.system_prompt = system_prompt
         self.describe_tools = describe_tools
@@ -100,7 +96,7 @@ class ToolEnv(Env):
         # the tools are done: release their resources first, so a reward that needs one of
         # its own (a fresh sandbox to grade in) never waits on the episode's
         await self.context.aclose()
-        return await combine_rewards(self.rewards, self.episode)
+        return await self.score(self.episode)
 
     async def aclose(self) -> None:
         await self.context.aclose()

@@ -52,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 from envs.base import Message, Reward
 from envs.dataset import BadRows, DatasetSpec, DatasetTask
 from envs.errors import EnvConfigError
-from envs.rewards import parse_terms
+from envs.rewards import Term, parse_reward
 from orchestrator.config import CONF, check_target, explain, section, typed
 from orchestrator.models.tokenizer import Tokenizer
 
@@ -396,8 +396,14 @@ def score(data: str, completions_path: str, reward: str | None, overrides: Seque
             f"{name}={part:g}" for name, part in value.components.items())
         out(f"row {n}: {value.total:g}{parts}")
     counters = spec.metrics()
-    terms = " + ".join(t.name if t.weight == 1 else f"{t.weight:g} {t.name}"
-                       for t in parse_terms(env["reward"]))
+    routes = parse_reward(env["reward"])
+
+    def sum_of(terms: Sequence[Term]) -> str:
+        return " + ".join(t.name if t.weight == 1 else f"{t.weight:g} {t.name}" for t in terms)
+
+    terms = sum_of(routes.default) if not routes.by_source else ", ".join(
+        [*(f"{source}: {sum_of(t)}" for source, t in routes.by_source.items()),
+         f"default: {sum_of(routes.default)}"])
     out(f"reward {terms}: {count} rows, {counters['reward/timeouts']:g} timed out, "
         f"{counters['reward/errors']:g} errors (each scored 0)")
     out(f"mean_reward={sum(r.total for r in rewards) / count:.4f}")

@@ -80,6 +80,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 from envs.base import Task
 from orchestrator.algo.filters import GroupFilter
 from orchestrator.engines.base import sync_weights
+from orchestrator.errors import RunAborted
 from orchestrator.faults import add_faults, kill_point
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.outcomes import GroupLedger, Outcome
@@ -154,6 +155,7 @@ class Pipeline:
         self._refilled = 0  # groups filtered and replaced since the last batch was formed
         self._capped = False  # ... and whether that reached the filter's cap
         self._warned_cap = False
+        self._reward_failed_steps = 0  # steps in a row where most samples' rewards failed
         self.gate = ReadWriteLock()  # held by episodes when inflight_update='finish'
         self.reports: list[StepReport] = []
         self.step = 0  # the next step to train
@@ -365,6 +367,7 @@ class Pipeline:
                     tg.start_soon(self._evaluate, step + 1, frozen, name="periodic-eval")
                 now = self.recorder.now()
                 report = self._report(step, version, batch, metrics, last_report, now, capped)
+                self._watch_rewards(step, batch)
                 if evaluated is not None:
                     report = replace(report, evaluation=evaluated[1])
                 last_report = now
@@ -470,6 +473,21 @@ class Pipeline:
                             "came, equal rewards and all; the task may be too easy or too hard "
                             "for the policy now", step, self._max_refills)
         return metrics
+
+    def _watch_rewards(self, step: int, batch: Sequence[TimedGroup]) -> None:
+        """Stop the run (one line naming the reward and its first failure) when the reward
+        gave up on more than half of a step's samples ``env.reward_fail_steps`` steps in a
+        row: it would train on zeros."""
+        trajectories = [t for g in batch for t in g.group.trajectories]
+        failed = sum(t.metrics.get("reward/failed", 0.0) > 0 for t in trajectories)
+        most = bool(trajectories) and 2 * failed > len(trajectories)
+        self._reward_failed_steps = self._reward_failed_steps + 1 if most else 0
+        spec = self.runner.spec
+        if self._reward_failed_steps >= spec.reward_fail_steps:
+            raise RunAborted(f"the reward failed on more than half the samples for "
+                             f"{self._reward_failed_steps} steps in a row (step {step}: "
+                             f"{failed} of {len(trajectories)}); its first failure: "
+                             f"{spec.reward_failure()}")
 
     def _report(
         self,

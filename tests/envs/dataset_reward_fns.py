@@ -35,3 +35,56 @@ def wrong_signature(completion: str) -> float:
 
 
 not_a_function = 3
+
+
+def sees_everything(completion: str, answer: str, metadata: Mapping[str, Any], *,
+                    prompt: list[dict[str, str]], data_source: str,
+                    transcript: list[dict[str, str]]) -> Reward:
+    """Ours, with every keyword: 1 when the reply is the answer; what it saw, as diagnostics."""
+    return Reward(float(completion.strip() == answer), {
+        "prompt_messages": float(len(prompt)), "transcript_messages": float(len(transcript)),
+        "source_is_gsm8k": float(data_source == "gsm8k"),
+        "has_level": float("level" in metadata)})
+
+
+def trl_style(prompts: list[Any], completions: list[Any], answer: list[str],
+              level: list[int], **kwargs: Any) -> list[float]:
+    """TRL's convention: batched lists in, a list out (conversational or plain)."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [float(t.strip() == a) + 0.1 * lv for t, a, lv in zip(texts, answer, level, strict=True)]
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str,
+                  extra_info: dict[str, Any] | None = None) -> dict[str, float]:
+    """verl's convention: a dict with its score and other numbers."""
+    right = float(solution_str.strip() == ground_truth)
+    return {"score": right, "acc": right, "split_is_train": float(
+        (extra_info or {}).get("split") == "train"), "source_ok": float(data_source == "gsm8k")}
+
+
+def returns_nan(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
+    return float("nan")
+
+
+def returns_text(completion: str, answer: str, metadata: Mapping[str, Any]) -> str:
+    return "1.0"
+
+
+def always_raises(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
+    raise RuntimeError("the verifier's service is down")
+
+
+async def slow_async(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
+    import asyncio
+
+    await asyncio.sleep(float(metadata.get("sleep_s", 0.5)))
+    return 1.0
+
+
+def fits_nothing(reply: str, *, gold: str) -> float:
+    return 0.0
+
+
+def length_share(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
+    """A user's reward for any environment: the reply's length over 100, at most 1."""
+    return min(1.0, len(completion) / 100)

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from envs.arithmetic import ArithmeticEnv, ArithmeticSpec, exact_match
+from envs.arithmetic import ArithmeticEnv, ArithmeticSpec
 from envs.base import Env, EnvSpec, Task
 from envs.errors import EnvConfigError, EnvError
 from envs.registry import available, default_config, make_spec, spec_class
+from envs.reward_builtins import strict_reward
+from envs.rewards import Scorer
 
 pytestmark = pytest.mark.anyio
 
@@ -65,9 +67,8 @@ def test_zero_padding() -> None:
 @pytest.mark.parametrize(("reply", "reward"), [
     ("42", 1.0), (" 42\n", 1.0), ("\t42  ", 1.0), ("042", 0.0), ("43", 0.0), ("4 2", 0.0), ("", 0.0),
 ])
-async def test_exact_match(reply: str, reward: float) -> None:
-    task = Task(id=0, messages=({"role": "user", "content": "40+02="},), answer="42")
-    assert await exact_match(task, reply) == reward
+def test_strict_the_default(reply: str, reward: float) -> None:
+    assert strict_reward(reply, "42", {}) == reward
 
 
 async def test_an_episode_is_one_turn_scored_by_exact_match() -> None:
@@ -78,7 +79,7 @@ async def test_an_episode_is_one_turn_scored_by_exact_match() -> None:
         step = await env.step(f" {task.answer} ")
         assert step.done and step.reward == 0.0 and step.observation == ()
         reward = await env.reward()
-        assert reward.total == 1.0 and reward.components == {"exact_match": 1.0}
+        assert reward.total == 1.0 and reward.components == {"strict": 1.0}
     env = spec.make_env()
     await env.reset(task)
     await env.step(task.answer + "0")
@@ -86,7 +87,7 @@ async def test_an_episode_is_one_turn_scored_by_exact_match() -> None:
 
 
 async def test_env_refuses_out_of_order_calls() -> None:
-    env = ArithmeticEnv()
+    env = ArithmeticEnv(Scorer("strict"))
     with pytest.raises(RuntimeError):
         await env.step("1")
     with pytest.raises(RuntimeError):
@@ -119,7 +120,7 @@ def test_unknown_split_is_named() -> None:
 def test_a_spec_without_splits_or_its_own_tasks_says_which_to_add() -> None:
     class NoTasks(EnvSpec):
         def make_env(self) -> Env:
-            return ArithmeticEnv()
+            return ArithmeticEnv(Scorer("strict"))
 
     with pytest.raises(NotImplementedError, match="set self.splits in its constructor or override tasks"):
         NoTasks().tasks("train")

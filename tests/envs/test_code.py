@@ -157,7 +157,7 @@ def test_experiment_code_runs_against_docker(tmp_path: Path) -> None:
     assert len(result.reports) == 2
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for m in metrics[:-1]:
-        assert 0.0 <= m["reward/tests_passed"] <= 1.0 and m["reward/exec_s"] > 0
+        assert 0.0 <= m["reward/tests_passed"] <= 1.0 and m["reward/tests_passed/exec_s"] > 0
 
 
 @needs_docker

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from envs.data import make_arith
 from envs.dataset import DatasetSpec, DatasetTask
-from envs.rewards import math_reward
+from envs.reward_builtins import math_reward
 from orchestrator.config import build_env, typed
 from orchestrator.main import check_sizes
 from orchestrator.schema import PipelineConfig, RolloutConfig

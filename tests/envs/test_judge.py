@@ -15,7 +15,7 @@ import pytest
 from bench.judge_server import Faults, JudgeServer
 from envs.errors import EnvConfigError
 from envs.judge import DEFAULT_TEMPLATE, Judge, JudgeConfig, load_template, parse_score
-from envs.rewards import Scorer
+from envs.rewards import Sample, Scorer
 
 PROMPT = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"})
 
@@ -85,7 +85,7 @@ async def test_the_judge_scores_through_the_scorer_with_the_prompt() -> None:
     async with JudgeServer() as server:
         scorer = Scorer({"judge": 1.0, "format": 0.5}, judge={"url": server.url})
         async with scorer:
-            rewards = [await scorer.score(reply, answer, {}, prompt=PROMPT)
+            rewards = [await scorer.score(Sample(reply, answer, {}, PROMPT))
                        for reply, answer, _ in cases]
         asked = server.counters["calls"]
     for reward, (reply, _, expected) in zip(rewards, cases, strict=True):
@@ -257,8 +257,8 @@ async def test_the_judge_beside_an_isolated_reward() -> None:
     async with JudgeServer() as server:
         scorer = Scorer({"judge": 0.5, "regex": 1.0}, judge={"url": server.url})
         async with scorer:
-            right = await scorer.score("\\boxed{42}", "42", {}, prompt=PROMPT)
-            wrong = await scorer.score("\\boxed{41}", "4[2]", {}, prompt=PROMPT)
+            right = await scorer.score(Sample("\\boxed{42}", "42", {}, PROMPT))
+            wrong = await scorer.score(Sample("\\boxed{41}", "4[2]", {}, PROMPT))
     assert right.components == {"judge": 1.0, "regex": 1.0} and right.total == pytest.approx(1.5)
     assert wrong.components == {"judge": 0.0, "regex": 0.0} and wrong.total == 0.0
     assert scorer.metrics()["judge/scored"] == 2

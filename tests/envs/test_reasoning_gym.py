@@ -83,7 +83,7 @@ async def test_the_datasets_verifier_rewards_its_answer_and_not_a_wrong_one(data
         assert task.answer == entry["answer"] and task.messages == (
             {"role": "user", "content": entry["question"]},)
         right = await reward(s, task, task.answer)
-        assert right["total"] == right["score"] == right["exact_match"] == 1.0
+        assert right["total"] == right["verifier"] == right["exact_match"] == 1.0
         tagged = await reward(s, task, f"Let me think.\n<answer>\n{task.answer}\n</answer>")
         assert tagged["total"] == tagged["tagged"] == 1.0
         wrong = await reward(s, task, f"<answer>{task.answer}x9</answer>")
@@ -116,13 +116,16 @@ async def test_a_verifier_that_raises_scores_zero() -> None:
         def score_answer(self, answer: str, entry: dict[str, Any]) -> float:
             raise ValueError("cannot parse")
 
-    env = ReasoningGymEnv(Broken())
+    spec = ReasoningGymSpec(train_size=2, eval_size=0)
+    spec._verifier = Broken()
+    env = ReasoningGymEnv(spec)
     task = Task(id=0, messages=({"role": "user", "content": "q"},), answer="a",
                 metadata={"entry": {"question": "q", "answer": "a"}})
     await env.reset(task)
     await env.step("???")
     result = await env.reward()
-    assert result.total == 0.0 and result.components["verifier_error"] == 1.0
+    assert result.total == 0.0 and result.components["verifier/error"] == 1.0
+    assert "failed" not in result.components  # a model's garbage, not a reward failure
 
 
 def test_an_unknown_dataset_is_one_line_with_close_names() -> None:

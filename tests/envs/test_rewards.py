@@ -9,7 +9,8 @@ import pytest
 
 from envs.base import Reward, RewardTerm
 from envs.errors import EnvConfigError
-from envs.rewards import Scorer, extract_math, math_reward, parse_terms
+from envs.reward_builtins import extract_math, math_reward
+from envs.rewards import Sample, Scorer, parse_terms
 
 
 @pytest.mark.parametrize(("completion", "answer"), [
@@ -54,16 +55,16 @@ def test_extraction_order() -> None:
 @pytest.mark.anyio
 async def test_builtins_and_weighted_sum() -> None:
     async with Scorer({"exact": 1.0, "format": 0.1}) as scorer:
-        assert (await scorer.score(r" \boxed{Paris}. ", "paris")).total == pytest.approx(1.1)
-        assert (await scorer.score("Paris", "paris")).components == {"exact": 1.0, "format": 0.0}
+        assert (await scorer.score(Sample(r" \boxed{Paris}. ", "paris"))).total == pytest.approx(1.1)
+        assert (await scorer.score(Sample("Paris", "paris"))).components == {"exact": 1.0, "format": 0.0}
     async with Scorer(["choice", "regex"]) as scorer:
-        assert (await scorer.score("The answer is (B).", "B) blue")).components["choice"] == 1.0
-        assert (await scorer.score(r"\boxed{C}", "B")).components["choice"] == 0.0
-        assert (await scorer.score("<answer>42 m</answer>", r"42\s*m(eters)?")).components[
+        assert (await scorer.score(Sample("The answer is (B).", "B) blue"))).components["choice"] == 1.0
+        assert (await scorer.score(Sample(r"\boxed{C}", "B"))).components["choice"] == 0.0
+        assert (await scorer.score(Sample("<answer>42 m</answer>", r"42\s*m(eters)?"))).components[
             "regex"] == 1.0
     async with Scorer({"dataset_reward_fns:length_bonus": 2.0,
                        "dataset_reward_fns:async_named": 1.0}) as scorer:
-        reward = await scorer.score("it is 7", "7", {"difficulty": "easy"})
+        reward = await scorer.score(Sample("it is 7", "7", {"difficulty": "easy"}))
         # the weighted terms travel typed; what a function reports beside its score
         # (async_named/half) is a component, logged, and never a term
         assert reward == Reward(total=2.5, components={
@@ -87,7 +88,7 @@ def test_a_reward_with_terms_is_their_weighted_sum() -> None:
     ("nope", "env.reward names an unknown reward 'nope'"),
     ("no_such_module_xyz:fn", "env.reward: cannot import no_such_module_xyz"),
     ("dataset_reward_fns:missing", "dataset_reward_fns has no missing"),
-    ("dataset_reward_fns:wrong_signature", "must take (completion, answer, metadata)"),
+    ("dataset_reward_fns:wrong_signature", "fits none of the three conventions"),
     ("dataset_reward_fns:not_a_function", "is not a function"),
     ({"math": "high"}, "env.reward.math must be a number"),
     ([], "names no reward"),
@@ -104,26 +105,28 @@ async def test_hang_crash_and_raise_score_zero_counted_and_scoring_goes_on() -> 
     """One worker: each failure must be survived by replacing it, or later items would wait."""
     async with Scorer({"dataset_reward_fns:picky": 1.0, "exact": 1.0}, timeout_s=1.0,
                       processes=1) as scorer:
-        assert (await scorer.score("fine 7", "fine 7")).total == 2.0
+        assert (await scorer.score(Sample("fine 7", "fine 7"))).total == 2.0
         started = time.monotonic()
-        hung = await scorer.score("hang", "hang")
+        hung = await scorer.score(Sample("hang", "hang"))
         assert time.monotonic() - started < 5
-        assert hung.components == {"dataset_reward_fns:picky": 0.0, "exact": 1.0}
-        assert (await scorer.score("crash", "x")).total == 0.0
-        assert (await scorer.score("raise", "x")).total == 0.0
-        assert scorer.metrics() == {"reward/timeouts": 1.0, "reward/errors": 2.0,
-                                    "reward/spared": 0.0}  # a user's function: always asked
+        assert hung.components == {"dataset_reward_fns:picky": 0.0, "exact": 1.0, "failed": 1.0}
+        assert (await scorer.score(Sample("crash", "x"))).total == 0.0
+        assert (await scorer.score(Sample("raise", "x"))).total == 0.0
+        failed = {"reward/failed/dataset_reward_fns:picky/timeout": 1.0,
+                  "reward/failed/dataset_reward_fns:picky/error": 2.0,
+                  "reward/timeouts": 1.0, "reward/errors": 2.0, "reward/spared": 0.0}
+        assert scorer.metrics() == failed  # a user's function: always asked
         # the replaced workers score again, several items at once
         results = []
 
         async def one(i: int) -> None:
-            results.append((await scorer.score(f"ok {i}", f"ok {i}")).total)
+            results.append((await scorer.score(Sample(f"ok {i}", f"ok {i}"))).total)
 
         async with anyio.create_task_group() as tg:
             for i in range(6):
                 tg.start_soon(one, i)
         assert results == [2.0] * 6
-    assert scorer.metrics() == {"reward/timeouts": 1.0, "reward/errors": 2.0, "reward/spared": 0.0}
+    assert scorer.metrics() == failed
 
 
 @pytest.mark.anyio
@@ -139,13 +142,13 @@ async def test_the_event_loop_runs_while_a_verification_hangs() -> None:
     async with (Scorer("dataset_reward_fns:picky", timeout_s=1.0, processes=2) as scorer,
                 anyio.create_task_group() as tg):
         tg.start_soon(tick)
-        assert (await scorer.score("hang", "")).total == 0.0
+        assert (await scorer.score(Sample("hang", ""))).total == 0.0
         tg.cancel_scope.cancel()
     assert ticks >= 10
 
 
 def test_math_decides_in_the_caller_only_where_no_parser_is_needed() -> None:
-    from envs.rewards import math_quick
+    from envs.reward_builtins import math_quick
 
     assert math_quick("so \\boxed{16}", "16") == 1.0
     assert math_quick("it is 0.50", "0.5") == 1.0  # plain numbers, as numbers
@@ -158,10 +161,10 @@ def test_math_decides_in_the_caller_only_where_no_parser_is_needed() -> None:
 @pytest.mark.anyio
 async def test_math_spares_the_workers_what_it_knows_and_what_it_scored_before() -> None:
     async with Scorer("math", timeout_s=5.0, processes=1) as scorer:
-        assert (await scorer.score("\\boxed{16}", "16")).total == 1.0  # decided here
-        assert (await scorer.score("\\boxed{\\frac{3}{4}}", "0.75")).total == 1.0  # a worker
-        assert (await scorer.score("\\boxed{\\frac{3}{4}}", "0.75")).total == 1.0  # kept
-        assert (await scorer.score("\\boxed{\\frac{1}{4}}", "0.75")).total == 0.0  # a worker
+        assert (await scorer.score(Sample("\\boxed{16}", "16"))).total == 1.0  # decided here
+        assert (await scorer.score(Sample("\\boxed{\\frac{3}{4}}", "0.75"))).total == 1.0  # a worker
+        assert (await scorer.score(Sample("\\boxed{\\frac{3}{4}}", "0.75"))).total == 1.0  # kept
+        assert (await scorer.score(Sample("\\boxed{\\frac{1}{4}}", "0.75"))).total == 0.0  # a worker
         assert scorer.metrics()["reward/spared"] == 2.0
 
 
@@ -172,13 +175,13 @@ async def test_a_hung_verification_holds_only_its_own_item() -> None:
     finished: list[str] = []
 
     async def score(scorer: Scorer, text: str) -> None:
-        await scorer.score(text, text)
+        await scorer.score(Sample(text, text))
         finished.append(text)
 
     async with Scorer("dataset_reward_fns:picky", timeout_s=4.0, processes=1) as scorer:
-        pool = scorer._pool
+        pool = scorer._pools[False]
         assert pool is not None
-        await scorer.score("warm", "warm")
+        await scorer.score(Sample("warm", "warm"))
         zygote = pool._zygote.process.pid if pool._zygote else None
         async with anyio.create_task_group() as tg:
             tg.start_soon(score, scorer, "hang")
@@ -187,7 +190,7 @@ async def test_a_hung_verification_holds_only_its_own_item() -> None:
                 tg.start_soon(score, scorer, f"ok {i}")
         assert finished[-1] == "hang" and sorted(finished[:-1]) == [f"ok {i}" for i in range(4)]
         assert scorer.metrics()["reward/timeouts"] == 1.0
-        await scorer.score("crash", "")  # a dead worker is replaced by a fork too
-        assert (await scorer.score("ok", "ok")).total == 1.0
+        await scorer.score(Sample("crash", ""))  # a dead worker is replaced by a fork too
+        assert (await scorer.score(Sample("ok", "ok"))).total == 1.0
         assert pool._zygote is not None and pool._zygote.process.pid == zygote
         assert pool._alive <= pool.processes

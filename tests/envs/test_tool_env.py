@@ -10,8 +10,8 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
-from envs.base import Task
-from envs.tool_env import Episode, ToolEnv, WeightedReward
+from envs.base import Reward, RewardTerm, Task
+from envs.tool_env import Episode, ToolEnv
 from envs.tools import EpisodeContext, tool
 from envs.toolset import ToolSet
 
@@ -58,10 +58,11 @@ TASK = Task(id=0, messages=({"role": "user", "content": "count twice"},), answer
 
 
 def make_env() -> ToolEnv:
-    return ToolEnv(ToolSet([counter, hang]), [
-        WeightedReward("answer", answered_two, 1.0),
-        WeightedReward("tool_calls", used_tools, 0.0),
-    ], system_prompt="Use tools.")
+    async def score(episode: Episode) -> Reward:
+        return Reward.weighted([RewardTerm("answer", 1.0, await answered_two(episode))],
+                               {"tool_calls": await used_tools(episode)})
+
+    return ToolEnv(ToolSet([counter, hang]), score, system_prompt="Use tools.")
 
 
 async def test_a_multi_turn_episode_with_state_rewards_and_cleanup() -> None:

@@ -84,7 +84,8 @@ async def test_each_cap_ends_the_episode_with_its_reason(config: dict, reason: s
 async def test_every_tool_call_becomes_a_span_with_latency_and_status() -> None:
     import anyio
 
-    from envs.tool_env import ToolEnv, WeightedReward
+    from envs.base import Reward
+    from envs.tool_env import ToolEnv
     from envs.tools import tool
     from envs.toolset import ToolSet
 
@@ -94,12 +95,12 @@ async def test_every_tool_call_becomes_a_span_with_latency_and_status() -> None:
         await anyio.sleep(seconds)
         return "rested"
 
-    async def answered(episode) -> float:
-        return float(episode.final_reply == "ok")
+    async def answered(episode) -> Reward:
+        return Reward(float(episode.final_reply == "ok"))
 
     class NapSpec(EchoSpec):
         def make_env(self) -> Env:
-            return ToolEnv(ToolSet([nap]), [WeightedReward("answer", answered)], describe_tools=False)
+            return ToolEnv(ToolSet([nap]), answered, describe_tools=False)
 
     replies = iter([
         '<tool_call>{"name": "nap", "arguments": {"seconds": 0.02}}</tool_call>'

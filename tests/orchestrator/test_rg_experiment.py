@@ -37,7 +37,7 @@ def test_a_short_run_completes_and_writes_metrics(tmp_path: Path) -> None:
     assert result.summary["steps"] == 2 and result.summary["samples_per_s"] > 0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics[:-1]] == [0, 1]
-    for key in ("reward/mean", "reward/score", "reward/exact_match", "train/loss"):
+    for key in ("reward/mean", "reward/verifier", "reward/exact_match", "train/loss"):
         assert key in metrics[0], key
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["eval_before"] is not None

@@ -36,7 +36,7 @@ async def test_a_correct_reply_is_rewarded_and_laid_out_token_by_token() -> None
     assert list(t.loss_mask) == [False] * len(prompt) + [True] * len(reply)
     assert list(t.logprobs) == [0.0] * len(prompt) + [-0.5] * len(reply)
     assert list(t.versions) == [-1] * len(prompt) + [3] * len(reply)
-    assert t.reward == 1.0 and t.metrics == {"reward/exact_match": 1.0, "episode/turns": 1.0}
+    assert t.reward == 1.0 and t.metrics == {"reward/strict": 1.0, "episode/turns": 1.0}
     assert t.start_version == 3 and t.end_version == 3 and t.sample_index == 2
     assert t.finish_reason is FinishReason.STOP and t.num_generated == len(reply)
     assert [s.stage for s in rec.spans] == ["generate", "reward"]

@@ -185,7 +185,7 @@ async def test_a_backend_from_a_module_outside_sandboxes_runs_a_code_episode(
         assert (await env.step(task.answer)).done
         reward = await env.reward()
         await env.aclose()
-    assert reward.total == 1.0 and reward.components["ran_ok"] == 1.0
+    assert reward.total == 1.0 and reward.components["tests_passed/ran_ok"] == 1.0
     assert len(backend.CALLS) == 1
     tag, code = backend.CALLS[0]
     assert tag == "from-yaml" and repr(task.answer) in code  # the grader ran through it

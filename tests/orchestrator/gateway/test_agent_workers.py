@@ -79,7 +79,7 @@ async def test_a_failing_program_fails_its_episode_and_a_dead_worker_is_replaced
     for name in ("raises", "exits", "hangs", "unpicklable"):
         spec = AgentSpec(program=f"toy_workers:{name}", tasks="toy_agents:tasks", processes=1,
                          timeout_s=0.5 if name == "hangs" else 60,
-                         rewards={"toy_agents:transcript_digits": 1.0})
+                         reward={"toy_agents:transcript_digits": 1.0})
         async with spec.running():
             _, outcomes[name] = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
             # the worker (or its replacement) serves the next episode

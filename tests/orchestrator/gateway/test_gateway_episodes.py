@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -213,17 +214,37 @@ async def test_an_agents_sdk_runner_with_a_function_tool(gateway: Gateway) -> No
 
 async def test_a_transcript_is_scored_by_the_envs_reward_functions(gateway: Gateway) -> None:
     spec = AgentSpec(program="toy_agents:transcript",
-                     rewards={"toy_agents:transcript_digits": 2.0})
-    [(t, _)], outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
+                     reward={"toy_agents:transcript_digits": 2.0})
+    async with spec.running():  # env.reward's workers: a user's function runs isolated
+        [(t, _)], outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
     # the scripted reply (no tools offered, so it stays text): a call with two digits in it
     call = HermesParser.format("add", {"a": 3, "b": 4})
     share = sum(c.isdigit() for c in call) / len(call)
-    assert outcome.reward.components == {"transcript_digits": pytest.approx(share)}
-    assert t.reward == pytest.approx(2 * share) and t.metrics["reward/transcript_digits"] > 0
+    assert outcome.reward.components == {"toy_agents:transcript_digits": pytest.approx(share)}
+    assert t.reward == pytest.approx(2 * share)
+    assert t.metrics["reward/toy_agents:transcript_digits"] > 0
+
+
+async def test_a_transcript_reward_that_hangs_is_cut_off_and_counted(gateway: Gateway) -> None:
+    """It ran on the event loop with no limit before: a hang stalled the run."""
+    spec = AgentSpec(program="toy_agents:transcript", reward="toy_agents:hangs",
+                     reward_timeout_s=1.0)
+    started = time.monotonic()
+    async with spec.running():
+        _, outcome = await run_agent_episode(gateway, spec, TASK, ROLLOUT, "w", 0)
+    assert time.monotonic() - started < 10
+    assert outcome.status == "ok" and outcome.reward.total == 0.0
+    assert outcome.reward.components["failed"] == 1.0
+    assert spec.metrics()["reward/failed/toy_agents:hangs/timeout"] == 1.0
+    assert spec.reward_failure() == "toy_agents:hangs: timeout: no result within 1 s"
 
 
 def test_a_wrong_program_or_setting_is_one_line() -> None:
     with pytest.raises(ValueError, match="env.program=toy_agents:nothing: toy_agents has no"):
         AgentSpec(program="toy_agents:nothing")
+    with pytest.raises(ValueError, match="env.rewards is replaced by env.reward"):
+        AgentSpec(program="toy_agents:transcript", rewards={"toy_agents:transcript_digits": 1})
+    with pytest.raises(ValueError, match="fits none of the three conventions"):
+        AgentSpec(program="toy_agents:transcript", reward="toy_agents:transcript")
     with pytest.raises(ValueError, match="env.timeout_s must be > 0"):
         AgentSpec(program="toy_agents:calculator", timeout_s=0)

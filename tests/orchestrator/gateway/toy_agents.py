@@ -88,8 +88,18 @@ async def transcript(task: Task, client: AsyncOpenAI) -> list[dict[str, Any]]:
     return [*messages, response.choices[0].message.model_dump(exclude_none=True)]
 
 
-def transcript_digits(task: Task, transcript: list[dict[str, Any]]) -> float:
-    return digit_share(transcript[-1].get("content") or "")
+def transcript_digits(completion: str, answer: str, metadata: Any,
+                      transcript: list[dict[str, Any]]) -> float:
+    assert completion == (transcript[-1].get("content") or "")
+    return digit_share(completion)
+
+
+def hangs(completion: str, answer: str, metadata: Any) -> float:
+    """A reward that never returns (a stuck verifier)."""
+    import time
+
+    time.sleep(3600)
+    return 1.0
 
 
 async def flaky(task: Task, client: AsyncOpenAI) -> float:

@@ -12,9 +12,9 @@ import pytest
 from helpers import TOK, scripted_engine
 
 import orchestrator.rollout
-from envs.base import Env, EnvSpec, Task
+from envs.base import Env, EnvSpec, Reward, Task
 from envs.parsers import HermesParser
-from envs.tool_env import Episode, ToolEnv, WeightedReward
+from envs.tool_env import Episode, ToolEnv
 from envs.tools import ToolOutput, tool
 from envs.toolset import ToolSet
 from orchestrator.engines.simulated import SimulatedEngine
@@ -48,8 +48,8 @@ class ManualClock:
         return self.now
 
 
-async def answered(episode: Episode) -> float:
-    return float(episode.final_reply == "ann")
+async def answered(episode: Episode) -> Reward:
+    return Reward(float(episode.final_reply == "ann"))
 
 
 class LookupSpec(EnvSpec):
@@ -73,7 +73,7 @@ class LookupSpec(EnvSpec):
             manual.now += 5.0
             return ToolOutput("ann", METADATA)
 
-        env = ToolEnv(ToolSet([lookup], clock=self.clock), [WeightedReward("answer", answered)],
+        env = ToolEnv(ToolSet([lookup], clock=self.clock), answered,
                       describe_tools=False)
         self.envs.append(env)
         return env
