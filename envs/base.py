@@ -21,9 +21,12 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Protocol, Self
+from typing import TYPE_CHECKING, Protocol, Self
 
 from envs.answers import extract_math
+
+if TYPE_CHECKING:
+    from envs.votes import Votes
 
 Message = dict[str, str]
 Clock = Callable[[], float]  # seconds; the run's one clock (its recorder's), handed to envs
@@ -35,6 +38,12 @@ class Task:
     messages: tuple[Message, ...]
     answer: str
     metadata: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def origin(self) -> str:
+        """Where the task was read from, for a record of its samples (a dataset row's
+        ``file:row``); empty where it was made, not read."""
+        return ""
 
 
 @dataclass(frozen=True)
@@ -192,6 +201,15 @@ class EnvSpec(ABC):
         format overrides it, and one whose replies are not answers to vote on (``code``)
         returns None, so no maj@n is reported for it."""
         return extract_math(reply)
+
+    def votes(self) -> Votes:
+        """How an evaluation's majority vote (maj@n) reads answers and groups them
+        (:mod:`envs.votes`): by default this environment's :meth:`extract_answer`, equal
+        normalised text agreeing; an environment scored by ``env.reward`` votes by that
+        reward's own reading and equivalence (:func:`envs.votes.votes_for`)."""
+        from envs.votes import Extracted  # envs.votes reads the rewards, which import this
+
+        return Extracted(self.extract_answer)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

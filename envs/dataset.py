@@ -54,6 +54,7 @@ from typing import Any, overload
 from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
 from envs.errors import EnvConfigError
 from envs.rewards import Scorer
+from envs.votes import Votes, votes_for
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class DatasetTask(Task):
     split: str = ""
     file: str = ""
     row: int = 0  # 1 is the file's first row
+
+    @property
+    def origin(self) -> str:
+        return f"{self.file}:{self.row}"
 
 
 @dataclass(frozen=True)
@@ -425,8 +430,13 @@ class DatasetSpec(EnvSpec):
         reward_timeout_s: float = 10.0,
         reward_processes: int = 2,
     ) -> None:
-        if train is None or train == "???":
-            raise EnvConfigError("env.train must name your data, e.g. env.train=data/train.jsonl")
+        if train == "???":
+            train = None
+        if train is None and eval is None:
+            raise EnvConfigError("env.train (or, to evaluate only, env.eval) must name your data, "
+                                 "e.g. env.train=data/train.jsonl")
+        self._reward = reward
+        self._reward_timeout_s = reward_timeout_s
         self.system_prompt = system_prompt
         self.instruction = instruction.strip() if instruction else None
         self._scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes)
@@ -448,6 +458,10 @@ class DatasetSpec(EnvSpec):
                           for segment in splits["train"].segments())
         log.info("env=dataset: %d train samples an epoch (%s), %d eval rows",
                  len(splits["train"]), sizes, len(splits["eval"]))
+
+    def votes(self) -> Votes:
+        """``env.reward``'s own reading and equivalence (:func:`envs.votes.votes_for`)."""
+        return votes_for(self._reward, timeout_s=self._reward_timeout_s)
 
     def messages(self, prompt: Any) -> tuple[Message, ...]:
         if isinstance(prompt, str):

@@ -396,7 +396,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
             if not batch.rows and not batch.joining:  # what was admitted finished at once
                 return [], []
             logits = self._forward(batch)
-            tokens, logprobs = self._sample(logits, [r.sampling.temperature for r in batch.rows])
+            tokens, logprobs = self._sample(logits, [r.sampling for r in batch.rows])
         return tokens.tolist(), logprobs.tolist()
 
     def _park_drained(self, batch: _Batch) -> None:
@@ -470,11 +470,17 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         batch.rows, batch.joining = rows + [r for r, _ in twins], []
         return logits
 
-    def _sample(self, logits: torch.Tensor, temperatures: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        temperatures = [r.temperature for r in rows]
         temperature = torch.tensor(temperatures, dtype=logits.dtype)
+        top_p = top_k = None
+        if any(r.top_p < 1 for r in rows):
+            top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float64).to(self.device)
+        if any(r.top_k > 0 for r in rows):
+            top_k = torch.tensor([r.top_k for r in rows]).to(self.device)
         tokens, chosen = sample(logits, temperature.to(self.device, non_blocking=True),
                                 self._generator, uniform=all(t == 1 for t in temperatures),
-                                greedy=any(t <= 0 for t in temperatures))
+                                greedy=any(t <= 0 for t in temperatures), top_p=top_p, top_k=top_k)
         # the step's one wait for the device: its tokens and log-probs, copied together
         out = torch.stack([tokens.to(chosen.dtype), chosen]).cpu()
         if not torch.isfinite(out[1]).all():  # pragma: no cover - a NaN model is a bug upstream
@@ -482,8 +488,29 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         return out[0].long(), out[1]
 
 
+def truncate(logits: torch.Tensor, top_p: torch.Tensor | None = None,
+             top_k: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits`` with every token outside each row's top-``k`` (``k = 0``: all) and outside
+    its nucleus (the smallest set of likeliest tokens whose probability reaches ``top_p``;
+    1: all) set to −inf. Ties at the edge of the top k are all kept."""
+    if top_k is not None:
+        vocab = logits.shape[-1]
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = logits.topk(int(k.max()), -1).values.gather(-1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        ordered, order = logits.sort(-1, descending=True)
+        probs = torch.softmax(ordered.double(), -1)
+        before = probs.cumsum(-1) - probs  # the mass of the likelier tokens
+        drop = before >= top_p[:, None]  # the nucleus was full before this token
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator,
-           uniform: bool | None = None, greedy: bool | None = None
+           uniform: bool | None = None, greedy: bool | None = None,
+           top_p: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` at the row's ``temperature`` (0: greedy), and its
     log-probability. A draw inverts the row's cumulative distribution at a uniform variate,
@@ -492,7 +519,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Gen
     a float64 ``log_softmax`` than a float32 one is). Four passes over the vocabulary, where
     ``torch.multinomial`` draws an exponential variate per entry (docs/real-model.md has the
     figures). ``uniform`` (every temperature is 1) and ``greedy`` (some row is greedy), when
-    the caller knows them, spare a wait for the device to find out."""
+    the caller knows them, spare a wait for the device to find out. ``top_p`` / ``top_k``
+    (per row; None: off) truncate the temperature-scaled distribution (:func:`truncate`)
+    before the draw, and the log-probability is then the token's under the truncated,
+    renormalised distribution it was drawn from (what vLLM's ``processed_logprobs`` gives)."""
     if uniform is None:
         uniform = bool((temperature == 1).all())
     if greedy is None:
@@ -500,6 +530,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Gen
     greedy_rows = temperature <= 0
     if not uniform:
         logits = logits / torch.where(greedy_rows, torch.ones_like(temperature), temperature)[:, None]
+    if top_p is not None or top_k is not None:
+        logits = truncate(logits, top_p, top_k)
     shifted = logits - logits.amax(-1, keepdim=True)
     cdf = torch.cumsum(shifted.exp(), -1, dtype=torch.float64)
     total = cdf[:, -1:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -35,6 +36,17 @@ def sample(task: int, index: int, reward: float, answer: str | None = None,
                       tokens=tokens, answer=answer, prompt=f"q{task}", completion=f"c{index}")
 
 
+def by_text(samples: list[EvalSample]) -> list[EvalSample]:
+    """``samples`` grouped for maj@n as equal answer text (what evaluate's votes set): each
+    sample's vote the index of its task's first sample with its answer."""
+    first: dict[tuple[int, str], int] = {}
+    for s in sorted(samples, key=lambda s: s.sample_index):
+        if s.answer is not None:
+            first.setdefault((s.task_id, s.answer), s.sample_index)
+    return [replace(s, vote=None if s.answer is None else first[(s.task_id, s.answer)])
+            for s in samples]
+
+
 @pytest.mark.parametrize("n", range(1, 7))
 def test_pass_at_k_is_the_share_of_k_subsets_holding_a_correct_sample(n: int) -> None:
     for c in range(n + 1):
@@ -54,18 +66,18 @@ def test_pass_at_k_is_not_a_with_replacement_bootstrap() -> None:
         pass_at_k(2, 1, 3)
 
 
-def test_majority_votes_over_extracted_answers() -> None:
+def test_majority_votes_over_answer_groups() -> None:
     # "7" twice, "5" once: the vote is 7, scored by the samples that gave it
-    assert majority([sample(0, 0, 0.0, "5"), sample(0, 1, 1.0, "7"),
-                     sample(0, 2, 1.0, "7")]) == 1.0
+    assert majority(by_text([sample(0, 0, 0.0, "5"), sample(0, 1, 1.0, "7"),
+                             sample(0, 2, 1.0, "7")])) == 1.0
     # a tie goes to the answer given first (by sample index, whatever the order handed in)
-    assert majority([sample(0, 1, 1.0, "7"), sample(0, 0, 0.0, "5")]) == 0.0
+    assert majority(by_text([sample(0, 1, 1.0, "7"), sample(0, 0, 0.0, "5")])) == 0.0
     # samples without an answer do not vote; none at all: 0
-    assert majority([sample(0, 0, 1.0, None), sample(0, 1, 0.0, "3"),
-                     sample(0, 2, 1.0, None)]) == 0.0
+    assert majority(by_text([sample(0, 0, 1.0, None), sample(0, 1, 0.0, "3"),
+                             sample(0, 2, 1.0, None)])) == 0.0
     assert majority([sample(0, 0, 1.0, None)]) == 0.0
     # partial credit: the mean reward of the samples that gave the voted answer
-    assert majority([sample(0, 0, 0.5, "x"), sample(0, 1, 1.0, "x")]) == 0.75
+    assert majority(by_text([sample(0, 0, 0.5, "x"), sample(0, 1, 1.0, "x")])) == 0.75
 
 
 def test_figures_per_source_and_over_all_tasks() -> None:
@@ -73,6 +85,7 @@ def test_figures_per_source_and_over_all_tasks() -> None:
     rewards = {("a", 0): [1, 0, 0, 0], ("a", 1): [1, 1, 1, 1], ("b", 2): [0, 0, 0, 0]}
     samples = [sample(task, i, float(r), answer=str(r), source=source, tokens=i + 1)
                for (source, task), rs in rewards.items() for i, r in enumerate(rs)]
+    samples = by_text(samples)
     random.Random(0).shuffle(samples)  # they finish in any order
     evaluation = score(samples, config, examples=1)
     a, b, overall = evaluation.sources["a"], evaluation.sources["b"], evaluation.overall
@@ -92,7 +105,7 @@ def test_figures_per_source_and_over_all_tasks() -> None:
         ("a", 0, 0), ("b", 2, 0)]
     assert "mean@4 0.417" in evaluation.describe()
     assert Evaluation.from_dict(json.loads(json.dumps(evaluation.to_dict()))) == \
-        Evaluation(**{**evaluation.__dict__, "examples": ()})
+        Evaluation(**{**evaluation.__dict__, "examples": (), "samples": ()})
 
 
 def test_no_maj_where_no_sample_gives_an_answer() -> None:
@@ -144,7 +157,7 @@ def test_run_state_keeps_the_evaluation(tmp_path: Path) -> None:
                      eval_before=evaluation)
     state.write(tmp_path, {})
     assert RunState.read(tmp_path).eval_before == Evaluation(**{**evaluation.__dict__,
-                                                               "examples": ()})
+                                                               "examples": (), "samples": ()})
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -179,7 +192,7 @@ def test_the_record_through_a_run_its_resume_and_summary_json(tmp_path: Path) ->
     assert again["eval_before_detail"] == before and again["eval_before"] == summary["eval_before"]
     assert again["eval_after_detail"]["n"] == 2
     written = read_jsonl(tmp_path / "eval_samples.jsonl")
-    assert [w["when"] for w in written].count("before") == len(first.eval_before.examples)
+    assert [w["when"] for w in written].count("before") == len(first.eval_before.samples)
 
 
 def test_which_environments_extract_an_answer_to_vote_on() -> None:
