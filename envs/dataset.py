@@ -530,7 +530,7 @@ class DatasetSpec(EnvSpec):
             assert isinstance(rows, Rows)
             left_out[split] = rows.keep(lambda slot, rows=rows: fits(
                 rows._task(0, *rows.locate(slot)).messages))
-            if split == "train" and len(rows) == 0:
+            if split == "train" and left_out[split] and len(rows) == 0:  # none fit
                 raise EnvConfigError("env.train: every prompt is too long for the model's "
                                      "context with rollout.max_tokens left for the answer")
         return left_out
