@@ -119,6 +119,7 @@ class Scored(Votes):
         self.name = name
         self._extract = extract
         self._scorer = Scorer(name, timeout_s=timeout_s, processes=processes)
+        self._started = False
 
     def answer(self, reply: str) -> str | None:
         if self._extract is not None:
@@ -127,15 +128,20 @@ class Scored(Votes):
 
     async def agree(self, reply: str, answer: str, metadata: Mapping[str, Any],
                     threshold: float) -> bool:
+        if not self._started:  # the workers start on the first question, not before: an
+            await self._scorer.__aenter__()  # evaluation of one sample a task asks none
+            self._started = True
         return (await self._scorer.score(reply, answer, metadata)).total >= threshold
 
     async def __aenter__(self) -> Self:
-        await self._scorer.__aenter__()
+        self._started = False
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        await self._scorer.__aexit__(exc_type, exc, tb)
+        if self._started:
+            self._started = False
+            await self._scorer.__aexit__(exc_type, exc, tb)
 
 
 def voting_term(reward: object, key: str = "env.reward") -> str:

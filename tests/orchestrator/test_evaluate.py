@@ -203,3 +203,65 @@ def test_which_environments_extract_an_answer_to_vote_on() -> None:
     assert default(spec, "<answer>Paris</answer>") == "Paris"
     assert default(spec, "it is 12 or 13") == "13" and default(spec, "no idea") is None
     assert CodeSpec.extract_answer(spec, "def f(x): return 1") is None  # type: ignore[arg-type]
+
+
+def test_every_figure_has_its_standard_error_over_tasks() -> None:
+    # four tasks of two samples: task means 1, 0.5, 0, 0.5
+    rewards = [[1, 1], [1, 0], [0, 0], [0, 1]]
+    samples = by_text([sample(t, i, float(r), answer=str(r), tokens=t + 1)
+                       for t, rs in enumerate(rewards) for i, r in enumerate(rs)])
+    evaluation = score(samples, EvalConfig(n=2, temperature=1.0, k=[1, 2]))
+    overall = evaluation.overall
+    means = [1.0, 0.5, 0.0, 0.5]  # the analytic se, written out: sd of task means / sqrt(T)
+    centre = sum(means) / 4
+    assert overall.se["mean"] == pytest.approx(
+        (sum((m - centre) ** 2 for m in means) / 3) ** 0.5 / 2)
+    assert overall.se["response_tokens"] == pytest.approx(
+        (sum((x - 2.5) ** 2 for x in [1, 2, 3, 4]) / 3) ** 0.5 / 2)
+    # pass@k and maj@n by the bootstrap over tasks: seeded, near the analytic se of the
+    # per-task values, 0 for one task
+    assert set(overall.errors(2)) == set(overall.metrics(2))
+    again = score(samples, EvalConfig(n=2, temperature=1.0, k=[1, 2]))
+    assert again.overall.se == overall.se
+    reseeded = score(samples, EvalConfig(n=2, temperature=1.0, k=[1, 2], seed=5))
+    assert reseeded.overall.se["pass@2"] != overall.se["pass@2"]
+    assert overall.se["pass@1"] == pytest.approx(overall.se["mean"], rel=0.15)
+    one = score(samples[:2], EvalConfig(n=2, temperature=1.0))
+    assert one.overall.se["pass@2"] == 0.0 and one.overall.se["mean"] == 0.0
+    # in the record (and back), the loggers' metrics, the one-line summary
+    assert Evaluation.from_dict(json.loads(json.dumps(evaluation.to_dict()))).overall.se == \
+        overall.se
+    metrics = evaluation.metrics("eval")
+    assert metrics["eval/pass@2_se"] == overall.se["pass@2"]
+    assert metrics["eval/a/maj@2_se"] == evaluation.sources["a"].se["maj"]
+    assert f"mean@2 0.500 ± {overall.se['mean']:.3f}" in evaluation.describe()
+
+
+def test_the_bootstrap_agrees_with_the_analytic_error_on_many_tasks() -> None:
+    rng = random.Random(1)
+    samples = [sample(t, i, float(rng.random() < 0.3 + 0.4 * (t % 2)), answer="x")
+               for t in range(300) for i in range(4)]
+    overall = score(by_text(samples), EvalConfig(n=4, temperature=1.0, k=[1])).overall
+    # pass@1 of a task is its mean reward: the two errors estimate the same thing
+    assert overall.se["pass@1"] == pytest.approx(overall.se["mean"], rel=0.1)
+
+
+@pytest.mark.anyio
+async def test_an_evaluation_samples_with_its_own_max_tokens_top_p_and_top_k() -> None:
+    spec = ArithmeticSpec(digits=2, train_size=8, eval_size=2, seed=0)
+    engine = scripted_engine(lambda p: "1")
+    runner = EpisodeRunner(engine, TOK, spec, RolloutConfig(temperature=1.0, max_tokens=16,
+                                                            top_p=0.5, top_k=3), Recorder())
+    with anyio.fail_after(10):
+        await evaluate(runner, list(spec.tasks("eval")),
+                       EvalConfig(n=2, temperature=0.7, max_tokens=5, top_p=0.9, top_k=20))
+        used = set(engine.replies.sampling)
+        await evaluate(runner, list(spec.tasks("eval")), EvalConfig())  # the rollout's length
+    assert {(s.max_tokens, s.temperature, s.top_p, s.top_k) for s in used} == {(5, 0.7, 0.9, 20)}
+    assert engine.replies.sampling[-1].max_tokens == 16
+    assert (engine.replies.sampling[-1].top_p, engine.replies.sampling[-1].top_k) == (1.0, 0)
+    # a training episode samples with the rollout's own top_p / top_k
+    with anyio.fail_after(10):
+        await runner.episode(spec.tasks("train")[0], "w")
+    last = engine.replies.sampling[-1]
+    assert (last.max_tokens, last.temperature, last.top_p, last.top_k) == (16, 1.0, 0.5, 3)
