@@ -27,77 +27,31 @@ Equal normalised answers always agree without asking the reward (a reward that s
 gives no vote. Groups are formed in sample order: a sample joins the first group whose
 answer it agrees with, so a non-transitive agreement cannot merge two groups after the fact.
 
-An environment whose answers are its own (``arithmetic``, ``search_qa``, ``reasoning_gym``)
-votes with :class:`Extracted`: its ``extract_answer``, equal normalised text agreeing.
+The base, :class:`envs.base.Votes` (beside :class:`~envs.base.EnvSpec`, whose
+:meth:`~envs.base.EnvSpec.votes` gives one), reads answers with a function and lets equal
+normalised text agree: an environment whose answers are its own (``arithmetic``,
+``search_qa``, ``reasoning_gym``) votes with it and its ``extract_answer``.
 """
 
 from __future__ import annotations
 
 import string
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Self
 
-from envs.answers import extract_final, extract_math, normalise
+from envs.answers import extract_final, extract_math
+from envs.base import Votes
 from envs.rewards import BUILTINS, Scorer, choice_reward, parse_terms
 
-
-class Votes:
-    """Answers read as text, equal normalised text agreeing; subclasses ask a reward. An async
-    context manager: a reward's worker pool is held inside it."""
-
-    def answer(self, reply: str) -> str | None:
-        """The answer ``reply`` gives; None when it gives none (no vote)."""
-        return extract_final(reply) or None
-
-    async def agree(self, reply: str, answer: str, metadata: Mapping[str, Any],
-                    threshold: float) -> bool:
-        """Whether ``reply`` gives ``answer`` (another sample's), beyond equal text."""
-        return False
-
-    async def groups(self, replies: Sequence[str], metadata: Mapping[str, Any] | None = None,
-                     threshold: float = 1.0) -> list[int | None]:
-        """Each reply's group, the index of the first reply of its answer (None: no answer)."""
-        metadata = metadata or {}
-        heads: list[tuple[int, str, str]] = []  # (index, answer, its normalised key)
-        out: list[int | None] = []
-        for index, reply in enumerate(replies):
-            answer = self.answer(reply)
-            if answer is None:
-                out.append(None)
-                continue
-            key = normalise(answer)
-            group = next((head for head, _, k in heads if k == key), None)
-            for head, head_answer, _ in heads if group is None else ():
-                if await self.agree(reply, head_answer, metadata, threshold):
-                    group = head
-                    break
-            if group is None:
-                heads.append((index, answer, key))
-                group = index
-            out.append(group)
-        return out
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        return None
-
-
-class Extracted(Votes):
-    """An environment's own reading (``extract_answer``); equal normalised text agrees."""
-
-    def __init__(self, extract: Callable[[str], str | None]) -> None:
-        self._extract = extract
-
-    def answer(self, reply: str) -> str | None:
-        return self._extract(reply)
+__all__ = ["Choice", "Exact", "Scored", "Votes", "votes_for", "voting_term"]
 
 
 class Choice(Votes):
     """``choice``: the letter the reward reads; the same letter agrees."""
+
+    def __init__(self) -> None:
+        super().__init__(extract_final)
 
     def answer(self, reply: str) -> str | None:
         # the reward's own reading: the letter it would score 1 (at most one can)
@@ -108,6 +62,9 @@ class Choice(Votes):
 class Exact(Votes):
     """``exact`` and ``regex``: the final text; equal normalised text agrees."""
 
+    def __init__(self) -> None:
+        super().__init__(extract_final)
+
 
 class Scored(Votes):
     """``math`` or a user's function: agreement is the reward scoring a reply against another
@@ -115,16 +72,11 @@ class Scored(Votes):
     workers, its time limit)."""
 
     def __init__(self, name: str, timeout_s: float = 10.0, processes: int = 1,
-                 extract: Callable[[str], str | None] | None = None) -> None:
+                 extract: Callable[[str], str | None] = extract_final) -> None:
+        super().__init__(extract)
         self.name = name
-        self._extract = extract
         self._scorer = Scorer(name, timeout_s=timeout_s, processes=processes)
         self._started = False
-
-    def answer(self, reply: str) -> str | None:
-        if self._extract is not None:
-            return self._extract(reply)
-        return super().answer(reply)
 
     async def agree(self, reply: str, answer: str, metadata: Mapping[str, Any],
                     threshold: float) -> bool:

@@ -65,11 +65,13 @@ BOOTSTRAP = 1000  # resamples of the tasks for pass@k's and maj@n's standard err
 
 
 async def evaluate(runner: EpisodeRunner, tasks: Sequence[Task],
-                   config: EvalConfig = EvalConfig(),
+                   config: EvalConfig | None = None,
                    on_sample: Callable[[EvalSample], None] | None = None) -> Evaluation:
     """``config.n`` episodes of each task sampled as ``config`` says (temperature, top-p,
-    top-k, max tokens), scored, every task's samples grouped by answer for maj@n;
-    ``on_sample`` sees each sample as it finishes (a progress bar)."""
+    top-k, max tokens; None: the defaults, one greedy sample), scored, every task's samples
+    grouped by answer for maj@n; ``on_sample`` sees each sample as it finishes (a progress
+    bar)."""
+    config = config if config is not None else EvalConfig()
     runner.spec.use_clock(runner.recorder.clock)  # tools report times on the recorder's clock
     sampler = runner.for_eval(config)
     if isinstance(runner.spec, AgentSpec):

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from envs.base import Task
-from envs.votes import Choice, Exact, Extracted, Scored, votes_for, voting_term
+from envs.votes import Choice, Exact, Scored, Votes, votes_for, voting_term
 from orchestrator.evaluate import majority, voted
 from orchestrator.types import EvalSample
 
@@ -96,5 +96,5 @@ def test_which_term_votes() -> None:
 
 
 async def test_an_environment_s_own_reading_votes_by_its_text() -> None:
-    votes = Extracted(lambda reply: reply.split()[-1] if reply.split() else None)
+    votes = Votes(lambda reply: reply.split()[-1] if reply.split() else None)
     assert await votes.groups(["is 12", "says 12.", "is 13", ""]) == [0, 0, 2, None]

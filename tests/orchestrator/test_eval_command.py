@@ -167,9 +167,9 @@ def test_evaluation_without_a_train_file_draws_tasks_per_source(run_dir: Path,
     rows = sorted(k["origin"] for k in kept)
     assert rows != sorted(f"{f}:{r}" for f in (first, second) for r in (1, 2, 3))  # drawn
     assert all(k["tokens"] <= 3 for k in kept)  # eval.max_tokens, not rollout.max_tokens
-    again, _ = evaluate_target(hf, args, out=tmp_path / "again.json")
+    evaluate_target(hf, args, out=tmp_path / "again.json")
     assert sorted(k["origin"] for k in map(json.loads, samples_path(tmp_path / "again.json")
                                            .read_text().splitlines())) == rows  # seeded
-    other, _ = evaluate_target(hf, [*args, "eval.seed=1"], out=tmp_path / "other.json")
+    evaluate_target(hf, [*args, "eval.seed=1"], out=tmp_path / "other.json")
     assert sorted(k["origin"] for k in map(json.loads, samples_path(tmp_path / "other.json")
                                            .read_text().splitlines())) != rows
