@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -178,11 +179,18 @@ def test_the_record_through_a_run_its_resume_and_summary_json(tmp_path: Path) ->
     assert records[-1]["summary/eval_after/arithmetic/pass@2"] == \
         summary["eval_after_detail"]["sources"]["arithmetic"]["pass@2"]
     evaluated = [m for m in records[:-1] if "eval/accuracy" in m]
-    for m in evaluated:  # periodic evaluations: every figure in the step's line
+    for m in evaluated:  # periodic evaluations: every figure in the step's line, its se too
         assert m["eval/accuracy"] == m["eval/mean@2"] and "eval/arithmetic/pass@2" in m
+        assert m["eval/pass@2_se"] >= 0 and "eval/arithmetic/mean@2_se" in m
+    assert "summary/eval_after/pass@2_se" in records[-1]
     written = read_jsonl(tmp_path / "eval_samples.jsonl")
     assert {w["when"] for w in written} >= {"before", "after"}
-    assert all({"prompt", "completion", "reward", "answer"} <= set(w) for w in written)
+    assert all({"prompt", "completion", "reply", "reward", "answer", "vote"} <= set(w)
+               for w in written)
+    # every sample of every evaluation is written (4 tasks x 2), none kept in the reports
+    per_evaluation = Counter((w["when"], w["step"]) for w in written)
+    assert set(per_evaluation.values()) == {8}
+    assert all(r.evaluation is None or r.evaluation.samples == () for r in first.reports)
 
     # resumed from the first step's checkpoint: the evaluation before RL comes back whole
     checkpoint = CheckpointStore(tmp_path / "checkpoints").path(1)
