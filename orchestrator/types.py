@@ -224,15 +224,15 @@ class StepReport:
 
 @dataclass(frozen=True)
 class EvalSample:
-    """One evaluation episode of a held-out task: what the scores are computed from, and what
-    the run directory's ``eval_samples.jsonl`` shows of a few."""
+    """One evaluation episode of a held-out task: what the scores are computed from, and a
+    line of the run directory's ``eval_samples.jsonl`` (or an evaluation's samples file)."""
 
     task_id: int
     sample_index: int  # 0 .. n - 1 among the task's samples
     source: str  # the task's data source (``metadata["data_source"]``, else the env's name)
     reward: float
     tokens: int  # generated tokens, every turn (or agent segment) together
-    answer: str | None  # the final reply's answer (EnvSpec.extract_answer); None: none given
+    answer: str | None  # the final reply's answer as the vote reads it (EnvSpec.votes); None: none
     prompt: str = ""
     completion: str = ""  # everything after the prompt: every turn and observation
     reference: str = ""  # the task's reference answer
@@ -245,8 +245,8 @@ class EvalSample:
 class Scores:
     """The figures of a set of tasks (one data source's, or all), each sampled ``n`` times:
     ``mean`` (mean@n), ``std`` (std@n), ``pass_at`` (k → pass@k), ``maj`` (maj@n; None where
-    no sample gave an answer to vote on) and the mean response length in tokens.
-    :mod:`orchestrator.evaluate` defines them."""
+    no sample gave an answer to vote on) and the mean response length in tokens, and each
+    one's standard error over tasks (``se``). :mod:`orchestrator.evaluate` defines them."""
 
     tasks: int
     samples: int
@@ -293,8 +293,9 @@ class Scores:
 @dataclass(frozen=True)
 class Evaluation:
     """An evaluation of held-out tasks, ``n`` samples each at ``temperature``: the figures
-    over all tasks (``overall``) and per data source (``sources``), and a few samples per
-    source (``examples``; not part of :meth:`to_dict`). Its headline is :attr:`mean`, the
+    over all tasks (``overall``) and per data source (``sources``), each with its standard
+    error, a few samples per source (``examples``) and every sample (``samples``; neither is
+    part of :meth:`to_dict`). Its headline is :attr:`mean`, the
     overall mean@n (with ``n = 1`` at temperature 0: greedy accuracy)."""
 
     n: int
