@@ -6,7 +6,9 @@
   hub). Files are memory-mapped Arrow (``load_dataset`` converts JSON, CSV and Parquet once,
   into its cache; ``.arrow`` files and ``save_to_disk`` directories are mapped where they lie),
   so a file of millions of rows is never turned into Python objects up front: a row becomes a
-  :class:`Task` when the sampler asks for it. Checks run on whole columns in Arrow.
+  :class:`Task` when the sampler asks for it. Checks run on whole columns in Arrow. A run
+  needs ``env.train``; ``env.eval`` alone makes an environment to evaluate on
+  (``python -m orchestrator.eval``). A task's :attr:`~DatasetTask.origin` is its ``file:row``.
 * **Mixtures.** ``env.train`` may be a list of ``{path: …, weight: …}``; an epoch holds as many
   samples as all sources have rows, shared out by weight (a source's rows spread evenly over
   its share: repeated when it is up-sampled, the same evenly spaced subset each epoch when it
@@ -27,7 +29,9 @@
   resumed run neither repeats nor skips a prompt within the epoch; the split's indices are
   stable across runs because files are read in sorted order.
 * **Reward.** ``env.reward`` through :class:`envs.rewards.Scorer` (``math`` by default), in
-  worker processes with ``env.reward_timeout_s`` per item; its counters join the metrics.
+  worker processes with ``env.reward_timeout_s`` per item; its counters join the metrics. An
+  evaluation's majority vote reads and groups answers as that reward does
+  (:meth:`DatasetSpec.votes`, :mod:`envs.votes`).
 * **Bad input** (a missing file, an unknown extension, no prompt column, an empty answer, a
   prompt that is neither a string nor a list of messages, an unknown role, a bad reward) is an
   :class:`EnvConfigError` of one line naming the file, the row (1 is the first) and the key,
