@@ -273,3 +273,32 @@ async def test_an_evaluation_samples_with_its_own_max_tokens_top_p_and_top_k() -
         await runner.episode(spec.tasks("train")[0], "w")
     last = engine.replies.sampling[-1]
     assert (last.max_tokens, last.temperature, last.top_p, last.top_k) == (16, 1.0, 0.5, 3)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("reward", "reference", "replies", "maj"), [
+    # the issue's case: math's reading voted None, None, "1" and maj@3 was 0
+    ("choice", "B", ["(B)", "(C), since 2 > 1", "(B)"], 1.0),
+    # text answers: math's reading found nothing to vote on
+    ("exact", "Paris", ["paris.", "London", "Paris"], 1.0),
+    # one half, written two ways, against a wrong third: raw strings tied and took the first
+    ("math", "1/2", ["\\boxed{1/3}", "\\boxed{\\frac{1}{2}}", "\\boxed{0.5}"], 1.0),
+])
+async def test_a_dataset_evaluation_votes_by_its_reward(
+        tmp_path: Path, reward: str, reference: str, replies: list[str], maj: float) -> None:
+    """Through evaluate with ``env=dataset``: maj@3 is the majority's reward, mean@3 two in
+    three, whichever sample gets which reply."""
+    from envs.dataset import DatasetSpec
+
+    test = tmp_path / "test.jsonl"
+    test.write_text(json.dumps({"question": "q?", "answer": reference}) + "\n")
+    spec = DatasetSpec(eval=str(test), reward=reward)
+    calls = iter(range(1 << 20))
+    engine = scripted_engine(lambda p: replies[next(calls) % 3])
+    runner = EpisodeRunner(engine, TOK, spec, RolloutConfig(max_tokens=32), Recorder())
+    with anyio.fail_after(60):
+        async with spec.running():
+            evaluation = await evaluate(runner, list(spec.tasks("eval")),
+                                        EvalConfig(n=3, temperature=1.0))
+    assert evaluation.overall.mean == pytest.approx(2 / 3)
+    assert evaluation.overall.maj == maj
