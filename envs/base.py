@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any, Protocol, Self
 
-from envs.answers import extract_math
+from envs.answers import extract_math, normalise
 
 Message = dict[str, str]
 Clock = Callable[[], float]  # seconds; the run's one clock (its recorder's), handed to envs
@@ -35,6 +35,12 @@ class Task:
     messages: tuple[Message, ...]
     answer: str
     metadata: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def origin(self) -> str:
+        """Where the task was read from, for a record of its samples (a dataset row's
+        ``file:row``); empty where it was made, not read."""
+        return ""
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,57 @@ class SingleTurnEnv(Env):
     async def score(self, task: Task, reply: str) -> Reward: ...
 
 
+class Votes:
+    """How an evaluation's majority vote reads a reply's answer (``extract``) and groups a
+    task's samples by answer (:meth:`groups`). Here equal normalised text agrees; a reward's
+    own equivalence is a subclass's :meth:`agree` (:mod:`envs.votes`). An async context
+    manager: a reward's worker pool is held inside it."""
+
+    def __init__(self, extract: Callable[[str], str | None]) -> None:
+        self._extract = extract
+
+    def answer(self, reply: str) -> str | None:
+        """The answer ``reply`` gives; None when it gives none (no vote)."""
+        return self._extract(reply) or None
+
+    async def agree(self, reply: str, answer: str, metadata: Mapping[str, Any],
+                    threshold: float) -> bool:
+        """Whether ``reply`` gives ``answer`` (another sample's), beyond equal text."""
+        return False
+
+    async def groups(self, replies: Sequence[str], metadata: Mapping[str, Any] | None = None,
+                     threshold: float = 1.0) -> list[int | None]:
+        """Each reply's group: the index of the first reply of its answer (None: no answer).
+        A reply joins the first group whose answer it agrees with, in order, so an agreement
+        that is not transitive cannot merge two groups after the fact."""
+        metadata = metadata or {}
+        heads: list[tuple[int, str, str]] = []  # (index, answer, its normalised text)
+        out: list[int | None] = []
+        for index, reply in enumerate(replies):
+            answer = self.answer(reply)
+            if answer is None:
+                out.append(None)
+                continue
+            key = normalise(answer)
+            group = next((head for head, _, k in heads if k == key), None)
+            for head, head_answer, _ in heads if group is None else ():
+                if await self.agree(reply, head_answer, metadata, threshold):
+                    group = head
+                    break
+            if group is None:
+                heads.append((index, answer, key))
+                group = index
+            out.append(group)
+        return out
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        return None
+
+
 class EnvSpec(ABC):
     name: str
     # The run's clock: every time an environment or its tools report (ToolCallRecord.started)
@@ -206,6 +263,13 @@ class EnvSpec(ABC):
 
     # env.reward, scored (envs.rewards.Scorer): set by an environment whose reward it is
     scorer: Scoring | None = None
+
+    def votes(self) -> Votes:
+        """How an evaluation's majority vote (maj@n) reads answers and groups them
+        (:mod:`envs.votes`): by default this environment's :meth:`extract_answer`, equal
+        normalised text agreeing; an environment scored by ``env.reward`` votes by that
+        reward's own reading and equivalence (:func:`envs.votes.votes_for`)."""
+        return Votes(self.extract_answer)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

@@ -8,6 +8,8 @@
   memory-mapped ``datasets.Dataset``, so a file of millions of rows is never turned into
   Python objects up front: a row becomes a :class:`Task` when the sampler asks for it. Checks
   read the file a record batch at a time (never a whole column), collecting every bad row.
+  A run needs ``env.train``; ``env.eval`` alone makes an environment to evaluate on
+  (``python -m orchestrator.eval``). A task's :attr:`~DatasetTask.origin` is its ``file:row``.
 * **Mixtures.** ``env.train`` may be a list of ``{path: …, weight: …}``; an epoch holds as many
   samples as all sources have rows, shared out by weight (a source's rows spread evenly over
   its share: repeated when it is up-sampled, the same evenly spaced subset each epoch when it
@@ -37,7 +39,8 @@
 * **Reward.** ``env.reward`` through :class:`envs.rewards.Scorer` (``math`` by default), in
   worker processes with ``env.reward_timeout_s`` per item; its counters join the metrics.
   ``env.reward=judge`` asks an LLM judge (``env.judge``, :mod:`envs.judge`), handed the task's
-  messages as the prompt it grades against.
+  messages as the prompt it grades against. An evaluation's majority vote reads and groups
+  answers as that reward does (:meth:`DatasetSpec.votes`, :mod:`envs.votes`).
 * **Bad input** (a missing file, an unknown extension, a file with no rows, no prompt column,
   a column named by ``env.prompt_key`` / ``env.answer_key`` that the file lacks, an empty
   answer, a prompt that is neither a string nor a list of messages, an unknown role, a
@@ -68,6 +71,7 @@ from typing import Any, overload
 from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
 from envs.errors import EnvConfigError
 from envs.rewards import Sample, Scorer
+from envs.votes import Votes, votes_for
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +91,10 @@ class DatasetTask(Task):
     row: int = 0  # 1 is the file's first row
     ground_truth: object = None  # the reference answer as the file holds it (text, number,
     # boolean, list, mapping); ``answer`` is its text
+
+    @property
+    def origin(self) -> str:
+        return f"{self.file}:{self.row}"
 
 
 @dataclass(frozen=True)
@@ -520,8 +528,13 @@ class DatasetSpec(EnvSpec):
         reward_fail_steps: int = 3,
         judge: dict[str, Any] | None = None,
     ) -> None:
-        if train is None or train == "???":
-            raise EnvConfigError("env.train must name your data, e.g. env.train=data/train.jsonl")
+        if train == "???":
+            train = None
+        if train is None and eval is None:
+            raise EnvConfigError("env.train (or, to evaluate only, env.eval) must name your data, "
+                                 "e.g. env.train=data/train.jsonl")
+        self._reward = reward
+        self._reward_timeout_s = reward_timeout_s
         self.system_prompt = system_prompt
         self.instruction = instruction.strip() if instruction else None
         self.scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes,
@@ -545,6 +558,10 @@ class DatasetSpec(EnvSpec):
                           for segment in splits["train"].segments())
         log.info("env=dataset: %d train samples an epoch (%s), %d eval rows",
                  len(splits["train"]), sizes, len(splits["eval"]))
+
+    def votes(self) -> Votes:
+        """``env.reward``'s own reading and equivalence (:func:`envs.votes.votes_for`)."""
+        return votes_for(self._reward, timeout_s=self._reward_timeout_s)
 
     def messages(self, prompt: Any) -> tuple[Message, ...]:
         if isinstance(prompt, str):
@@ -620,7 +637,7 @@ class DatasetSpec(EnvSpec):
             assert isinstance(rows, Rows)
             left_out[split] = rows.keep(lambda slot, rows=rows: fits(
                 rows._task(0, *rows.locate(slot)).messages))
-            if split == "train" and len(rows) == 0:
+            if split == "train" and left_out[split] and len(rows) == 0:  # none fit
                 raise EnvConfigError("env.train: every prompt is too long for the model's "
                                      "context with rollout.max_tokens left for the answer")
         return left_out

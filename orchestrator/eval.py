@@ -20,15 +20,21 @@ The parts are the run's own: the environment, tokenizer and dataset length check
 built in this process; ``launcher`` is not used), the model from the checkpoint
 (:func:`orchestrator.targets.load`), and :func:`orchestrator.evaluate.evaluate`.
 
-Output: a table per data source and over all tasks on stdout, ``eval.json`` (the typed
-:class:`~orchestrator.types.Evaluation`, what was evaluated, the first sample of a few tasks
-per source, the wall time and tokens/s) at ``-o PATH``, else in the run directory (a run or
-checkpoint target) or the model directory, replacing the one there; the last line is
-``eval_mean=<mean@n> pass_at_<k>=<pass@k>`` for the largest k. Progress goes to stderr: a bar
-on a terminal, else a line every 10 seconds (``progress=false``: none).
+Output: a table per data source and over all tasks on stdout, each figure as ``value ± se``
+(its standard error over tasks, :mod:`orchestrator.evaluate`), and two files per evaluation,
+each under its own name: ``eval-<UTC time>[-step-N].json`` (the typed
+:class:`~orchestrator.types.Evaluation` with its standard errors, what was evaluated, a few
+example samples per source, the wall time and tokens/s) and beside it the same name ending
+``.samples.jsonl``, every generation (source, task id, the row it was read from, sample index,
+reply, answer, its maj@n group, reward, reference), in ``evals/`` of the run directory (a run
+or checkpoint target) or of the model directory; ``-o PATH`` names the JSON file instead. The
+last line is ``eval_mean=<mean@n> pass_at_<k>=<pass@k>`` for the largest k. Progress goes to
+stderr: a bar on a terminal, else a line every 10 seconds (``progress=false``: none).
 
 Bad input is one line (``error: …``, exit code 2): a TARGET that is none of the three kinds,
-a k larger than n, a step with no checkpoint, an unknown key.
+a k larger than n, a step with no checkpoint, an unknown key, a model directory with no
+tokenizer. A directory with a ``config.json`` (a Hugging Face model) is a model directory even
+when it also holds a ``config.yaml``.
 """
 
 from __future__ import annotations
@@ -58,10 +64,10 @@ from orchestrator.config import (
 from orchestrator.engines.placement import Placement
 from orchestrator.errors import ConfigError
 from orchestrator.evaluate import evaluate
-from orchestrator.main import engine_of, environment, eval_config, first_tasks, torch_settings
+from orchestrator.main import engine_of, environment, eval_config, eval_tasks_of, torch_settings
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import EpisodeRunner
-from orchestrator.rundir import write_json
+from orchestrator.rundir import write_json, write_jsonl
 from orchestrator.schema import RolloutConfig
 from orchestrator.targets import (
     CONFIG,
@@ -80,7 +86,9 @@ from orchestrator.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
 
-EVAL_JSON = "eval.json"
+EVALS = "evals"  # each evaluation's files, in the run's or the model's directory
+SAMPLES_SUFFIX = ".samples.jsonl"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -91,23 +99,41 @@ class Target:
     checkpoint: Checkpoint | None = None
     model_dir: Path | None = None
 
-    @property
-    def default_out(self) -> Path:
-        """Where ``eval.json`` goes without ``-o``: the run's directory, or the model's."""
+    def default_out(self, now: float | None = None) -> Path:
+        """Where an evaluation's JSON goes without ``-o``: a new name in ``evals/`` of the
+        run's directory, or the model's (``eval-<UTC time>[-step-N].json``)."""
         directory = self.checkpoint.run_dir if self.checkpoint is not None else self.model_dir
         assert directory is not None
-        return directory / EVAL_JSON
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
+        step = None if self.checkpoint is None else step_of(self.checkpoint)
+        stem = f"eval-{stamp}" + ("" if step is None else f"-step-{step}")
+        path, count = directory / EVALS / f"{stem}.json", 1
+        while path.exists() or samples_path(path).exists():  # never another's name
+            count += 1
+            path = directory / EVALS / f"{stem}-{count}.json"
+        return path
+
+
+def samples_path(path: Path) -> Path:
+    """The samples file beside an evaluation's JSON file ``path``."""
+    return path.with_name(path.name.removesuffix(".json") + SAMPLES_SUFFIX)
 
 
 def resolve(target: str | Path, step: Step = None) -> Target:
     """The checkpoint or model directory ``target`` names; one line if none."""
     path = Path(target)
-    if is_run_dir(path) or is_checkpoint(path) or (path / CONFIG).is_file():
+    if is_run_dir(path) or is_checkpoint(path) or (
+            (path / CONFIG).is_file() and not is_model_dir(path)):
         return Target(path, checkpoint=locate(path, step))
     if is_model_dir(path):
         if step is not None:
             raise ConfigError(f"--step {step} picks a checkpoint of a run directory, but {path} "
                               "is a Hugging Face model directory: drop --step")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ConfigError(f"{path} has a model but no tokenizer (none of "
+                              f"{', '.join(TOKENIZER_FILES)}): save it beside the weights "
+                              "(tokenizer.save_pretrained) or evaluate python -m "
+                              "orchestrator.export's directory, which has one")
         return Target(path, model_dir=path)
     raise ConfigError(f"{path} is none of a run directory ({CONFIG} and checkpoints/), a "
                       "checkpoint directory (<run_dir>/checkpoints/step-N or final) or a Hugging "
@@ -166,7 +192,7 @@ def run_evaluation(target: Target, cfg: DictConfig, progress: bool = False) -> O
     for key in ("model", "engine"):
         check_target(cfg, key)
     spec, tokenizer = environment(cfg, section(cfg, "model"), rollout_cfg)
-    tasks = first_tasks(spec.tasks("eval"), eval_cfg.num_tasks)
+    tasks = eval_tasks_of(spec, eval_cfg)
     if not tasks:
         raise ConfigError("nothing to evaluate: eval.num_tasks is 0 or the environment has no "
                           "eval tasks; set eval.num_tasks > 0")
@@ -202,15 +228,20 @@ def table(evaluation: Evaluation) -> str:
     figures = list(evaluation.overall.metrics(evaluation.n))
     header = ["source", "tasks", "samples", *figures]
     lines = [[name, str(s.tasks), str(s.samples),
-              *(_cell(s.metrics(evaluation.n).get(f)) for f in figures)] for name, s in rows]
+              *(_cell(s.metrics(evaluation.n).get(f), s.errors(evaluation.n).get(f))
+                for f in figures)] for name, s in rows]
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w)
                                for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
                      for row in [header, *lines])
 
 
-def _cell(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _cell(value: float | None, se: float | None) -> str:
+    """``value ± se`` (a response length to one decimal)."""
+    if value is None:
+        return "-"
+    digits = 1 if value >= 10 else 3
+    return f"{value:.{digits}f}" + ("" if se is None else f" ± {se:.{digits}f}")
 
 
 def last_line(evaluation: Evaluation) -> str:
@@ -219,8 +250,10 @@ def last_line(evaluation: Evaluation) -> str:
     return f"eval_mean={evaluation.mean:.4f} pass_at_{k}={evaluation.overall.pass_at[k]:.4f}"
 
 
-def record(target: Target, cfg: DictConfig, outcome: Outcome) -> dict[str, Any]:
-    """``eval.json``: what was evaluated, how, and the evaluation."""
+def record(target: Target, cfg: DictConfig, outcome: Outcome,
+           samples_file: Path | None = None) -> dict[str, Any]:
+    """An evaluation's JSON: what was evaluated, how, and the evaluation (with its standard
+    errors under each scope's ``se``)."""
     checkpoint = target.checkpoint
     evaluation = outcome.evaluation
     return {
@@ -235,11 +268,20 @@ def record(target: Target, cfg: DictConfig, outcome: Outcome) -> dict[str, Any]:
         "seconds": outcome.seconds,
         "tokens_per_s": outcome.tokens_per_s,
         "evaluation": evaluation.to_dict(),
+        "samples_file": None if samples_file is None else str(samples_file),
         "examples": [{"source": s.source, "task_id": s.task_id, "sample": s.sample_index,
                       "prompt": s.prompt, "completion": s.completion, "reward": s.reward,
                       "answer": s.answer, "reference": s.reference}
                      for s in evaluation.examples],
     }
+
+
+def sample_lines(evaluation: Evaluation) -> list[dict[str, Any]]:
+    """The samples file's lines: every generation of the evaluation."""
+    return [{"source": s.source, "task_id": s.task_id, "origin": s.origin,
+             "sample": s.sample_index, "reward": s.reward, "answer": s.answer, "vote": s.vote,
+             "reference": s.reference, "tokens": s.tokens, "reply": s.reply,
+             "prompt": s.prompt, "completion": s.completion} for s in evaluation.samples]
 
 
 class Progress:
@@ -279,12 +321,15 @@ class Progress:
 
 def evaluate_target(target: str | Path, overrides: Sequence[str] = (), step: Step = None,
                     out: str | Path | None = None) -> tuple[Outcome, Path]:
-    """Evaluate TARGET (see the module's docstring); the outcome and where ``eval.json`` went."""
+    """Evaluate TARGET (see the module's docstring); the outcome and where its JSON went (its
+    samples file beside it, :func:`samples_path`)."""
     resolved = resolve(target, step)
     cfg = target_config(resolved, overrides)
     outcome = run_evaluation(resolved, cfg, progress=scalar(cfg, "progress"))
-    path = Path(out) if out is not None else resolved.default_out
-    write_json(path, record(resolved, cfg, outcome))
+    path = Path(out) if out is not None else resolved.default_out()
+    samples = samples_path(path)
+    write_jsonl(samples, sample_lines(outcome.evaluation))
+    write_json(path, record(resolved, cfg, outcome, samples))
     return outcome, path
 
 
@@ -293,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m orchestrator.eval",
         description="Evaluate a run's checkpoint or a Hugging Face model directory on the "
                     "held-out tasks, as a run does (docs/evaluation.md).",
-        epilog="eval.json goes to -o PATH, else into the run directory (TARGET a run or one of "
-               "its checkpoints) or the model directory, replacing one there. The last line is "
-               "eval_mean=<mean@n> pass_at_<k>=<pass@k> for the largest k.")
+        epilog="Each evaluation is written under its own name in evals/ of the run directory "
+               "(TARGET a run or one of its checkpoints) or the model directory (-o PATH: that "
+               "JSON file), every generation beside it in <name>.samples.jsonl. Figures are "
+               "value ± standard error. The last line is eval_mean=<mean@n> "
+               "pass_at_<k>=<pass@k> for the largest k.")
     parser.add_argument("target", metavar="TARGET",
                         help="a run directory (its latest checkpoint), a checkpoint directory "
                              "(<run_dir>/checkpoints/step-N or final) or a Hugging Face model "
@@ -306,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", metavar="N|best",
                         help="the run's checkpoint of step N, or the best one "
                              "(checkpoint.keep_best)")
-    parser.add_argument("-o", "--out", metavar="PATH", help="where to write eval.json")
+    parser.add_argument("-o", "--out", metavar="PATH",
+                        help="the evaluation's JSON file (its samples beside it)")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s][%(levelname)s] - %(message)s")
     register_plugin_envs()

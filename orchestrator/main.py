@@ -19,6 +19,8 @@ the run fails part-way.
 from __future__ import annotations
 
 import logging
+import random
+from collections import defaultdict
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import replace
@@ -167,11 +169,15 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         log.warning(idle)  # legitimate (GRPO at one update), but not what the loss is for
     model_cfg = section(cfg, "model")
     spec, tokenizer = environment(cfg, model_cfg, rollout_cfg)
+    if len(spec.tasks("train")) == 0:
+        raise ConfigError("the environment has no train tasks: a run needs them (env=dataset: "
+                          "env.train=data/train.jsonl); python -m orchestrator.eval evaluates "
+                          "without any")
     check_sizes(pipeline_cfg, rollout_cfg, spec)
     if group_filter is not None:
         group_filter.check(rollout_cfg.group_size)
     algorithm.check(rollout_cfg.group_size)  # e.g. a group baseline needs groups of 2 or more
-    eval_tasks = first_tasks(spec.tasks("eval"), eval_cfg.num_tasks)
+    eval_tasks = eval_tasks_of(spec, eval_cfg)
     if checkpoint_cfg.keep_best is not None:  # before anything is built or trained
         if not eval_tasks:
             raise ConfigError(f"checkpoint.keep_best={checkpoint_cfg.keep_best} ranks checkpoints "
@@ -272,6 +278,23 @@ def eval_on_own_engine(eval_cfg: EvalConfig, cfg: DictConfig, launcher: Launcher
 def engine_of(cfg: DictConfig) -> EngineRecipe:
     """The recipe of the engine ``cfg.engine`` names, for the model ``cfg.model`` describes."""
     return EngineRecipe(engine=section(cfg, "engine"), model=section(cfg, "model"))
+
+
+def eval_tasks_of(spec: EnvSpec, config: EvalConfig) -> list[Task]:
+    """The evaluation's tasks: ``eval.num_tasks`` of each data source of the eval split, drawn
+    at random with ``eval.seed`` (every task of a source that has fewer), in the split's order.
+    Every task is built once to know its source."""
+    tasks = spec.tasks("eval")
+    if config.num_tasks == 0:
+        return []
+    order = list(range(len(tasks)))
+    random.Random(config.seed).shuffle(order)
+    taken: dict[str, list[int]] = defaultdict(list)
+    for index in order:
+        chosen = taken[data_source(tasks[index], spec)]
+        if len(chosen) < config.num_tasks:
+            chosen.append(index)
+    return [tasks[i] for i in sorted(i for chosen in taken.values() for i in chosen)]
 
 
 def first_tasks(tasks: Sequence[Task], n: int) -> list[Task]:

@@ -41,7 +41,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.schema import RolloutConfig
+from orchestrator.schema import EvalConfig, RolloutConfig
 from orchestrator.trace.episode import EpisodeTrace
 from orchestrator.trajectory import TrajectoryBuilder
 from orchestrator.types import (
@@ -73,6 +73,13 @@ class EpisodeRunner:
         """This runner sampling at ``temperature`` (an evaluation's ``eval.temperature``)."""
         return replace(self, config=replace(self.config, temperature=temperature))
 
+    def for_eval(self, config: EvalConfig) -> EpisodeRunner:
+        """This runner sampling as an evaluation does: ``eval.temperature``, ``eval.top_p``,
+        ``eval.top_k`` and ``eval.max_tokens`` (null: the rollout's)."""
+        return replace(self, config=replace(
+            self.config, temperature=config.temperature, top_p=config.top_p,
+            top_k=config.top_k, max_tokens=config.max_tokens or self.config.max_tokens))
+
     def eval_sample(self, task: Task, index: int, trajectories: Sequence[Trajectory],
                     reward: float) -> EvalSample:
         """Sample ``index`` of ``task`` in an evaluation, from its episode's trajectories (one;
@@ -95,7 +102,7 @@ class EpisodeRunner:
             answer=self.spec.extract_answer(reply),
             prompt=tokenizer.decode(list(first.token_ids[:first.prompt_tokens])),
             completion=tokenizer.decode(_without(ids[last.prompt_tokens:], stops)),
-            reference=task.answer)
+            reference=task.answer, reply=reply, origin=task.origin)
 
     async def episode(self, task: Task, worker: str, sample_index: int = 0,
                       generated: Callable[[int], None] | None = None,
@@ -244,7 +251,8 @@ def _turn_sampling(config: RolloutConfig, tokenizer: Tokenizer, length: int,
             return None
         max_tokens = min(max_tokens, config.max_total_tokens - length)
     return SamplingParams(max_tokens=max_tokens, temperature=config.temperature,
-                          stop_token_ids=tokenizer.stop_ids, seed=seed)
+                          stop_token_ids=tokenizer.stop_ids, seed=seed, top_p=config.top_p,
+                          top_k=config.top_k)
 
 
 def _end_reason(config: RolloutConfig, done: bool, length: int, observation: int) -> str | None:

@@ -4,8 +4,8 @@ Every file of a run is written through :class:`RunDir`: ``config.yaml`` (the res
 ``metrics.jsonl`` (one line per step, :func:`~orchestrator.loggers.base.step_metrics`), the
 PolyTrace records of every trained step in ``trace/`` (compressed and rolled, see
 :mod:`orchestrator.trace.writer`), ``samples.jsonl`` (a few trained episodes per step as
-text), ``eval_samples.jsonl`` (a few samples per data source of each evaluation: prompt,
-completion, reward, answer), ``spans/`` (the run's recorder, :meth:`RunDir.open_recorder`, streams its spans there
+text), ``eval_samples.jsonl`` (every sample of each evaluation: prompt, completion, final reply,
+reward, answer and its maj@n group, the row it was read from), ``spans/`` (the run's recorder, :meth:`RunDir.open_recorder`, streams its spans there
 in compressed segments, flushed with every step) and at the end ``timeline.json`` (Perfetto,
 built from the spans of the last :data:`TIMELINE_STEPS` steps; ``python -m orchestrator.trace
 timeline <run_dir> --steps A:B`` builds any other window) and ``summary.json``; checkpoints go
@@ -111,18 +111,19 @@ class RunDir:
 
     def write_evaluation(self, when: str, step: int, evaluation: Evaluation) -> None:
         """The evaluation ``before`` or ``after`` RL (``step``: the steps trained before it):
-        its samples to ``eval_samples.jsonl``, and to the loggers (its figures go into
+        every sample to ``eval_samples.jsonl``, and to the loggers (its figures go into
         ``summary.json`` and the summary line of ``metrics.jsonl`` at the end)."""
         self._write_examples(when, step, evaluation)
         for sink in self._sinks:
             sink.log_evaluation(when, step, evaluation)
 
     def _write_examples(self, when: str, step: int, evaluation: Evaluation) -> None:
-        for s in evaluation.examples:
+        for s in evaluation.samples or evaluation.examples:  # every generation it kept
             self._eval_samples.write(json.dumps({
                 "when": when, "step": step, "source": s.source, "task_id": s.task_id,
-                "sample": s.sample_index, "prompt": s.prompt, "completion": s.completion,
-                "reward": s.reward, "answer": s.answer, "reference": s.reference}) + "\n")
+                "origin": s.origin, "sample": s.sample_index, "prompt": s.prompt,
+                "completion": s.completion, "reply": s.reply, "reward": s.reward,
+                "answer": s.answer, "vote": s.vote, "reference": s.reference}) + "\n")
         self._eval_samples.flush()
 
     def close(self, summary: Mapping[str, Any], failed: bool) -> None:
@@ -150,12 +151,24 @@ class RunDir:
 
 def write_json(path: Path, record: Mapping[str, Any]) -> None:
     """A record a command adds to a finished run's directory (``orchestrator.eval``'s
-    ``eval.json``), or anywhere it is asked to: written beside ``path`` and renamed into
+    evaluation), or anywhere it is asked to: written beside ``path`` and renamed into
     place, so a reader never sees half of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(dict(record), indent=2) + "\n")
+    tmp.replace(path)
+
+
+def write_jsonl(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
+    """Records a command adds (``orchestrator.eval``'s samples of one evaluation), one JSON
+    line each, written beside ``path`` and renamed into place as :func:`write_json` does."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as file:
+        for record in records:
+            file.write(json.dumps(dict(record)) + "\n")
     tmp.replace(path)
 
 

@@ -344,10 +344,13 @@ async def run_session(parts: RunParts, result: RunResult,
                         await checkpointer.scored(0, result.eval_before)
 
             async def step_done(report: StepReport) -> None:
-                # The batch goes to on_step (the run directory) and is dropped here, unless the
-                # parts need it afterwards (a replay's fidelity figures): memory stays bounded.
-                result.reports.append(report if parts.keep_batches
-                                      else replace(report, groups=(), timings=()))
+                # The batch, and a periodic evaluation's samples, go to on_step (the run
+                # directory) and are dropped here, unless the parts need the batch afterwards
+                # (a replay's fidelity figures): memory stays bounded.
+                kept = report if parts.keep_batches else replace(report, groups=(), timings=())
+                if kept.evaluation is not None and kept.evaluation.samples:
+                    kept = replace(kept, evaluation=replace(kept.evaluation, samples=()))
+                result.reports.append(kept)
                 if on_step is not None:
                     on_step(report)
                 progress.update(report)

@@ -131,6 +131,10 @@ class RolloutConfig:
     group_size: int = Field(8, ge=1, description="samples per prompt (a GRPO group)")
     max_tokens: int = Field(16, ge=1, description="tokens per assistant turn")
     temperature: float = Field(1.0, ge=0, description="sampling temperature (0: greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of "
+                                                      "tokens holding this much probability "
+                                                      "(1: off)")
+    top_k: int = Field(0, ge=0, description="sample among the k likeliest tokens (0: off)")
     max_turns: int = Field(1, ge=1, description="assistant turns per episode")
     max_total_tokens: int | None = Field(
         None, ge=1, description="prompt and every turn together (null: the engine's context "
@@ -158,8 +162,15 @@ class WarmStartConfig:
 class EvalConfig:
     """``eval``: held-out evaluation."""
 
-    num_tasks: int = Field(200, ge=0, description="tasks of the eval split, evaluated before "
-                                                  "and after RL (0: skip)")
+    num_tasks: int = Field(200, ge=0, description="tasks of each data source of the eval "
+                                                  "split, drawn with eval.seed, evaluated "
+                                                  "before and after RL (0: skip)")
+    seed: int = Field(0, description="the draw of those tasks, and of the bootstrap of "
+                                     "pass@k's and maj@n's standard errors")
+    max_tokens: int | None = Field(None, ge=1, description="tokens per assistant turn in an "
+                                                           "evaluation (null: rollout.max_tokens)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of an evaluation (1: off)")
+    top_k: int = Field(0, ge=0, description="its top-k sampling (0: off)")
     every: int = Field(0, ge=0, description="also every this many RL steps, alongside rollout "
                                             "(0: never): eval/<figure> and "
                                             "eval/<source>/<figure>, mean@n as eval/accuracy")

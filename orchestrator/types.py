@@ -27,6 +27,8 @@ class SamplingParams:
     temperature: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    top_p: float = 1.0  # the smallest set of likeliest tokens holding this much probability
+    top_k: int = 0  # the k likeliest tokens (0: all)
 
 
 @dataclass(frozen=True)
@@ -223,26 +225,29 @@ class StepReport:
 
 @dataclass(frozen=True)
 class EvalSample:
-    """One evaluation episode of a held-out task: what the scores are computed from, and what
-    the run directory's ``eval_samples.jsonl`` shows of a few."""
+    """One evaluation episode of a held-out task: what the scores are computed from, and a
+    line of the run directory's ``eval_samples.jsonl`` (or an evaluation's samples file)."""
 
     task_id: int
     sample_index: int  # 0 .. n - 1 among the task's samples
     source: str  # the task's data source (``metadata["data_source"]``, else the env's name)
     reward: float
     tokens: int  # generated tokens, every turn (or agent segment) together
-    answer: str | None  # the final reply's answer (EnvSpec.extract_answer); None: none given
+    answer: str | None  # the final reply's answer as the vote reads it (EnvSpec.votes); None: none
     prompt: str = ""
     completion: str = ""  # everything after the prompt: every turn and observation
     reference: str = ""  # the task's reference answer
+    reply: str = ""  # the final reply, the answer read from it
+    vote: int | None = None  # its maj@n group: the first sample giving its answer; None: none
+    origin: str = ""  # where the task was read from (Task.origin: a dataset's file:row)
 
 
 @dataclass(frozen=True)
 class Scores:
     """The figures of a set of tasks (one data source's, or all), each sampled ``n`` times:
     ``mean`` (mean@n), ``std`` (std@n), ``pass_at`` (k → pass@k), ``maj`` (maj@n; None where
-    no sample gave an answer to vote on) and the mean response length in tokens.
-    :mod:`orchestrator.evaluate` defines them."""
+    no sample gave an answer to vote on) and the mean response length in tokens, and each
+    one's standard error over tasks (``se``). :mod:`orchestrator.evaluate` defines them."""
 
     tasks: int
     samples: int
@@ -251,6 +256,9 @@ class Scores:
     pass_at: dict[int, float]
     maj: float | None
     response_tokens: float
+    # each figure's standard error over tasks, by field name (``mean``, ``std``, ``maj``,
+    # ``response_tokens``) or ``pass@k``
+    se: dict[str, float] = field(default_factory=dict)
 
     def metrics(self, n: int) -> dict[str, float]:
         """The figures under the names they are logged with: ``mean@4``, ``pass@1``, …"""
@@ -261,24 +269,34 @@ class Scores:
         out["response_tokens"] = self.response_tokens
         return out
 
+    def errors(self, n: int) -> dict[str, float]:
+        """Each figure's standard error under its logged name: ``mean@4`` → its se."""
+        names = {"mean": f"mean@{n}", "std": f"std@{n}", "maj": f"maj@{n}",
+                 "response_tokens": "response_tokens"}
+        return {names.get(key, key): value for key, value in self.se.items()}
+
     def to_dict(self, n: int) -> dict[str, Any]:
-        return {"tasks": self.tasks, "samples": self.samples, **self.metrics(n)}
+        return {"tasks": self.tasks, "samples": self.samples, **self.metrics(n),
+                "se": self.errors(n)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], n: int) -> Scores:
         pass_at = {int(key[5:]): float(v) for key, v in data.items() if key.startswith("pass@")}
         maj = data.get(f"maj@{n}")
+        names = {f"mean@{n}": "mean", f"std@{n}": "std", f"maj@{n}": "maj"}
+        se = {names.get(k, k): float(v) for k, v in data.get("se", {}).items()}
         return cls(tasks=int(data["tasks"]), samples=int(data["samples"]),
                    mean=float(data[f"mean@{n}"]), std=float(data[f"std@{n}"]), pass_at=pass_at,
                    maj=None if maj is None else float(maj),
-                   response_tokens=float(data["response_tokens"]))
+                   response_tokens=float(data["response_tokens"]), se=se)
 
 
 @dataclass(frozen=True)
 class Evaluation:
     """An evaluation of held-out tasks, ``n`` samples each at ``temperature``: the figures
-    over all tasks (``overall``) and per data source (``sources``), and a few samples per
-    source (``examples``; not part of :meth:`to_dict`). Its headline is :attr:`mean`, the
+    over all tasks (``overall``) and per data source (``sources``), each with its standard
+    error, a few samples per source (``examples``) and every sample (``samples``; neither is
+    part of :meth:`to_dict`). Its headline is :attr:`mean`, the
     overall mean@n (with ``n = 1`` at temperature 0: greedy accuracy)."""
 
     n: int
@@ -287,16 +305,20 @@ class Evaluation:
     overall: Scores
     sources: dict[str, Scores] = field(default_factory=dict)
     examples: tuple[EvalSample, ...] = ()
+    samples: tuple[EvalSample, ...] = ()  # every one, by source and task (not in to_dict)
 
     @property
     def mean(self) -> float:
         return self.overall.mean
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
-        """Every figure as ``<prefix>/pass@4`` (all tasks) and ``<prefix>/<source>/pass@4``."""
-        out = {f"{prefix}/{k}": v for k, v in self.overall.metrics(self.n).items()}
-        for source, scores in sorted(self.sources.items()):
-            out.update({f"{prefix}/{source}/{k}": v for k, v in scores.metrics(self.n).items()})
+        """Every figure as ``<prefix>/pass@4`` (all tasks) and ``<prefix>/<source>/pass@4``,
+        each with its standard error as ``<prefix>/pass@4_se``."""
+        out: dict[str, float] = {}
+        for path, scores in [("", self.overall),
+                             *((f"{s}/", v) for s, v in sorted(self.sources.items()))]:
+            out.update({f"{prefix}/{path}{k}": v for k, v in scores.metrics(self.n).items()})
+            out.update({f"{prefix}/{path}{k}_se": v for k, v in scores.errors(self.n).items()})
         return out
 
     def figure(self, name: str) -> float | None:
@@ -307,11 +329,13 @@ class Evaluation:
         return self.metrics("eval").get(name)
 
     def describe(self) -> str:
-        """The overall figures in one line: ``mean@4 0.520  pass@1 0.520  pass@4 0.800 …``."""
+        """The overall figures in one line: ``mean@4 0.520 ± 0.031  pass@1 0.520 ± 0.031 …``."""
         figures = self.overall.metrics(self.n)
+        errors = self.overall.errors(self.n)
         figures.pop(f"std@{self.n}")
         tokens = figures.pop("response_tokens")
-        return ("  ".join(f"{k} {v:.3f}" for k, v in figures.items())
+        return ("  ".join(f"{k} {v:.3f}" + (f" ± {errors[k]:.3f}" if k in errors else "")
+                          for k, v in figures.items())
                 + f"  {tokens:.1f} tokens ({self.overall.tasks} tasks)")
 
     def to_dict(self) -> dict[str, Any]:

@@ -505,8 +505,14 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        temperatures = [r.sampling.temperature for r in rows]
+        params = [r.sampling for r in rows]
+        temperatures = [p.temperature for p in params]
         temperature = torch.tensor(temperatures, dtype=logits.dtype)
+        top_p = top_k = None
+        if any(p.top_p < 1 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64).to(self.device)
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k for p in params]).to(self.device)
         variates = None
         if any(r.rng is not None for r in rows):  # seeded requests draw from their own streams
             variates = torch.rand((len(rows), 1), generator=self._generator, dtype=torch.float64,
@@ -521,7 +527,8 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
                 variates = torch.where(seeded, own, variates)
         tokens, chosen = sample(logits, temperature.to(self.device, non_blocking=True),
                                 self._generator, uniform=all(t == 1 for t in temperatures),
-                                greedy=any(t <= 0 for t in temperatures), variates=variates)
+                                greedy=any(t <= 0 for t in temperatures), variates=variates,
+                                top_p=top_p, top_k=top_k)
         # the step's one wait for the device: its tokens and log-probs, copied together
         out = torch.stack([tokens.to(chosen.dtype), chosen]).cpu()
         if not torch.isfinite(out[1]).all():  # pragma: no cover - a NaN model is a bug upstream
@@ -529,9 +536,30 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         return out[0].long(), out[1]
 
 
+def truncate(logits: torch.Tensor, top_p: torch.Tensor | None = None,
+             top_k: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits`` with every token outside each row's top-``k`` (``k = 0``: all) and outside
+    its nucleus (the smallest set of likeliest tokens whose probability reaches ``top_p``;
+    1: all) set to −inf. Ties at the edge of the top k are all kept."""
+    if top_k is not None:
+        vocab = logits.shape[-1]
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = logits.topk(int(k.max()), -1).values.gather(-1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        ordered, order = logits.sort(-1, descending=True)
+        probs = torch.softmax(ordered.double(), -1)
+        before = probs.cumsum(-1) - probs  # the mass of the likelier tokens
+        drop = before >= top_p[:, None]  # the nucleus was full before this token
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator,
            uniform: bool | None = None, greedy: bool | None = None,
-           variates: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           variates: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+           top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` at the row's ``temperature`` (0: greedy), and its
     log-probability. A draw inverts the row's cumulative distribution at a uniform variate,
     summed in float64 so that rounding cannot reach a token of probability 0; the
@@ -541,7 +569,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Gen
     figures). ``uniform`` (every temperature is 1) and ``greedy`` (some row is greedy), when
     the caller knows them, spare a wait for the device to find out. ``variates``: the uniform
     variates in [0, 1) (float64, ``[rows, 1]``), when the caller has drawn them (per-request
-    seeds); else they are drawn from ``generator``."""
+    seeds); else they are drawn from ``generator``. ``top_p`` / ``top_k`` (per row; None: off)
+    truncate the temperature-scaled distribution (:func:`truncate`) before the draw, and the
+    log-probability is then the token's under the truncated, renormalised distribution it was
+    drawn from (what vLLM's ``processed_logprobs`` gives)."""
     if uniform is None:
         uniform = bool((temperature == 1).all())
     if greedy is None:
@@ -549,6 +580,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Gen
     greedy_rows = temperature <= 0
     if not uniform:
         logits = logits / torch.where(greedy_rows, torch.ones_like(temperature), temperature)[:, None]
+    if top_p is not None or top_k is not None:
+        logits = truncate(logits, top_p, top_k)
     shifted = logits - logits.amax(-1, keepdim=True)
     cdf = torch.cumsum(shifted.exp(), -1, dtype=torch.float64)
     total = cdf[:, -1:]

@@ -6,8 +6,9 @@ processes. What it does for the pipeline:
 
 * **Token in, token out.** Prompts go in as token ids and tokens come back as ids: vLLM's
   tokenizer is never loaded (``skip_tokenizer_init``), so nothing is re-tokenised. Each
-  token's behaviour log-probability is taken after temperature scaling
-  (``logprobs_mode="processed_logprobs"``), the distribution it was sampled from.
+  token's behaviour log-probability is taken after temperature scaling and the ``top_k`` /
+  ``top_p`` truncation (``logprobs_mode="processed_logprobs"``), the distribution it was
+  sampled from (renormalised over the tokens the truncation kept).
 * **Versions.** Every weight load labels vLLM's weights with the policy version
   (``update_weight_version``); vLLM reports, per request, which output tokens each label
   produced, so each token carries the version that produced it, across updates mid-request.
@@ -332,6 +333,8 @@ class VLLMEngine(InferenceEngine):
         return VLLMSampling(
             max_tokens=budget,
             temperature=max(sampling.temperature, 0.0),
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,  # vLLM's "all" is -1 (or 0)
             stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=True,  # the environment's stop tokens are the only ones
             seed=sampling.seed,

@@ -62,6 +62,8 @@ class EpisodeLimits:
     max_context: int | None  # a prompt of this many tokens is refused (400)
     max_total_tokens: int | None  # a segment's whole sequence
     max_calls: int
+    top_p: float = 1.0  # the run's truncation of the distribution (rollout's, or the eval's)
+    top_k: int = 0
 
 
 @dataclass
@@ -226,7 +228,8 @@ class AgentEpisode:
             if cap is not None:
                 max_tokens = min(max_tokens, cap - length)
         params = SamplingParams(max_tokens=max_tokens, temperature=limits.temperature,
-                                stop_token_ids=self.tokenizer.stop_ids, seed=sampling.seed)
+                                stop_token_ids=self.tokenizer.stop_ids, seed=sampling.seed,
+                                top_p=limits.top_p, top_k=limits.top_k)
         choices: list[Choice] = [None] * len(branches)  # type: ignore[list-item]
 
         async def one(i: int, segment: _Segment) -> None:

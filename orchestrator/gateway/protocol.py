@@ -9,9 +9,9 @@ a :class:`BadRequest` — answered with status 400 and OpenAI's error body
   ``stream_options.include_usage``), ``model``; ``/v1/completions``: ``prompt`` (text or
   token ids), ``echo`` false, the same sampling fields;
 * fields checked and then not acted on, because the run decides: ``temperature`` and
-  ``top_p`` (every call samples at the run's ``rollout.temperature`` from the full
-  distribution, since the trainer's importance weights are computed against exactly that
-  policy), and bookkeeping the gateway has no use for (``metadata``, ``store``, ``user``,
+  ``top_p`` (every call samples at the run's ``rollout.temperature``, ``rollout.top_p`` and
+  ``rollout.top_k`` — an evaluation's ``eval.*`` — since the trainer's importance weights are
+  computed against the behaviour log-probs of exactly that sampling), and bookkeeping the gateway has no use for (``metadata``, ``store``, ``user``,
   ``parallel_tool_calls``, ``reasoning_effort``, …);
 * fields whose only accepted value is their neutral one (``frequency_penalty`` and
   ``presence_penalty`` 0, no ``logit_bias``, ``response_format`` text, ``top_logprobs`` 0):

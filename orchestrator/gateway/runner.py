@@ -98,7 +98,8 @@ async def evaluate_agents(gateway: Gateway, runner: EpisodeRunner, tasks: Sequen
         else:
             samples.append(EvalSample(task_id=task.id, sample_index=index,
                                       source=data_source(task, spec), reward=reward, tokens=0,
-                                      answer=None, reference=task.answer))
+                                      answer=None, reference=task.answer,
+                                      origin=task.origin))
 
     async with anyio.create_task_group() as tg:
         for task in tasks:

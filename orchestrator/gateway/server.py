@@ -130,7 +130,8 @@ class Gateway:
         call still generating is cancelled)."""
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         limits = EpisodeLimits(
-            temperature=rollout.temperature, max_tokens=rollout.max_tokens,
+            temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+            max_tokens=rollout.max_tokens,
             max_context=self.config.max_context, max_total_tokens=rollout.max_total_tokens,
             max_calls=self.config.max_calls)
         episode = AgentEpisode(AgentEndpoint(self.base_url, key, self.config.model), self.engine,

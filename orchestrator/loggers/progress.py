@@ -40,12 +40,18 @@ def _duration(seconds: float) -> str:
 
 
 def headline(evaluation: Evaluation) -> str:
-    """``eval 0.520`` (mean@n), with ``pass@8 0.800`` for the largest k when n > 1."""
-    text = f"eval {evaluation.mean:.3f}"
-    k = max(evaluation.overall.pass_at, default=1)
+    """``eval 0.520±0.031`` (mean@n and its standard error), with ``pass@8 0.800±0.040`` for
+    the largest k when n > 1."""
+    overall = evaluation.overall
+    text = f"eval {evaluation.mean:.3f}" + _se(overall.se.get("mean"))
+    k = max(overall.pass_at, default=1)
     if k > 1:
-        text += f" pass@{k} {evaluation.overall.pass_at[k]:.3f}"
+        text += f" pass@{k} {overall.pass_at[k]:.3f}" + _se(overall.se.get(f"pass@{k}"))
     return text
+
+
+def _se(value: float | None) -> str:
+    return "" if value is None else f"±{value:.3f}"
 
 
 class StepProgress:

@@ -167,6 +167,25 @@ def test_bad_input_is_one_line_naming_file_row_and_key(tmp_path: Path, make, mes
     assert "\n" not in str(info.value)
 
 
+def test_an_eval_file_alone_is_for_evaluating_a_run_needs_train(tmp_path: Path) -> None:
+    """``env.eval`` without ``env.train`` makes an environment to evaluate on (python -m
+    orchestrator.eval); training on it is refused in one line before anything is built."""
+    from orchestrator.errors import ConfigError
+    from orchestrator.main import run
+
+    test = write_jsonl(tmp_path / "test.jsonl", [{"question": "12+13=", "answer": "25"}] * 3)
+    spec = DatasetSpec(eval=str(test), reward="exact")
+    assert len(spec.tasks("train")) == 0 and len(spec.tasks("eval")) == 3
+    with pytest.raises(EnvConfigError, match=r"env.train \(or, to evaluate only, env.eval\)"):
+        DatasetSpec()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=smoke", "logger=none", "progress=false",
+                                           "model.device=cpu", "env=dataset", f"env.eval={test}"])
+    with pytest.raises(ConfigError, match="has no train tasks: a run needs them") as info:
+        run(cfg, tmp_path / "run")
+    assert "\n" not in str(info.value) and not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_run_from_a_file_end_to_end(tmp_path: Path) -> None:
     """The real config, the tiny model and its warm start, the math reward in workers; one
     prompt too long for the context is left out when the data is loaded."""

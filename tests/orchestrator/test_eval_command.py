@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO, quick_config
 
 from orchestrator.checkpoint import CheckpointStore
-from orchestrator.eval import evaluate_target, last_line, main, table
+from orchestrator.eval import evaluate_target, last_line, main, samples_path, table
 from orchestrator.export import export
 from orchestrator.main import run
 
@@ -40,8 +40,17 @@ def completions(path: Path) -> list[tuple[int, str]]:
 def test_a_run_its_checkpoint_and_its_export_evaluate_alike(run_dir: Path, tmp_path: Path) -> None:
     # the run directory: its latest checkpoint (final), greedy, the run's eval settings
     outcome, path = evaluate_target(run_dir)
-    assert path == run_dir / "eval.json"
+    assert path.parent == run_dir / "evals" and path.name.startswith("eval-")
     written = json.loads(path.read_text())
+    # every generation kept beside it, with its answer, maj@n group, reward and task
+    kept = [json.loads(line) for line in samples_path(path).read_text().splitlines()]
+    assert written["samples_file"] == str(samples_path(path)) and len(kept) == 4
+    assert {k["task_id"] for k in kept} == {s["task_id"] for s in written["examples"]}
+    assert all({"reply", "answer", "vote", "reward", "origin", "sample"} <= set(k) for k in kept)
+    # a second evaluation is written under its own name: the first stays
+    again, second = evaluate_target(run_dir)
+    assert second != path and path.is_file() and samples_path(second).is_file()
+    assert again.evaluation.overall == outcome.evaluation.overall
     assert written["checkpoint"] == str(run_dir / "checkpoints" / "final")
     assert written["evaluation"]["n"] == 1 and written["evaluation"]["overall"]["tasks"] == 4
     after = json.loads((run_dir / "summary.json").read_text())["eval_after"]
@@ -58,9 +67,9 @@ def test_a_run_its_checkpoint_and_its_export_evaluate_alike(run_dir: Path, tmp_p
     # its export: a Hugging Face directory composed from conf/ as the run was
     hf = export(run_dir, tmp_path / "hf")
     from_hf, hf_path = evaluate_target(hf, AS_THE_RUN)
-    assert hf_path == hf / "eval.json"
+    assert hf_path.parent == hf / "evals"
     assert from_hf.evaluation.overall == outcome.evaluation.overall
-    assert completions(hf_path) == completions(run_dir / "eval.json")
+    assert completions(hf_path) == completions(path)
     assert any(c.strip() for _, c in completions(hf_path))  # it answers something
 
     # n samples at a temperature, pass@k for each k, through the same engine
@@ -72,6 +81,10 @@ def test_a_run_its_checkpoint_and_its_export_evaluate_alike(run_dir: Path, tmp_p
     lines = table(sampled.evaluation).splitlines()
     assert lines[0].split()[:5] == ["source", "tasks", "samples", "mean@4", "std@4"]
     assert [line.split()[0] for line in lines[1:]] == ["arithmetic", "all"]
+    figures = len(lines[0].split()) - 3
+    assert all(line.count(" ± ") == figures for line in lines[1:])  # every figure ± its se
+    se = json.loads((tmp_path / "c.json").read_text())["evaluation"]["overall"]["se"]
+    assert set(se) == set(overall.metrics(4)) and se["pass@4"] >= 0
     assert last_line(sampled.evaluation) == \
         f"eval_mean={overall.mean:.4f} pass_at_4={overall.pass_at[4]:.4f}"
 
@@ -109,6 +122,13 @@ def test_bad_input_is_one_line(run_dir: Path, tmp_path: Path,
     assert "unknown engine 'nope'" in bad(capsys, str(run_dir), "engine=nope")
     hf = export(run_dir, tmp_path / "hf")
     assert "is a Hugging Face model directory: drop --step" in bad(capsys, str(hf), "--step", "1")
+    # a model directory that also holds a config.yaml (of the user's) is still a model
+    # directory, not a run's; one without a tokenizer is one line, not a traceback
+    (hf / "config.yaml").write_text("notes: mine\n")
+    assert "is a Hugging Face model directory: drop --step" in bad(capsys, str(hf), "--step", "1")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"):
+        (hf / name).unlink(missing_ok=True)
+    assert "has a model but no tokenizer" in bad(capsys, str(hf))
 
 
 def test_the_command_line(run_dir: Path, tmp_path: Path) -> None:
@@ -122,3 +142,34 @@ def test_the_command_line(run_dir: Path, tmp_path: Path) -> None:
     evaluation = json.loads(out.read_text())["evaluation"]["overall"]
     assert lines[-1] == f"eval_mean={evaluation['mean@2']:.4f} pass_at_2={evaluation['pass@2']:.4f}"
     assert lines[0].split()[0] == "source" and "eval: 8/8 samples" in done.stderr
+    figures = len(lines[0].split()) - 3
+    rows = [line for line in lines[1:] if line.split()[0] in ("arithmetic", "all")]
+    assert len(rows) == 2 and all(row.count(" ± ") == figures for row in rows)
+    assert (tmp_path / "eval.samples.jsonl").is_file()
+
+
+def test_evaluation_without_a_train_file_draws_tasks_per_source(run_dir: Path,
+                                                                tmp_path: Path) -> None:
+    # two eval files and no train file: eval.num_tasks of each, drawn with eval.seed; the
+    # first N rows (as before) never reached the second file
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    for path, base in ((first, 10), (second, 50)):
+        path.write_text("".join(json.dumps({"prompt": f"{base + i}+0=", "answer": str(base + i)})
+                                + "\n" for i in range(6)))
+    hf = export(run_dir, tmp_path / "hf")
+    args = [*(a for a in AS_THE_RUN if not a.startswith(("env.", "eval."))), "env=dataset",
+            f"env.eval=[{first},{second}]", "env.reward=exact", "eval.num_tasks=3",
+            "eval.max_tokens=3"]
+    outcome, path = evaluate_target(hf, args)
+    evaluation = outcome.evaluation
+    assert {s: v.tasks for s, v in evaluation.sources.items()} == {"first": 3, "second": 3}
+    kept = [json.loads(line) for line in samples_path(path).read_text().splitlines()]
+    rows = sorted(k["origin"] for k in kept)
+    assert rows != sorted(f"{f}:{r}" for f in (first, second) for r in (1, 2, 3))  # drawn
+    assert all(k["tokens"] <= 3 for k in kept)  # eval.max_tokens, not rollout.max_tokens
+    evaluate_target(hf, args, out=tmp_path / "again.json")
+    assert sorted(k["origin"] for k in map(json.loads, samples_path(tmp_path / "again.json")
+                                           .read_text().splitlines())) == rows  # seeded
+    evaluate_target(hf, [*args, "eval.seed=1"], out=tmp_path / "other.json")
+    assert sorted(k["origin"] for k in map(json.loads, samples_path(tmp_path / "other.json")
+                                           .read_text().splitlines())) != rows

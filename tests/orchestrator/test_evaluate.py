@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -35,6 +37,17 @@ def sample(task: int, index: int, reward: float, answer: str | None = None,
                       tokens=tokens, answer=answer, prompt=f"q{task}", completion=f"c{index}")
 
 
+def by_text(samples: list[EvalSample]) -> list[EvalSample]:
+    """``samples`` grouped for maj@n as equal answer text (what evaluate's votes set): each
+    sample's vote the index of its task's first sample with its answer."""
+    first: dict[tuple[int, str], int] = {}
+    for s in sorted(samples, key=lambda s: s.sample_index):
+        if s.answer is not None:
+            first.setdefault((s.task_id, s.answer), s.sample_index)
+    return [replace(s, vote=None if s.answer is None else first[(s.task_id, s.answer)])
+            for s in samples]
+
+
 @pytest.mark.parametrize("n", range(1, 7))
 def test_pass_at_k_is_the_share_of_k_subsets_holding_a_correct_sample(n: int) -> None:
     for c in range(n + 1):
@@ -54,18 +67,18 @@ def test_pass_at_k_is_not_a_with_replacement_bootstrap() -> None:
         pass_at_k(2, 1, 3)
 
 
-def test_majority_votes_over_extracted_answers() -> None:
+def test_majority_votes_over_answer_groups() -> None:
     # "7" twice, "5" once: the vote is 7, scored by the samples that gave it
-    assert majority([sample(0, 0, 0.0, "5"), sample(0, 1, 1.0, "7"),
-                     sample(0, 2, 1.0, "7")]) == 1.0
+    assert majority(by_text([sample(0, 0, 0.0, "5"), sample(0, 1, 1.0, "7"),
+                             sample(0, 2, 1.0, "7")])) == 1.0
     # a tie goes to the answer given first (by sample index, whatever the order handed in)
-    assert majority([sample(0, 1, 1.0, "7"), sample(0, 0, 0.0, "5")]) == 0.0
+    assert majority(by_text([sample(0, 1, 1.0, "7"), sample(0, 0, 0.0, "5")])) == 0.0
     # samples without an answer do not vote; none at all: 0
-    assert majority([sample(0, 0, 1.0, None), sample(0, 1, 0.0, "3"),
-                     sample(0, 2, 1.0, None)]) == 0.0
+    assert majority(by_text([sample(0, 0, 1.0, None), sample(0, 1, 0.0, "3"),
+                             sample(0, 2, 1.0, None)])) == 0.0
     assert majority([sample(0, 0, 1.0, None)]) == 0.0
     # partial credit: the mean reward of the samples that gave the voted answer
-    assert majority([sample(0, 0, 0.5, "x"), sample(0, 1, 1.0, "x")]) == 0.75
+    assert majority(by_text([sample(0, 0, 0.5, "x"), sample(0, 1, 1.0, "x")])) == 0.75
 
 
 def test_figures_per_source_and_over_all_tasks() -> None:
@@ -73,6 +86,7 @@ def test_figures_per_source_and_over_all_tasks() -> None:
     rewards = {("a", 0): [1, 0, 0, 0], ("a", 1): [1, 1, 1, 1], ("b", 2): [0, 0, 0, 0]}
     samples = [sample(task, i, float(r), answer=str(r), source=source, tokens=i + 1)
                for (source, task), rs in rewards.items() for i, r in enumerate(rs)]
+    samples = by_text(samples)
     random.Random(0).shuffle(samples)  # they finish in any order
     evaluation = score(samples, config, examples=1)
     a, b, overall = evaluation.sources["a"], evaluation.sources["b"], evaluation.overall
@@ -92,7 +106,7 @@ def test_figures_per_source_and_over_all_tasks() -> None:
         ("a", 0, 0), ("b", 2, 0)]
     assert "mean@4 0.417" in evaluation.describe()
     assert Evaluation.from_dict(json.loads(json.dumps(evaluation.to_dict()))) == \
-        Evaluation(**{**evaluation.__dict__, "examples": ()})
+        Evaluation(**{**evaluation.__dict__, "examples": (), "samples": ()})
 
 
 def test_no_maj_where_no_sample_gives_an_answer() -> None:
@@ -144,7 +158,7 @@ def test_run_state_keeps_the_evaluation(tmp_path: Path) -> None:
                      eval_before=evaluation)
     state.write(tmp_path, {})
     assert RunState.read(tmp_path).eval_before == Evaluation(**{**evaluation.__dict__,
-                                                               "examples": ()})
+                                                               "examples": (), "samples": ()})
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -165,11 +179,18 @@ def test_the_record_through_a_run_its_resume_and_summary_json(tmp_path: Path) ->
     assert records[-1]["summary/eval_after/arithmetic/pass@2"] == \
         summary["eval_after_detail"]["sources"]["arithmetic"]["pass@2"]
     evaluated = [m for m in records[:-1] if "eval/accuracy" in m]
-    for m in evaluated:  # periodic evaluations: every figure in the step's line
+    for m in evaluated:  # periodic evaluations: every figure in the step's line, its se too
         assert m["eval/accuracy"] == m["eval/mean@2"] and "eval/arithmetic/pass@2" in m
+        assert m["eval/pass@2_se"] >= 0 and "eval/arithmetic/mean@2_se" in m
+    assert "summary/eval_after/pass@2_se" in records[-1]
     written = read_jsonl(tmp_path / "eval_samples.jsonl")
     assert {w["when"] for w in written} >= {"before", "after"}
-    assert all({"prompt", "completion", "reward", "answer"} <= set(w) for w in written)
+    assert all({"prompt", "completion", "reply", "reward", "answer", "vote"} <= set(w)
+               for w in written)
+    # every sample of every evaluation is written (4 tasks x 2), none kept in the reports
+    per_evaluation = Counter((w["when"], w["step"]) for w in written)
+    assert set(per_evaluation.values()) == {8}
+    assert all(r.evaluation is None or r.evaluation.samples == () for r in first.reports)
 
     # resumed from the first step's checkpoint: the evaluation before RL comes back whole
     checkpoint = CheckpointStore(tmp_path / "checkpoints").path(1)
@@ -179,7 +200,7 @@ def test_the_record_through_a_run_its_resume_and_summary_json(tmp_path: Path) ->
     assert again["eval_before_detail"] == before and again["eval_before"] == summary["eval_before"]
     assert again["eval_after_detail"]["n"] == 2
     written = read_jsonl(tmp_path / "eval_samples.jsonl")
-    assert [w["when"] for w in written].count("before") == len(first.eval_before.examples)
+    assert [w["when"] for w in written].count("before") == len(first.eval_before.samples)
 
 
 def test_which_environments_extract_an_answer_to_vote_on() -> None:
@@ -190,3 +211,94 @@ def test_which_environments_extract_an_answer_to_vote_on() -> None:
     assert default(spec, "<answer>Paris</answer>") == "Paris"
     assert default(spec, "it is 12 or 13") == "13" and default(spec, "no idea") is None
     assert CodeSpec.extract_answer(spec, "def f(x): return 1") is None  # type: ignore[arg-type]
+
+
+def test_every_figure_has_its_standard_error_over_tasks() -> None:
+    # four tasks of two samples: task means 1, 0.5, 0, 0.5
+    rewards = [[1, 1], [1, 0], [0, 0], [0, 1]]
+    samples = by_text([sample(t, i, float(r), answer=str(r), tokens=t + 1)
+                       for t, rs in enumerate(rewards) for i, r in enumerate(rs)])
+    evaluation = score(samples, EvalConfig(n=2, temperature=1.0, k=[1, 2]))
+    overall = evaluation.overall
+    means = [1.0, 0.5, 0.0, 0.5]  # the analytic se, written out: sd of task means / sqrt(T)
+    centre = sum(means) / 4
+    assert overall.se["mean"] == pytest.approx(
+        (sum((m - centre) ** 2 for m in means) / 3) ** 0.5 / 2)
+    assert overall.se["response_tokens"] == pytest.approx(
+        (sum((x - 2.5) ** 2 for x in [1, 2, 3, 4]) / 3) ** 0.5 / 2)
+    # pass@k and maj@n by the bootstrap over tasks: seeded, near the analytic se of the
+    # per-task values, 0 for one task
+    assert set(overall.errors(2)) == set(overall.metrics(2))
+    again = score(samples, EvalConfig(n=2, temperature=1.0, k=[1, 2]))
+    assert again.overall.se == overall.se
+    reseeded = score(samples, EvalConfig(n=2, temperature=1.0, k=[1, 2], seed=5))
+    assert reseeded.overall.se["pass@2"] != overall.se["pass@2"]
+    assert overall.se["pass@1"] == pytest.approx(overall.se["mean"], rel=0.15)
+    one = score(samples[:2], EvalConfig(n=2, temperature=1.0))
+    assert one.overall.se["pass@2"] == 0.0 and one.overall.se["mean"] == 0.0
+    # in the record (and back), the loggers' metrics, the one-line summary
+    assert Evaluation.from_dict(json.loads(json.dumps(evaluation.to_dict()))).overall.se == \
+        overall.se
+    metrics = evaluation.metrics("eval")
+    assert metrics["eval/pass@2_se"] == overall.se["pass@2"]
+    assert metrics["eval/a/maj@2_se"] == evaluation.sources["a"].se["maj"]
+    assert f"mean@2 0.500 ± {overall.se['mean']:.3f}" in evaluation.describe()
+
+
+def test_the_bootstrap_agrees_with_the_analytic_error_on_many_tasks() -> None:
+    rng = random.Random(1)
+    samples = [sample(t, i, float(rng.random() < 0.3 + 0.4 * (t % 2)), answer="x")
+               for t in range(300) for i in range(4)]
+    overall = score(by_text(samples), EvalConfig(n=4, temperature=1.0, k=[1])).overall
+    # pass@1 of a task is its mean reward: the two errors estimate the same thing
+    assert overall.se["pass@1"] == pytest.approx(overall.se["mean"], rel=0.1)
+
+
+@pytest.mark.anyio
+async def test_an_evaluation_samples_with_its_own_max_tokens_top_p_and_top_k() -> None:
+    spec = ArithmeticSpec(digits=2, train_size=8, eval_size=2, seed=0)
+    engine = scripted_engine(lambda p: "1")
+    runner = EpisodeRunner(engine, TOK, spec, RolloutConfig(temperature=1.0, max_tokens=16,
+                                                            top_p=0.5, top_k=3), Recorder())
+    with anyio.fail_after(10):
+        await evaluate(runner, list(spec.tasks("eval")),
+                       EvalConfig(n=2, temperature=0.7, max_tokens=5, top_p=0.9, top_k=20))
+        used = set(engine.replies.sampling)
+        await evaluate(runner, list(spec.tasks("eval")), EvalConfig())  # the rollout's length
+    assert {(s.max_tokens, s.temperature, s.top_p, s.top_k) for s in used} == {(5, 0.7, 0.9, 20)}
+    assert engine.replies.sampling[-1].max_tokens == 16
+    assert (engine.replies.sampling[-1].top_p, engine.replies.sampling[-1].top_k) == (1.0, 0)
+    # a training episode samples with the rollout's own top_p / top_k
+    with anyio.fail_after(10):
+        await runner.episode(spec.tasks("train")[0], "w")
+    last = engine.replies.sampling[-1]
+    assert (last.max_tokens, last.temperature, last.top_p, last.top_k) == (16, 1.0, 0.5, 3)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("reward", "reference", "replies", "maj"), [
+    # the issue's case: math's reading voted None, None, "1" and maj@3 was 0
+    ("choice", "B", ["(B)", "(C), since 2 > 1", "(B)"], 1.0),
+    # text answers: math's reading found nothing to vote on
+    ("exact", "Paris", ["paris.", "London", "Paris"], 1.0),
+    # one half, written two ways, against a wrong third: raw strings tied and took the first
+    ("math", "1/2", ["\\boxed{1/3}", "\\boxed{\\frac{1}{2}}", "\\boxed{0.5}"], 1.0),
+])
+async def test_a_dataset_evaluation_votes_by_its_reward(
+        tmp_path: Path, reward: str, reference: str, replies: list[str], maj: float) -> None:
+    """Through evaluate with ``env=dataset``: maj@3 is the majority's reward, mean@3 two in
+    three, whichever sample gets which reply."""
+    from envs.dataset import DatasetSpec
+
+    test = tmp_path / "test.jsonl"
+    test.write_text(json.dumps({"question": "q?", "answer": reference}) + "\n")
+    spec = DatasetSpec(eval=str(test), reward=reward)
+    calls = iter(range(1 << 20))
+    engine = scripted_engine(lambda p: replies[next(calls) % 3])
+    runner = EpisodeRunner(engine, TOK, spec, RolloutConfig(max_tokens=32), Recorder())
+    with anyio.fail_after(60):
+        async with spec.running():
+            evaluation = await evaluate(runner, list(spec.tasks("eval")),
+                                        EvalConfig(n=3, temperature=1.0))
+    assert evaluation.overall.mean == pytest.approx(2 / 3)
+    assert evaluation.overall.maj == maj

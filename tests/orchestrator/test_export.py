@@ -279,3 +279,48 @@ def test_the_command_line(plain: Path, tmp_path: Path) -> None:
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout.strip().splitlines()[-1] == str(out) and (out / "model.safetensors").is_file()
+
+
+def test_dtype_and_file_modes_as_the_user_asks(plain: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    old = os.umask(0o027)
+    try:
+        out = export(plain, tmp_path / "bf16", dtype="bfloat16")
+    finally:
+        os.umask(old)
+    assert {w.dtype for w in weights(out).values()} == {torch.bfloat16}
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("torch_dtype", config.get("dtype")) == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    # every file as a new file of the user's would be (0o666 less the umask), the weights too
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == 0o640 and set(modes.values()) == {0o640}, modes
+    assert out.stat().st_mode & 0o777 == 0o750
+    assert {w.dtype for w in weights(export(plain, tmp_path / "as_is")).values()} == {torch.float32}
+
+
+def test_an_adapter_on_an_untouched_base_names_it_as_the_run_did(
+        plain: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a LoRA run on a Hugging Face directory the run named by a relative path, its base
+    # weights untouched (no warm start): the adapter names that path as written
+    monkeypatch.chdir(tmp_path)
+    export(plain, tmp_path / "models" / "tiny")
+    cfg = quick_config("smoke", *LORA)
+    OmegaConf.update(cfg, "model", {"_target_": "orchestrator.models.policy.pretrained_policy",
+                                    "path": "models/tiny", "dtype": "float32", "device": "cpu",
+                                    "fp32_head": False}, merge=False)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    recipe = TrainerRecipe(trainer=section(cfg, "trainer"), model=section(cfg, "model"),
+                           algo=section(cfg, "algo"), torch_threads=1)
+    trainer = recipe.build()
+    try:
+        CheckpointStore(run_dir / "checkpoints").save(0, trainer.snapshot().write)
+    finally:
+        anyio.run(trainer.aclose)
+    out = export(run_dir, tmp_path / "adapter", adapter=True)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "models/tiny" and not (out / "base").exists()

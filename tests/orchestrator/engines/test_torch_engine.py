@@ -795,3 +795,68 @@ async def test_the_prefix_cache_can_be_turned_off_and_is_checked(tiny: Any) -> N
         gen = await engine.generate(prompt, SamplingParams(max_tokens=3, temperature=1.0))
         await engine.generate(prompt + list(gen.token_ids) + [8], SamplingParams(max_tokens=3))
     assert engine.prefixes.hits == 0 and not engine.prefixes
+
+
+def plain_truncated(probs: list[float], top_p: float, top_k: int) -> list[float]:
+    """The truncated distribution written the slow obvious way: the k likeliest tokens
+    (k = 0: all), then the likeliest of them until their mass reaches top_p, renormalised."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept = order[:top_k] if top_k > 0 else order
+    mass = sum(probs[i] for i in kept)
+    nucleus, total = [], 0.0
+    for i in kept:
+        if total >= top_p * mass - 1e-12:
+            break
+        nucleus.append(i)
+        total += probs[i]
+    return [probs[i] / total if i in nucleus else 0.0 for i in range(len(probs))]
+
+
+@pytest.mark.parametrize(("top_p", "top_k"), [(1.0, 2), (0.7, 0), (0.5, 3), (0.95, 1)])
+def test_top_p_and_top_k_draw_from_the_truncated_distribution_and_report_its_logprob(
+        top_p: float, top_k: int) -> None:
+    """Draws follow the truncated, renormalised distribution (8,000 each: within 0.02), never
+    leave it, and each draw's log-probability is the token's under it (what the engine
+    returns as the behaviour log-prob, as vLLM's processed_logprobs does)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 3.0, 0.1, 2.9, -2.0]])
+    temperature = torch.tensor([1.0, 0.8])
+    rows = len(logits)
+    expected = torch.tensor([plain_truncated(torch.softmax(logits[r] / temperature[r], -1).tolist(),
+                                             top_p, top_k) for r in range(rows)],
+                            dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    draws = 8_000  # the rows repeated: one call draws them all
+    p, k = torch.full((rows * draws,), top_p, dtype=torch.float64), torch.full((rows * draws,), top_k)
+    tokens, chosen = sample(logits.repeat(draws, 1), temperature.repeat(draws), generator,
+                            top_p=p, top_k=k)
+    tokens, chosen = tokens.view(draws, rows), chosen.view(draws, rows)
+    for row in range(rows):
+        counts = torch.bincount(tokens[:, row], minlength=5).double() / draws
+        torch.testing.assert_close(counts, expected[row], atol=0.02, rtol=0)
+        assert not bool((counts[expected[row] == 0] > 0).any())
+        torch.testing.assert_close(chosen[:, row].double(), expected[row][tokens[:, row]].log(),
+                                   atol=1e-5, rtol=0)
+    p, k = p[:rows], k[:rows]
+    # off (top_p 1, top_k 0) is the untruncated draw; greedy stays the argmax
+    off = sample(logits, temperature, torch.Generator().manual_seed(3),
+                 top_p=torch.ones(rows, dtype=torch.float64), top_k=torch.zeros(rows, dtype=torch.long))
+    plain = sample(logits, temperature, torch.Generator().manual_seed(3))
+    assert torch.equal(off[0], plain[0])
+    greedy, _ = sample(logits, torch.zeros(rows), generator, top_p=p, top_k=k)
+    assert greedy.tolist() == [0, 1]
+
+
+async def test_the_engine_samples_within_top_k(tiny: Any) -> None:
+    """Through the engine: with top_k=1 every token is the argmax (greedy at temperature 1)
+    and its log-prob is 0, the truncated distribution's; rows without it in the same batch
+    sample freely."""
+    prompt = prompts(1, tiny.tokenizer.vocab_size, seed=4)[0]
+    async with engine_for(tiny, seed=0) as engine:
+        with anyio.fail_after(60):
+            top1, greedy, free = await generate_all(engine, [
+                (prompt, SamplingParams(max_tokens=8, temperature=1.0, top_k=1)),
+                (prompt, SamplingParams(max_tokens=8, temperature=0.0)),
+                (prompt, SamplingParams(max_tokens=8, temperature=1.0))])
+    assert top1.token_ids == greedy.token_ids
+    assert all(abs(lp) < 1e-5 for lp in top1.logprobs)
+    assert_teacher_forced(tiny.model, prompt, free)

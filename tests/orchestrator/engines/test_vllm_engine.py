@@ -3,7 +3,8 @@ on a GPU machine) on a tiny model built from config. One engine serves the modul
 (it takes ~30 s to start).
 
 What is checked: token ids in and out with behaviour log-probs equal to the trainer's
-teacher-forced ones under the sampling temperature; every token's version; a weight update
+teacher-forced ones under the sampling temperature (and, with top-k / top-p, under the
+truncated, renormalised distribution); every token's version; a weight update
 changes what is generated and the version stamped; requests in flight across a pause keep
 going under the new weights. (``test_vllm_pipeline.py`` trains with ``engine=vllm``.)"""
 
@@ -104,6 +105,39 @@ async def test_ids_logprobs_and_versions_match_the_trainers_forward_pass(
     diff = torch.cat(diffs)
     print(f"vllm logprob |diff| vs teacher-forced: mean={diff.mean():.2e} max={diff.max():.2e}")
     assert float(diff.max()) < 1e-3
+
+
+@pytest.mark.parametrize(("top_p", "top_k"), [(1.0, 3), (0.6, 0)])
+async def test_truncated_sampling_returns_the_truncated_distribution_s_logprobs(
+        engine: VLLMEngine, policy: Any, top_p: float, top_k: int) -> None:
+    """With top-k / top-p every token is inside its position's kept set, and its behaviour
+    log-prob is the token's under the truncated, renormalised distribution (vLLM's
+    processed_logprobs), the one it was drawn from: not the full distribution's."""
+    await sync_weights(engine, WeightUpdate.of_module(1, policy.model))
+    requests = [(p, SamplingParams(max_tokens=6, temperature=0.7, top_p=top_p, top_k=top_k))
+                for p in prompts(6, seed=5)]
+    with anyio.fail_after(120):
+        gens = await generate_all(engine, requests)
+    truncated_below_full = 0
+    for (prompt, _), gen in zip(requests, gens, strict=True):
+        ids = torch.tensor([list(prompt) + list(gen.token_ids)])
+        with torch.no_grad():
+            logits = policy.model(input_ids=ids).logits[0].float() / 0.7
+        for i, token in enumerate(gen.token_ids):
+            probs = torch.softmax(logits[len(prompt) - 1 + i].double(), -1)
+            order = probs.argsort(descending=True).tolist()
+            kept = order[:top_k] if top_k else order
+            nucleus, mass = [], 0.0
+            for t in kept:  # the likeliest until their mass reaches top_p
+                if mass >= top_p:
+                    break
+                nucleus.append(t)
+                mass += float(probs[t])
+            assert token in nucleus
+            expected = float(probs[token].log() - torch.tensor(mass).log())
+            assert gen.logprobs[i] == pytest.approx(expected, abs=1e-3)
+            truncated_below_full += float(probs[token].log()) < expected - 1e-3
+    assert truncated_below_full > 0  # the full distribution's log-prob would differ
 
 
 async def test_a_stop_token_ends_the_request_and_is_returned(engine: VLLMEngine) -> None:

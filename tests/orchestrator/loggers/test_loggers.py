@@ -128,7 +128,7 @@ def test_the_progress_line_carries_the_last_periodic_evaluation(
         progress.update(replace(report(1), evaluation=evaluation()))
     lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.progress"]
     assert "eval" not in lines[0]
-    assert "eval 0.250 pass@4 1.000" in lines[-1]
+    assert "eval 0.250±0.000 pass@4 1.000±0.000" in lines[-1]  # each with its standard error
 
 
 class FakeRun:
@@ -153,4 +153,5 @@ def test_wandb_logs_an_evaluations_samples_as_a_table_and_its_figures() -> None:
     assert {"prompt", "completion", "reward", "answer"} <= set(table.columns)
     assert before["eval/pass@4"] == 1.0 and before["eval/math/mean@4"] == 0.25
     assert before["eval/accuracy"] == 0.25
+    assert before["eval/pass@4_se"] == 0.0 and before["eval/math/mean@4_se"] == 0.0  # 2 alike
     assert set(during) == {"eval/samples"}  # during RL the figures came with the step's metrics
