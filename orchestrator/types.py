@@ -45,6 +45,9 @@ class Generation:
     finish_reason: FinishReason
     start_version: int
     cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache, if it has one
+    # (version, fingerprint of the weights the engine held) for each version among ``versions``
+    # whose engine attests (orchestrator/fingerprint.py); empty from an engine that does not
+    fingerprints: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
