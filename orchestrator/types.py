@@ -48,6 +48,7 @@ class Generation:
     # (version, fingerprint of the weights the engine held) for each version among ``versions``
     # whose engine attests (orchestrator/fingerprint.py); empty from an engine that does not
     fingerprints: tuple[tuple[int, str], ...] = ()
+    engine: str = ""  # the replica that produced it, named by the router (empty: a lone engine)
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):

@@ -126,3 +126,19 @@ async def test_an_adapter_of_another_version_is_exposed(start) -> None:
         await sync_weights(engine, stale)
         assert engine.version == 3
         assert engine.fingerprint != third.fingerprint
+
+
+async def test_a_router_reports_each_replica_and_names_it_on_what_it_generates(start) -> None:
+    from orchestrator.engines.router import EngineRouter
+
+    engines = [TorchEngine(TINY_MODEL, WeightUpdate.by_reference(0, start, leased=False))
+               for _ in range(2)]
+    async with EngineRouter(engines, names=["a", "b"], routing="round_robin") as router:
+        assert router.attests
+        update = WeightUpdate.by_reference(1, trained(start, 1), leased=False).attested()
+        await sync_weights(router, update)
+        assert router.fingerprints == {"a": (1, update.fingerprint), "b": (1, update.fingerprint)}
+        outs = [await router.generate([5, 6], SamplingParams(max_tokens=2, seed=1))
+                for _ in range(2)]
+        assert [o.engine for o in outs] == ["a", "b"]
+        assert all(o.fingerprints == ((1, update.fingerprint),) for o in outs)
