@@ -56,6 +56,20 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class Attestation:
+    """Who produced a segment of a trajectory's tokens, ``[start, end)``: the engine (the
+    router's replica name; empty for a lone engine), the policy version it served and the
+    fingerprint of the weights it held then (None from an engine that does not attest). The
+    trainer trains a segment only if the fingerprint is the one published for its version."""
+
+    start: int
+    end: int
+    version: int
+    fingerprint: str | None
+    engine: str = ""
+
+
+@dataclass(frozen=True)
 class TurnTiming:
     """One generation call of an episode: its token counts and when and how long it ran.
 
@@ -137,6 +151,8 @@ class Trajectory:
     prompt_tokens: int = 0  # the opening prompt
     max_tokens: int = 0  # per-turn generation cap the episode ran with
     reward_terms: tuple[RewardTerm, ...] = ()
+    # every generated token's segment: engine, version, fingerprint (see Attestation)
+    attestations: tuple[Attestation, ...] = ()
 
     @property
     def num_generated(self) -> int:

@@ -171,6 +171,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         prefix_cache_tokens: int = 16384,
         prefill_limit_after: int = 24,
         prefill_limit_tokens: int = 64,
+        attest: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ConfigError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
@@ -201,10 +202,11 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         self._cache_argument = cache_argument(self.model)
         self.version = 0
         self._weights = AdapterMerger()
+        self._attest = attest  # engine.attest: fingerprint the weights after every load
         if weights is not None:
             self._load(weights)
         else:
-            self.fingerprint = fingerprint(self._weights.served(self.model))
+            self._fingerprint()
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.prefill_limit_after = prefill_limit_after
@@ -266,7 +268,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
 
     @property
     def attests(self) -> bool:
-        return True
+        return self._attest
 
     async def update_weights(self, update: WeightUpdate) -> None:
         if not self._paused:
@@ -275,9 +277,13 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
 
     def _load(self, update: WeightUpdate) -> None:
         self._weights.load(self.model, update)  # a LoRA update: the adapters merged in
-        # the attestation: from the tensors it now holds, not from the update it was sent
-        self.fingerprint = fingerprint(self._weights.served(self.model))
+        self._fingerprint()
         self.version = update.version
+
+    def _fingerprint(self) -> None:
+        """The attestation: from the tensors the engine now holds, not the update it was sent."""
+        if self._attest:
+            self.fingerprint = fingerprint(self._weights.served(self.model))
 
     async def pause(self) -> None:
         if not self._paused:
