@@ -12,7 +12,8 @@ per tensor cross to the host, never the weights.
 
 Coefficients: word ``i`` of chunk ``j`` (chunks of :data:`CHUNK` words) of a tensor has
 ``table[i] * m_j`` where ``table`` is a fixed pseudo-random table of odd 64-bit numbers (made
-once per device) and ``m_j`` an odd number mixed from ``j``. Every coefficient is odd.
+once per device) and ``m_j`` an odd number mixed from ``j`` (1 for the first chunk). Every
+coefficient is odd.
 
 What it catches, and why:
 
@@ -31,8 +32,8 @@ Not caught: a difference in how the engine *uses* the weights it holds (a kernel
 LoRA update, the fingerprint covers the adapters an engine applied (its merge of them into the
 base weights is not re-checked).
 
-Cost: three passes over each tensor's words in int64 (widen, multiply, sum) in chunks, so the
-extra memory is a few chunks of int64 (32 MiB). Measured in ``docs/attestation.md``.
+Cost: two passes over each tensor's words (a widening multiply, a sum) in chunks, so the extra
+memory is a chunk of int64 (8 MiB) and the table (8 MiB per device). Measured in ``docs/attestation.md``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ CHUNK = 1 << 20  # words per chunk: the coefficient table's length
 _M1 = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio and splitmix64 constants, as signed int64
 _M2 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M3 = 0x94D049BB133111EB - (1 << 64)
+_MASK = (1 << 64) - 1
 _tables: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -87,12 +89,27 @@ def tensor_digest(tensor: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """A 0-d int64 tensor on the tensor's device: the position-weighted sum of its words."""
     words = _words(tensor)
     table = _table(words.device, chunk)
-    total = torch.zeros((), dtype=torch.int64, device=words.device)
-    for j, start in enumerate(range(0, words.numel(), chunk)):
-        part = words[start:start + chunk].to(torch.int64)
-        m = int(_mix(torch.tensor(j + 1, dtype=torch.int64)))
-        total = total + (part * table[:part.numel()]).sum() * m
+    n = words.numel()
+    if n <= chunk:  # most tensors: one chunk, whose multiplier is 1
+        return torch.mul(words, table[:n]).sum()
+    total = None
+    for j, start in enumerate(range(0, n, chunk)):
+        part = words[start:start + chunk]
+        digest = torch.mul(part, table[:part.numel()]).sum() * _chunk_multiplier(j)
+        total = digest if total is None else total + digest
+    assert total is not None
     return total
+
+
+def _chunk_multiplier(j: int) -> int:
+    """``m_j``: 1 for the first chunk, then splitmix64 of ``j`` (odd), as a signed int64."""
+    if j == 0:
+        return 1
+    x = (j * 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    x = (x ^ (x >> 31)) | 1
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:

@@ -34,7 +34,7 @@ def reference_digest(tensor: torch.Tensor, chunk: int) -> int:
     total = 0
     for i, w in enumerate(words):
         j, k = divmod(i, chunk)
-        total += w * reference_mix(k + 1) * reference_mix(j + 1)
+        total += w * reference_mix(k + 1) * (reference_mix(j) if j else 1)
     total &= MASK
     return total - (1 << 64) if total >= 1 << 63 else total
 
