@@ -8,8 +8,10 @@ keeps the published fingerprint of each version and checks each batch before it 
 a segment whose fingerprint is not the one published for its version is an attestation
 failure. Its tokens are loss-masked (kept as context, never trained), the failure is counted
 (``faults/attestation``: one per engine per batch it failed in) and the engine is named in the
-log; the pipeline then has the engines reload the last update. An engine that fails in two
-batches in a row ends the run with one line (:class:`AttestationFailed`).
+log; the pipeline then has the engines reload the last update. Tokens the same wrong weights
+produced before that reload and that reach a later batch are masked too but not counted again.
+An engine that fails in two batches in a row (wrong weights it served after a reload) ends the
+run with one line (:class:`AttestationFailed`).
 
 A segment with no fingerprint (an engine that does not attest) is a failure too: a run with
 ``engine.attest=true`` refuses such an engine at start, so one here was not expected.
@@ -42,6 +44,9 @@ class Attestor:
         self.failures = 0  # engine-batches that failed (faults/attestation)
         self.masked_tokens = 0
         self._in_a_row: dict[str, int] = {}  # engine -> batches in a row it failed in
+        # (engine, version, fingerprint) already counted: its later tokens (generated before
+        # the reload, trained in a later batch) are masked, not counted again
+        self._seen: set[tuple[str, int, str | None]] = set()
 
     def publish(self, version: int, fingerprint: str | None) -> None:
         """``fingerprint`` is what an engine serving ``version`` must report."""
@@ -51,13 +56,14 @@ class Attestor:
 
     def check(self, groups: Sequence[Group]) -> tuple[list[Group], set[str]]:
         """The groups with every failing segment's tokens masked, and the engines that failed
-        (empty: the batch is clean). Raises :class:`AttestationFailed` for an engine that
+        anew (empty: nothing to reload). Raises :class:`AttestationFailed` for an engine that
         failed in the previous batch too."""
         failed: set[str] = set()
         out = []
         for group in groups:
             trajectories = tuple(self._masked(t, failed) for t in group.trajectories)
-            out.append(replace(group, trajectories=trajectories) if failed else group)
+            changed = any(a is not b for a, b in zip(trajectories, group.trajectories, strict=True))
+            out.append(replace(group, trajectories=trajectories) if changed else group)
         for engine in failed:
             self._in_a_row[engine] = self._in_a_row.get(engine, 0) + 1
             log.warning("attestation failure: engine %s served weights whose fingerprint is "
@@ -81,7 +87,10 @@ class Attestor:
             return t
         mask = list(t.loss_mask)
         for a in bad:
-            failed.add(a.engine)
+            key = (a.engine, a.version, a.fingerprint)
+            if key not in self._seen:
+                failed.add(a.engine)
+                self._seen.add(key)
             self.masked_tokens += sum(mask[a.start:a.end])
             mask[a.start:a.end] = [False] * (a.end - a.start)
         return replace(t, loss_mask=tuple(mask))

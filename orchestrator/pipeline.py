@@ -379,10 +379,10 @@ class Pipeline:
         if self.attestor is None:
             return batch
         groups, failed = self.attestor.check([g.group for g in batch])
-        if not failed:
-            return batch
-        await send_weights.send(await self.trainer.weights())
-        return [replace(g, group=group) for g, group in zip(batch, groups, strict=True)]
+        if failed:
+            await send_weights.send(await self.trainer.weights())
+        return [g if group is g.group else replace(g, group=group)
+                for g, group in zip(batch, groups, strict=True)]
 
     async def _mask(self, batch: list[TimedGroup], step: int) -> list[TimedGroup]:
         """The batch less the groups a filter that does not refill leaves out (masked)."""

@@ -58,10 +58,14 @@ def test_each_fault_is_detected_in_its_first_batch_and_its_tokens_are_not_traine
     run(quick_config("arithmetic", *RUN, FAULTY, f"+engine.fault={fault}",
                      "+engine.at_version=2"), tmp_path)
     counts = [m["faults/attestation"] for m in metrics(tmp_path)]
-    # version 2's weights load after step 1; its first tokens are trained at step 2, or at
-    # step 3 when every sample of step 2's batch had started before (k = 1)
-    first = next(i for i, n in enumerate(counts) if n > 0)
-    assert first in (2, 3) and counts[first] == 1
+    # the faulty load is version 2's (after step 1): the failure is counted at the first step
+    # whose batch has tokens of version 2, none before; the reload clears it
+    files = run_step_files(tmp_path)
+    trained = [{seg["version"] for r in files[f"multiturn_workload_step_{step}.jsonl"]
+                for seg in r["polyrl"]["segments"]} for step in range(len(counts))]
+    first = next((step for step, versions in enumerate(trained) if 2 in versions), None)
+    assert first is not None, trained  # k = 1: version 2's samples are trained at step 2 or 3
+    assert counts[:first] == [0] * first and counts[first] == 1, (counts, trained)
     assert counts[-1] == 1  # reloaded: clean again
     assert metrics(tmp_path)[-1]["attestation/masked_tokens"] > 0
 
