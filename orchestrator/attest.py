@@ -10,8 +10,9 @@ failure. Its tokens are loss-masked (kept as context, never trained), the failur
 (``faults/attestation``: one per engine per batch it failed in) and the engine is named in the
 log; the pipeline then has the engines reload the last update. Tokens the same wrong weights
 produced before that reload and that reach a later batch are masked too but not counted again.
-An engine that fails in two batches in a row (wrong weights it served after a reload) ends the
-run with one line (:class:`AttestationFailed`).
+An engine that fails in two batches in a row (wrong weights it served after a reload; a batch
+of only its known wrong tokens in between does not break the row, one of only good ones does)
+ends the run with one line (:class:`AttestationFailed`).
 
 A segment with no fingerprint (an engine that does not attest) is a failure too: a run with
 ``engine.attest=true`` refuses such an engine at start, so one here was not expected.
@@ -59,9 +60,10 @@ class Attestor:
         anew (empty: nothing to reload). Raises :class:`AttestationFailed` for an engine that
         failed in the previous batch too."""
         failed: set[str] = set()
+        clean = {a.engine for g in groups for t in g.trajectories for a in t.attestations}
         out = []
         for group in groups:
-            trajectories = tuple(self._masked(t, failed) for t in group.trajectories)
+            trajectories = tuple(self._masked(t, failed, clean) for t in group.trajectories)
             changed = any(a is not b for a, b in zip(trajectories, group.trajectories, strict=True))
             out.append(replace(group, trajectories=trajectories) if changed else group)
         for engine in failed:
@@ -69,7 +71,7 @@ class Attestor:
             log.warning("attestation failure: engine %s served weights whose fingerprint is "
                         "not the one published for their version; its tokens are not trained "
                         "and the engines reload the last update", engine or "(the engine)")
-        for engine in [e for e in self._in_a_row if e not in failed]:
+        for engine in [e for e in self._in_a_row if e in clean]:  # served only good tokens
             del self._in_a_row[engine]
         self.failures += len(failed)
         for engine, n in self._in_a_row.items():
@@ -80,7 +82,9 @@ class Attestor:
                     f"even after a reload); see docs/attestation.md")
         return out, failed
 
-    def _masked(self, t: Trajectory, failed: set[str]) -> Trajectory:
+    def _masked(self, t: Trajectory, failed: set[str], clean: set[str]) -> Trajectory:
+        """``t`` with its failing segments masked; their engines are taken out of ``clean``,
+        and those failing anew put in ``failed``."""
         bad = [a for a in t.attestations
                if a.version not in self.published or a.fingerprint != self.published[a.version]]
         if not bad:
@@ -88,6 +92,7 @@ class Attestor:
         mask = list(t.loss_mask)
         for a in bad:
             key = (a.engine, a.version, a.fingerprint)
+            clean.discard(a.engine)
             if key not in self._seen:
                 failed.add(a.engine)
                 self._seen.add(key)

@@ -76,3 +76,10 @@ def test_a_clean_batch_between_two_failures_resets_the_count(attestor: Attestor)
     attestor.check([group(trajectory(Attestation(2, 5, 2, "two", "a")))])
     _, failed = attestor.check([group(trajectory(Attestation(2, 5, 2, "stale2", "a")))])
     assert failed == {"a"}
+
+
+def test_a_batch_of_known_wrong_tokens_alone_is_no_recovery(attestor: Attestor) -> None:
+    attestor.check([group(trajectory(Attestation(2, 5, 1, "stale", "a")))])
+    attestor.check([group(trajectory(Attestation(2, 5, 1, "stale", "a")))])  # from before
+    with pytest.raises(AttestationFailed):
+        attestor.check([group(trajectory(Attestation(2, 5, 2, "stale2", "a")))])

@@ -72,7 +72,7 @@ def test_each_fault_is_detected_in_its_first_batch_and_its_tokens_are_not_traine
 
 def test_an_engine_that_fails_twice_in_a_row_ends_the_run_in_one_line(tmp_path: Path) -> None:
     cfg = quick_config("arithmetic", *RUN, FAULTY, "+engine.fault=skip", "+engine.at_version=1",
-                       "+engine.times=100")
+                       "+engine.times=100", "pipeline.num_steps=8")
     with pytest.raises(BaseException) as info:  # the run's own error, inside its task group's
         run(cfg, tmp_path)
     message = explain(info.value)  # what the command line prints, and nothing else
