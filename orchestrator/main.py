@@ -225,6 +225,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         eval_own_engine=eval_on_own_engine(eval_cfg, cfg, launcher),
         progress=scalar(cfg, "progress"),
         progress_every=scalar(cfg, "progress_every"),
+        attest=bool(section(cfg, "engine").get("attest", False)),
     )
 
 

@@ -79,6 +79,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from envs.base import Task
 from orchestrator.algo.filters import GroupFilter
+from orchestrator.attest import Attestor
 from orchestrator.engines.base import sync_weights
 from orchestrator.errors import RunAborted
 from orchestrator.faults import add_faults, kill_point
@@ -129,6 +130,7 @@ class Pipeline:
         evaluation: PeriodicEval | None = None,
         group_filter: GroupFilter | None = None,
         seed: int = 0,
+        attest: bool = False,
     ) -> None:
         config.check_group_size(runner.config.group_size)
         if group_filter is not None:
@@ -172,6 +174,8 @@ class Pipeline:
         self._reported_seconds: Counter[str] = Counter()  # recorder.totals() at the last report
         self.faults_before: dict[str, float] = {}  # the run's earlier processes' fault counters
         self.faults: dict[str, float] = {}  # the whole run's, as of the last report
+        # engine.attest: each batch's segments checked against the published fingerprints
+        self.attestor = Attestor() if attest else None
 
     async def run(self) -> list[StepReport]:
         groups_per_batch = self.config.batch_size // self.rollout.group_size
@@ -181,6 +185,10 @@ class Pipeline:
         capacity = math.ceil(self.config.budget / self.rollout.group_size) + groups_per_batch
         send_groups, receive_groups = anyio.create_memory_object_stream[TimedGroup](capacity)
         send_weights, receive_weights = anyio.create_memory_object_stream[WeightUpdate](1)
+        if self.attestor is not None:  # what the engines hold now (after a warm start, a resume)
+            current = await self.trainer.weights()
+            current.release()
+            self.attestor.publish(current.version, current.fingerprint)
         async with receive_groups, agent_gateway(self.runner) as self.gateway, \
                 anyio.create_task_group() as tg:
             async with send_groups:
@@ -344,6 +352,7 @@ class Pipeline:
                 if self.stopped:
                     break
                 capped, self._capped, self._refilled = self._capped, False, 0
+                batch = await self._attest(batch, send_weights)
                 batch = await self._mask(batch, step)
                 groups = [g.group for g in batch]  # the trainer gets no timings
                 for group in groups:
@@ -353,6 +362,8 @@ class Pipeline:
                     metrics = await self.trainer.step(groups)
                     attrs["samples"] = sum(len(g) for g in groups)
                 update = await self.trainer.weights()
+                if self.attestor is not None:
+                    self.attestor.publish(update.version, update.fingerprint)
                 periodic = self.evaluation
                 due = (periodic is not None and (step + 1) % periodic.every == 0
                        and not self._evaluating)
@@ -378,6 +389,18 @@ class Pipeline:
                     result = self.on_step(report)
                     if result is not None:
                         await result
+
+    async def _attest(self, batch: list[TimedGroup],
+                      send_weights: ObjectSendStream[WeightUpdate]) -> list[TimedGroup]:
+        """The batch with the tokens of failed attestations masked; after a failure the
+        engines reload the last update (the trainer's weights, sent again through weight sync)."""
+        if self.attestor is None:
+            return batch
+        groups, failed = self.attestor.check([g.group for g in batch])
+        if failed:
+            await send_weights.send(await self.trainer.weights())
+        return [g if group is g.group else replace(g, group=group)
+                for g, group in zip(batch, groups, strict=True)]
 
     async def _mask(self, batch: list[TimedGroup], step: int) -> list[TimedGroup]:
         """The batch less the groups a filter that does not refill leaves out (masked)."""
@@ -503,6 +526,7 @@ class Pipeline:
         # the engine's, the agent gateway's and the environment's counters under their own
         # names; fault counters are the whole run's (earlier processes' added)
         counters = {**self.engine.metrics(), **self.runner.spec.metrics(),
+                    **(self.attestor.metrics() if self.attestor is not None else {}),
                     **(self.gateway.metrics() if self.gateway is not None else {}),
                     **self._retired_metrics(step, capped)}
         self.faults = add_faults(self.faults_before, counters)

@@ -4,7 +4,7 @@ Every file of a run is written through :class:`RunDir`: ``config.yaml`` (the res
 ``metrics.jsonl`` (one line per step, :func:`~orchestrator.loggers.base.step_metrics`), the
 PolyTrace records of every trained step in ``trace/`` (compressed and rolled, see
 :mod:`orchestrator.trace.writer`), ``samples.jsonl`` (a few trained episodes per step as
-text), ``eval_samples.jsonl`` (every sample of each evaluation: prompt, completion, final reply,
+text, with each generated segment's engine, version and weights' fingerprint), ``eval_samples.jsonl`` (every sample of each evaluation: prompt, completion, final reply,
 reward, answer and its maj@n group, the row it was read from), ``spans/`` (the run's recorder, :meth:`RunDir.open_recorder`, streams its spans there
 in compressed segments, flushed with every step) and at the end ``timeline.json`` (Perfetto,
 built from the spans of the last :data:`TIMELINE_STEPS` steps; ``python -m orchestrator.trace
@@ -24,6 +24,7 @@ whole run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -96,7 +97,8 @@ class RunDir:
             t = group.trajectories[0]
             self._samples.write(json.dumps({
                 "step": report.step, "prompt_id": t.prompt_id, "reward": t.reward,
-                "end_reason": t.end_reason, "text": tokenizer.decode(list(t.token_ids))}) + "\n")
+                "end_reason": t.end_reason, "text": tokenizer.decode(list(t.token_ids)),
+                "segments": [dataclasses.asdict(a) for a in t.attestations]}) + "\n")
         self._samples.flush()
         for sink in self._sinks:
             sink.log_step(report)

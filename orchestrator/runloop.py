@@ -38,7 +38,7 @@ from orchestrator.algo.filters import GroupFilter
 from orchestrator.best import KeepBest
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.engines.base import InferenceEngine, sync_weights
-from orchestrator.errors import RunAborted
+from orchestrator.errors import ConfigError, RunAborted
 from orchestrator.evaluate import evaluate
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.tokenizer import Tokenizer
@@ -265,6 +265,9 @@ class RunParts:
     eval_own_engine: bool = False
     group_filter: GroupFilter | None = None  # algo.filter: groups left out of training
     seed: int = 0  # the run's: each sample's sampling seed derives from it (Pipeline)
+    # engine.attest: the engine must report its weights' fingerprint (refused at start if it
+    # cannot) and each batch is checked against the published ones (orchestrator/attest.py)
+    attest: bool = False
 
 
 @dataclass
@@ -316,12 +319,17 @@ async def run_session(parts: RunParts, result: RunResult,
         update.release()
         started = recorder.now()
         async with engine, AsyncExitStack() as stack:
+            if parts.attest and not engine.attests:
+                raise ConfigError(f"the engine ({type(engine).__name__}) cannot fingerprint the "
+                                  f"weights it holds, which engine.attest=true needs; set "
+                                  f"engine.attest=false to run it unattested")
             runner = EpisodeRunner(engine, parts.tokenizer, parts.spec, parts.rollout, recorder)
             evaluation = partial(evaluate, runner, parts.eval_tasks, parts.evaluation)
             periodic = await stack.enter_async_context(_periodic(parts, runner, recorder))
             pipeline = Pipeline(parts.pipeline, runner, parts.trainer, parts.sampler,
                                 evaluation=periodic, group_filter=parts.group_filter,
-                                seed=parts.seed)
+                                seed=parts.seed,
+                                attest=parts.attest)
             if resume is not None:
                 pipeline.load_state_dict(resume.pipeline)
                 result.warm_start_steps, result.eval_before = resume.warm_start_steps, resume.eval_before

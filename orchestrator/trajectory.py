@@ -6,7 +6,9 @@ the observation that follows it.
 versions) and extends them together, so they cannot fall out of step. Generated tokens are
 trained on: mask set, with the engine's log-probs and versions. Prompt and observation tokens
 are context: mask clear, log-prob 0, version -1. Nothing appended is changed or re-tokenised
-later, so what the trainer scores is exactly what the engine saw and produced.
+later, so what the trainer scores is exactly what the engine saw and produced. Each run of
+generated tokens of one version from one engine is an
+:class:`~orchestrator.types.Attestation`: the engine, version and weights' fingerprint.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from envs.base import RewardTerm
-from orchestrator.types import FinishReason, Generation, Trajectory
+from orchestrator.types import Attestation, FinishReason, Generation, Trajectory
 
 
 class TrajectoryBuilder:
@@ -23,6 +25,7 @@ class TrajectoryBuilder:
         self._mask: list[bool] = []
         self._logprobs: list[float] = []
         self._versions: list[int] = []
+        self._attestations: list[Attestation] = []
         self.prompt_tokens = 0
         self.start_version: int | None = None  # of the first generated token
         self.finish_reason = FinishReason.LENGTH  # of the last generation
@@ -42,6 +45,14 @@ class TrajectoryBuilder:
         self.prompt_tokens = len(ids)
 
     def add_generation(self, gen: Generation) -> None:
+        fingerprints = dict(gen.fingerprints)
+        offset, versions = len(self._ids), gen.versions
+        cuts = [i for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
+        for start, end in zip([0, *cuts], [*cuts, len(versions)], strict=True):
+            if end > start:  # one segment per run of one version
+                self._attestations.append(Attestation(
+                    offset + start, offset + end, versions[start],
+                    fingerprints.get(versions[start]), gen.engine))
         self._ids += gen.token_ids
         self._mask += [True] * len(gen.token_ids)
         self._logprobs += gen.logprobs
@@ -80,4 +91,5 @@ class TrajectoryBuilder:
             prompt_tokens=self.prompt_tokens,
             max_tokens=max_tokens,
             reward_terms=reward_terms,
+            attestations=tuple(self._attestations),
         )

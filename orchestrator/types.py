@@ -47,10 +47,28 @@ class Generation:
     finish_reason: FinishReason
     start_version: int
     cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache, if it has one
+    # (version, fingerprint of the weights the engine held) for each version among ``versions``
+    # whose engine attests (orchestrator/fingerprint.py); empty from an engine that does not
+    fingerprints: tuple[tuple[int, str], ...] = ()
+    engine: str = ""  # the replica that produced it, named by the router (empty: a lone engine)
 
     def __post_init__(self) -> None:
         if not (len(self.token_ids) == len(self.logprobs) == len(self.versions)):
             raise ValueError("token_ids, logprobs and versions must have the same length")
+
+
+@dataclass(frozen=True)
+class Attestation:
+    """Who produced a segment of a trajectory's tokens, ``[start, end)``: the engine (the
+    router's replica name; empty for a lone engine), the policy version it served and the
+    fingerprint of the weights it held then (None from an engine that does not attest). The
+    trainer trains a segment only if the fingerprint is the one published for its version."""
+
+    start: int
+    end: int
+    version: int
+    fingerprint: str | None
+    engine: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,6 +153,8 @@ class Trajectory:
     prompt_tokens: int = 0  # the opening prompt
     max_tokens: int = 0  # per-turn generation cap the episode ran with
     reward_terms: tuple[RewardTerm, ...] = ()
+    # every generated token's segment: engine, version, fingerprint (see Attestation)
+    attestations: tuple[Attestation, ...] = ()
 
     @property
     def num_generated(self) -> int:

@@ -66,6 +66,7 @@ class WeightUpdate:
     adapters: Adapters | None = None  # LoRA: the tensors are adapters (see AdapterMerger)
     stats: Mapping[str, float] = field(default_factory=dict)  # e.g. gather_seconds
     wire_dtype: torch.dtype | None = None  # floating tensors' dtype once copied (module doc)
+    fingerprint: str | None = None  # of the weights an engine serves once loaded (served_tensors)
 
     # -- making one --------------------------------------------------------------------------
 
@@ -103,10 +104,27 @@ class WeightUpdate:
     def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightUpdate:
         return replace(self, wire_dtype=dtype)
 
+    def attested(self) -> WeightUpdate:
+        """This update with its :attr:`fingerprint`, computed where its tensors are (the
+        trainer's device) from :meth:`served_tensors`: what an engine must report once loaded."""
+        from orchestrator.fingerprint import fingerprint
+
+        return replace(self, fingerprint=fingerprint(self.served_tensors()))
+
+    def served_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors the fingerprint covers, as an engine holds them: floating ones in the
+        wire dtype (the engine's); for a LoRA update, its adapter tensors alone (the base
+        weights an update may carry do not change from version to version)."""
+        tensors = self.tensors()
+        if self.adapters is not None:
+            tensors = {k: v for k, v in tensors.items() if "::" in k}
+        return {k: _wire(v, self.wire_dtype) for k, v in tensors.items()}
+
     def _carry(self, other: WeightUpdate) -> WeightUpdate:
-        """``other`` (the same weights over another transport) with this one's adapters, stats
-        and wire dtype."""
-        return replace(other, adapters=self.adapters, stats=self.stats, wire_dtype=self.wire_dtype)
+        """``other`` (the same weights over another transport) with this one's adapters, stats,
+        wire dtype and fingerprint."""
+        return replace(other, adapters=self.adapters, stats=self.stats, wire_dtype=self.wire_dtype,
+                       fingerprint=self.fingerprint)
 
     # -- other transports ---------------------------------------------------------------------
 
@@ -232,6 +250,7 @@ class AdapterMerger:
 
     def __init__(self, fused: Mapping[str, Sequence[str]] | None = None) -> None:
         self._base: dict[str, torch.Tensor] = {}
+        self.adapters: dict[str, torch.Tensor] = {}  # the LoRA tensors last applied, if any
         self._fused = None if fused is None else {
             part: tuple(parts) for parts in fused.values() for part in parts}
 
@@ -254,6 +273,7 @@ class AdapterMerger:
         if adapters is None:
             self.forget()
             return dict(tensors)
+        self.adapters = {k: v.detach().clone() for k, v in tensors.items() if "::" in k}
         plain = {k: v for k, v in tensors.items() if "::" not in k}
         for name in self._layer_tensors(adapters.modules, plain):
             if name in plain:
@@ -276,12 +296,18 @@ class AdapterMerger:
         """A full update replaced the weights: the kept base is stale, so an adapter update
         after it must carry its base weights again (it fails, in one line, if not)."""
         self._base.clear()
+        self.adapters = {}
 
     def load(self, model: torch.nn.Module, update: WeightUpdate) -> None:
         """Load ``update`` into ``model`` (all of its weights for a full update)."""
         weights = self.merged(update)
         with torch.no_grad():
             model.load_state_dict(weights, strict=update.adapters is None)
+
+    def served(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What an engine holding ``model`` serves, as :meth:`WeightUpdate.served_tensors`
+        names it: the adapters last applied, else the model's own tensors."""
+        return dict(self.adapters) if self.adapters else dict(model.state_dict())
 
 
 def _wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

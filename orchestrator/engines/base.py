@@ -31,6 +31,10 @@ from orchestrator.weights import WeightUpdate
 
 class InferenceEngine(ABC):
     version: int = 0
+    # The fingerprint (orchestrator/fingerprint.py) of the weights the engine holds, computed
+    # from its own tensors after every load and stamped, with the version, on what it generates;
+    # None from an engine that does not attest.
+    fingerprint: str | None = None
 
     @abstractmethod
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation: ...
@@ -54,6 +58,11 @@ class InferenceEngine(ABC):
         """Give the device's memory to a train step (``launcher.colocate``): requests in flight
         wait, as under :meth:`pause`, and the next weight sync (its :meth:`resume`) brings the
         engine back. Default: nothing (an engine beside its trainer, or on its own device)."""
+
+    @property
+    def attests(self) -> bool:
+        """Whether this engine computes :attr:`fingerprint` (``engine.attest`` needs it)."""
+        return False
 
     @property
     def context_length(self) -> int | None:

@@ -39,7 +39,7 @@ import typing
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Self
 
@@ -224,7 +224,8 @@ class EngineRouter(AsyncContextManagerMixin, InferenceEngine):
             incarnation = replica.incarnation
             replica.inflight += 1
             try:
-                return await replica.engine.generate(prompt_ids, sampling)
+                generation = await replica.engine.generate(prompt_ids, sampling)
+                return replace(generation, engine=replica.name)
             except self.keeper.lost_errors as error:
                 failed[replica.name] = incarnation
                 self.keeper.lose(replica, incarnation, error, rerun=True)
@@ -284,6 +285,17 @@ class EngineRouter(AsyncContextManagerMixin, InferenceEngine):
         update = self.keeper.prepare(update)
         await self._each(lambda e: e.update_weights(update))
         self.version = update.version
+
+    @property
+    def attests(self) -> bool:
+        """Whether every replica attests; each reports its own :attr:`fingerprint`, and what
+        a replica generates carries its name (:attr:`Generation.engine`)."""
+        return all(r.engine.attests for r in self.replicas)
+
+    @property
+    def fingerprints(self) -> dict[str, tuple[int, str | None]]:
+        """Each replica's name -> the version and fingerprint it reports."""
+        return {r.name: (r.engine.version, r.engine.fingerprint) for r in self.replicas}
 
     async def resume(self) -> None:
         if not self._paused:

@@ -73,6 +73,7 @@ from anyio.abc import TaskGroup
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.slot_cache import ATTENTION, SlotCache
 from orchestrator.errors import ConfigError, EngineClosed
+from orchestrator.fingerprint import fingerprint
 from orchestrator.models.policy import (
     PASSTHROUGH_MASK,
     build_policy,
@@ -98,6 +99,7 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    fingerprints: dict[int, str] = field(default_factory=dict)  # version -> of its weights
     finish_reason: FinishReason | None = None
     fed: int = 0  # tokens of prompt + generated that are in the KV cache
     # its own uniform variates when ``sampling.seed`` is set: what it samples then depends on
@@ -121,8 +123,10 @@ class _Request:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.token_ids[i - n]
 
-    def add(self, token: int, logprob: float, version: int) -> None:
+    def add(self, token: int, logprob: float, version: int, fingerprint: str | None = None) -> None:
         """Record one sampled token; it stops on a stop token or at its budget."""
+        if fingerprint is not None:
+            self.fingerprints.setdefault(version, fingerprint)
         if not self.token_ids:
             self.start_version = version
         self.token_ids.append(token)
@@ -146,6 +150,7 @@ class _Request:
             versions=tuple(self.versions),
             finish_reason=self.finish_reason,
             start_version=self.start_version,
+            fingerprints=tuple(sorted(self.fingerprints.items())),
         )
 
 
@@ -182,6 +187,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         prefix_cache_tokens: int = 16384,
         prefill_limit_after: int = 24,
         prefill_limit_tokens: int = 64,
+        attest: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ConfigError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
@@ -212,8 +218,11 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         self._cache_argument = cache_argument(self.model)
         self.version = 0
         self._weights = AdapterMerger()
+        self._attest = attest  # engine.attest: fingerprint the weights after every load
         if weights is not None:
             self._load(weights)
+        else:
+            self._fingerprint()
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.prefill_limit_after = prefill_limit_after
@@ -273,6 +282,10 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
             raise EngineClosed("the torch engine stopped before the request finished")
         return request.result()
 
+    @property
+    def attests(self) -> bool:
+        return self._attest
+
     async def update_weights(self, update: WeightUpdate) -> None:
         if not self._paused:
             raise RuntimeError("update_weights must be called between pause() and resume()")
@@ -280,7 +293,13 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
 
     def _load(self, update: WeightUpdate) -> None:
         self._weights.load(self.model, update)  # a LoRA update: the adapters merged in
+        self._fingerprint()
         self.version = update.version
+
+    def _fingerprint(self) -> None:
+        """The attestation: from the tensors the engine now holds, not the update it was sent."""
+        if self._attest:
+            self.fingerprint = fingerprint(self._weights.served(self.model))
 
     async def pause(self) -> None:
         if not self._paused:
@@ -331,10 +350,10 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         """One token for every resident sequence, under the gate so a pause waits for it."""
         async with self._step_gate:
             self._admit(batch)  # after the gate: requests that came while paused join now
-            version = self.version
+            version, fingerprint = self.version, self.fingerprint
             tokens, logprobs = await anyio.to_thread.run_sync(self._advance, batch)
         for request, token, logprob in zip(batch.rows, tokens, logprobs, strict=True):
-            request.add(token, logprob, version)
+            request.add(token, logprob, version, fingerprint)
             if request.finished:
                 batch.stopped.append(request)
         self._hand_out(batch)

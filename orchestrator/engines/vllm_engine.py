@@ -143,6 +143,7 @@ class VLLMEngine(InferenceEngine):
         kv_cache_bytes: int | str | None = "auto",
         weight_transfer: WeightTransfer = "auto",
         placement: Placement | None = None,
+        attest: bool = False,  # no fingerprint hook yet: a run with it true is refused at start
     ) -> None:
         _check_options(gpu_memory_utilization, max_num_seqs, max_model_len, tensor_parallel_size,
                        dtype)

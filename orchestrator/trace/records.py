@@ -147,6 +147,20 @@ def _extra() -> Any:
 
 
 @dataclass(frozen=True)
+class SegmentInfo(Record):
+    """Who generated tokens ``[start, end)`` of the sequence (prompt included): the engine
+    (a router's replica name; empty for a lone engine), the policy version it served and the
+    fingerprint of the weights it held (None from an engine that does not attest)."""
+
+    start: int
+    end: int
+    version: int
+    fingerprint: str | None = None
+    engine: str = ""
+    extra: dict[str, Any] = _extra()
+
+
+@dataclass(frozen=True)
 class RunInfo(Record):
     """What a polyrl run adds to a trajectory record. Times are seconds on the run's clock
     (the recorder's: 0 at its creation); ``None`` where a value is not known."""
@@ -165,6 +179,7 @@ class RunInfo(Record):
     train_step: int | None = None  # the step that trained it (None: not trained yet / dropped)
     staleness: int | None = None  # train version - start version
     worker: str = ""
+    segments: tuple[SegmentInfo, ...] = ()  # the generated tokens' engines and weights
     extra: dict[str, Any] = _extra()
 
 

@@ -4,7 +4,8 @@ Per trained step ``N`` a :class:`TraceWriter` writes, into the run directory's `
 
 * ``multiturn_workload`` — one :class:`~orchestrator.trace.records.WorkloadRecord` per trained
   trajectory, with the published field names; this project's additions (policy versions,
-  staleness at train time, queue wait, per-call start times) go under ``"polyrl"``;
+  staleness at train time, queue wait, per-call start times, each generated segment's engine,
+  version and weights' fingerprint: ``segments``) go under ``"polyrl"``;
 * ``reward_timings`` — per rollout worker: reward time and response lengths of the samples it
   contributed (the published file has one record per data-parallel rank);
 * ``packed_lengths`` — per prompt group: prompt length and response lengths.
@@ -53,6 +54,7 @@ from orchestrator.trace.records import (
     Record,
     RewardTimingRecord,
     RunInfo,
+    SegmentInfo,
     ToolCallTrace,
     TurnRecord,
     WorkloadRecord,
@@ -119,6 +121,8 @@ def workload_record(trajectory: Trajectory, timing: EpisodeTiming, step: int,
         queue_wait_s=queue_wait, train_step=step if train_version is not None else None,
         staleness=None if train_version is None else train_version - t.start_version,
         worker=e.worker,
+        segments=tuple(SegmentInfo(a.start, a.end, a.version, a.fingerprint, a.engine)
+                       for a in t.attestations),
     )
     return WorkloadRecord(
         step=step, prompt_len=prompt_len, max_response_len=total_max - prompt_len,

@@ -778,14 +778,15 @@ class TorchTrainer(Trainer):
 
     async def weights(self) -> WeightUpdate:
         """The model's tensors by reference; :meth:`step` waits for their release. With LoRA,
-        copies of the adapters (the first time, with the base weights the engines start from)."""
+        copies of the adapters (the first time, with the base weights the engines start from).
+        Either carries its fingerprint, computed here on the trainer's device."""
         if self.lora is not None:
             update = adapter_update(self.version, self.model.state_dict(), self.lora.scale,
                                     with_base=not self._base_sent)
             self._base_sent = True
-            return update
+            return update.attested()
         self._published = WeightUpdate.by_reference(
-            self.version, self.model.state_dict()).with_wire_dtype(self._wire_dtype)
+            self.version, self.model.state_dict()).with_wire_dtype(self._wire_dtype).attested()
         return self._published
 
     # -- checkpoints ---------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.trajectory import TrajectoryBuilder
-from orchestrator.types import FinishReason, Generation
+from orchestrator.types import Attestation, FinishReason, Generation
 
 
 def test_the_four_sequences_stay_aligned_and_only_generations_are_trained_on() -> None:
@@ -26,6 +26,21 @@ def test_the_four_sequences_stay_aligned_and_only_generations_are_trained_on() -
     assert t.finish_reason is FinishReason.LENGTH  # of the last generation
     assert t.prompt_tokens == 3 and t.max_tokens == 4 and t.end_reason == "max_turns"
     assert (t.prompt_id, t.sample_index, t.reward, t.metrics) == (5, 1, 1.0, {"m": 1.0})
+
+
+def test_each_run_of_one_version_from_one_engine_is_one_attested_segment() -> None:
+    tokens = TrajectoryBuilder()
+    tokens.add_prompt([1, 2])
+    tokens.add_generation(Generation((3, 4, 5), (0.0,) * 3, (7, 7, 8), FinishReason.LENGTH, 7,
+                                     fingerprints=((7, "f7"), (8, "f8")), engine="a"))
+    tokens.add_observation([6])
+    tokens.add_generation(Generation((7, 8), (0.0,) * 2, (8, 8), FinishReason.STOP, 8,
+                                     fingerprints=((8, "g8"),), engine="b"))
+    tokens.add_generation(Generation((9,), (0.0,), (9,), FinishReason.STOP, 9))  # no attestation
+    t = tokens.build(prompt_id=0, sample_index=0, reward=0.0, version=7, end_reason="done",
+                     max_tokens=4)
+    assert t.attestations == (Attestation(2, 4, 7, "f7", "a"), Attestation(4, 5, 8, "f8", "a"),
+                              Attestation(6, 8, 8, "g8", "b"), Attestation(8, 9, 9, None, ""))
 
 
 def test_an_episode_that_generated_nothing_starts_at_the_given_version() -> None:

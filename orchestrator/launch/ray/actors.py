@@ -61,13 +61,16 @@ def _pulling(update: WeightUpdate) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ActorInfo:
-    """Who answered: the actor's name, process, node and the version it holds."""
+    """Who answered: the actor's name, process, node and the version it holds (an engine's:
+    with the fingerprint of the weights it holds, if it attests)."""
 
     name: str
     pid: int
     node: str  # Ray node id
     ip: str
     version: int
+    fingerprint: str | None = None
+    attests: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,9 +79,10 @@ class TrainStepResult:
     version: int
 
 
-def _info(name: str, version: int) -> ActorInfo:
+def _info(name: str, version: int, fingerprint: str | None = None,
+          attests: bool = False) -> ActorInfo:
     return ActorInfo(name, os.getpid(), ray.get_runtime_context().get_node_id(),
-                     ray.util.get_node_ip_address(), version)
+                     ray.util.get_node_ip_address(), version, fingerprint, attests)
 
 
 class _Reporting:
@@ -151,7 +155,8 @@ class EngineActor(_Reporting):
         await self._up.wait()
         if self._error is not None:
             raise self._error
-        return _info(self._name, self._running().version)
+        engine = self._running()
+        return _info(self._name, engine.version, engine.fingerprint, engine.attests)
 
     async def stop(self) -> None:
         self._stop.set()
@@ -175,14 +180,15 @@ class EngineActor(_Reporting):
         finally:
             self._inflight -= 1
 
-    async def update_weights(self, update: WeightUpdate) -> Reply[None]:
+    async def update_weights(self, update: WeightUpdate) -> Reply[str | None]:
+        """Load ``update``; the reply is the fingerprint of the weights the engine now holds."""
         engine = self._running()
         started = time.time()
         with self._spans.span("weight_sync", update.version) as attrs, _pulling(update):
             await engine.update_weights(update)  # the torch engine pulls and loads in a thread
             attrs.update(bytes=update.nbytes, seconds=time.time() - started,
                          transport=update.transport)
-        return self._spans.reply(None)
+        return self._spans.reply(engine.fingerprint)
 
     async def pause(self) -> None:
         await self._running().pause()

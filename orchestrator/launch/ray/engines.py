@@ -89,9 +89,14 @@ class RayEngine(InferenceEngine):
             self.actor.generate.remote(list(prompt_ids), sampling))
         return generation
 
+    @property
+    def attests(self) -> bool:
+        """Whether the actor's engine attests (known once :meth:`start` has answered)."""
+        return self.info is not None and self.info.attests
+
     async def update_weights(self, update: WeightUpdate) -> None:
-        reply: Reply[None] = await self._call(self.actor.update_weights.remote(update))
-        await self.spans.receive(self.name, reply)
+        reply: Reply[str | None] = await self._call(self.actor.update_weights.remote(update))
+        self.fingerprint = await self.spans.receive(self.name, reply)  # the actor's own reading
         self.version = update.version
 
     async def pause(self) -> None:
@@ -110,7 +115,7 @@ class RayEngine(InferenceEngine):
         serving = self.actor.serve.remote(weights)
         self.info = await self._call(self.actor.ready.remote())
         self.pid = self.info.pid
-        self.version = self.info.version
+        self.version, self.fingerprint = self.info.version, self.info.fingerprint
         return serving
 
     async def stop(self) -> None:

@@ -159,6 +159,14 @@ def test_a_run_spreads_engines_over_worker_nodes_and_the_trainer_on_the_head(
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert all(m["faults/engine_restarts"] == 0 and m["faults/episodes_rerun"] == 0
                for m in metrics[:2])
+    # attested: every engine actor reports the fingerprint it holds, each segment names its
+    # actor, and none fails the check
+    assert all(m["faults/attestation"] == 0 for m in metrics[:2])
+    segments = [s for name, records in run_step_files(run_dir).items()
+                if name.startswith("multiturn_workload") for r in records
+                for s in r["polyrl"]["segments"]]
+    assert segments and all(s["engine"] and len(s["fingerprint"]) == 32 for s in segments)
+    assert len({s["engine"] for s in segments}) > 1
     assert "train/loss" in metrics[0]
     assert metrics[0]["train/kl_penalty"] == 0.0  # the reference is the policy at step 1
     assert "train/kl_penalty" in metrics[1]
