@@ -104,6 +104,7 @@ from envs.errors import EnvConfigError
 from envs.judge import Judge
 from envs.reward_builtins import BUILTINS, set_math_verify_timeout, warm_up
 from envs.reward_pool import Failure, Outcome, VerificationLost, WorkerPool
+from sandboxes.api import EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -512,6 +513,8 @@ class Scorer:
                 parts[name] = as_reward(value, name)
             except TimeoutError:
                 failures.append(Failure(name, "timeout", f"no result within {self.timeout_s:g} s"))
+            except EngineUnavailable:
+                raise  # the sandbox engine is gone: the run stops with its own one line
             except Exception as e:  # noqa: BLE001 - a reward that gives up scores 0, counted
                 failures.append(failure(name, e))
         isolated_parts = await self._isolated(sample, wanted)

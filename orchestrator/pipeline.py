@@ -179,16 +179,17 @@ class Pipeline:
 
     async def run(self) -> list[StepReport]:
         groups_per_batch = self.config.batch_size // self.rollout.group_size
+        if self.attestor is not None:  # what the engines hold now (after a warm start, a resume)
+            # before the first step's count starts: this gather is no step's
+            current = await self.trainer.weights()
+            current.release()
+            self.attestor.publish(current.version, current.fingerprint)
         self._reported_seconds = self.recorder.totals()  # not the warm start's or an evaluation's
         # Room for every group admission allows, so workers never block on a full stream
         # while holding finished work; admission is the real bound.
         capacity = math.ceil(self.config.budget / self.rollout.group_size) + groups_per_batch
         send_groups, receive_groups = anyio.create_memory_object_stream[TimedGroup](capacity)
         send_weights, receive_weights = anyio.create_memory_object_stream[WeightUpdate](1)
-        if self.attestor is not None:  # what the engines hold now (after a warm start, a resume)
-            current = await self.trainer.weights()
-            current.release()
-            self.attestor.publish(current.version, current.fingerprint)
         async with receive_groups, agent_gateway(self.runner) as self.gateway, \
                 anyio.create_task_group() as tg:
             async with send_groups:

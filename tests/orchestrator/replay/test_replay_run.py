@@ -104,7 +104,9 @@ def test_replay_writes_the_layout_of_a_training_run(tmp_path: Path,
     # engine/logprob_diff check), the environment (reward/<part>) or a stage the replay may
     # not have waited in (time/<stage>)
     common = {k for k in train_keys
-              if not k.startswith(("train/", "reward/", "time/", "engine/logprob_diff"))}
+              if not k.startswith(("train/", "reward/", "time/", "engine/logprob_diff",
+                                       # weights' attestation: a replay has no weights
+                                       "attestation/", "faults/attestation"))}
     assert {"staleness/max", "policy/version", "episode/turns"} <= common
     for m in steps:
         assert common | {"reward/mean", "time/step", "time/generate", "time/train_step"} <= set(m)
