@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -159,6 +160,17 @@ def register_plugin_envs() -> None:
     from envs.registry import register_hydra_configs
 
     register_hydra_configs({p.stem for p in (CONF / "env").glob("*.yaml")})
+
+
+def report(error: BaseException) -> int:
+    """A command's ending for ``error``: its one sentence on stderr and exit status 2 when it
+    is a configuration mistake (:func:`explain`); otherwise it is raised again, traceback and
+    all."""
+    message = explain(error)
+    if message is None:
+        raise error
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def explain(error: BaseException) -> str | None:

@@ -55,8 +55,8 @@ from orchestrator.config import (
     CONF,
     apply_overrides,
     check_target,
-    explain,
     register_plugin_envs,
+    report,
     scalar,
     section,
     typed,
@@ -364,12 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{override} is not a key=value override")
         step = None if args.step is None else parse_step(args.step)
         outcome, path = evaluate_target(args.target, args.overrides, step, args.out)
-    except (Exception, BaseExceptionGroup) as error:
-        message = explain(error)
-        if message is None:
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+    except (Exception, BaseExceptionGroup) as error:  # noqa: BLE001 - re-raised unless explained
+        return report(error)
     evaluation = outcome.evaluation
     print(table(evaluation))
     print(f"{evaluation.overall.samples} samples in {outcome.seconds:.1f}s "

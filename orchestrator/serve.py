@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import anyio
 
-from orchestrator.config import CONF, explain, section
+from orchestrator.config import CONF, report, section
 from orchestrator.engines.placement import Placement
 from orchestrator.errors import ConfigError
 from orchestrator.gateway.serve import ModelServer
@@ -78,12 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--api-key-env {args.api_key_env}: it is not set")
         anyio.run(serve, args.overrides, args.host, args.port, args.name, args.max_tokens, key,
                   backend="asyncio")  # vLLM's engine runs on asyncio
-    except (Exception, BaseExceptionGroup) as error:
-        message = explain(error)
-        if message is None:
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+    except (Exception, BaseExceptionGroup) as error:  # noqa: BLE001 - re-raised unless explained
+        return report(error)
     return 0
 
 
