@@ -44,13 +44,13 @@ periodic evaluation during RL runs, and so whether it sees one policy version, i
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import anyio
+import numpy as np
 
 from envs.agent import AgentSpec
 from envs.base import Task
@@ -155,10 +155,10 @@ def bootstrap_se(values: Sequence[float], seed: int, resamples: int = BOOTSTRAP)
     (0 for fewer than two)."""
     if len(values) < 2:
         return 0.0
-    rng = random.Random(seed)
-    count = len(values)
-    means = [sum(rng.choices(values, k=count)) / count for _ in range(resamples)]
-    return statistics.stdev(means)
+    # Vectorised: a warm start evaluates every few steps, and 1,000 resamples of 200 tasks
+    # drawn one Python call at a time cost about 0.1 s each (3 s of a short run's start).
+    draws = np.random.default_rng(seed).integers(0, len(values), size=(resamples, len(values)))
+    return float(np.asarray(values, dtype=np.float64)[draws].mean(axis=1).std(ddof=1))
 
 
 def scores(tasks: Sequence[Sequence[EvalSample]], ks: Sequence[int], threshold: float,
