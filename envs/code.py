@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
+from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task, Votes
 from envs.errors import EnvConfigError, EnvNotRunning
 from envs.parsers import HermesParser
 from envs.rewards import Sample, Scorer
@@ -220,6 +220,10 @@ class CodeSpec(EnvSpec):
     def extract_answer(self, reply: str) -> str | None:
         """None: a reply is a program, not an answer to vote on (no maj@n)."""
         return None
+
+    def own_votes(self) -> Mapping[str, Votes | None]:
+        """``tests_passed`` reads no answer to vote on: a reply is a program (no maj@n)."""
+        return {"tests_passed": Votes(self.extract_answer)}
 
 
 class CodeToolSpec(CodeSpec):

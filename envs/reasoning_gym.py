@@ -41,9 +41,10 @@ from __future__ import annotations
 import difflib
 import hashlib
 import re
+from collections.abc import Mapping
 from typing import Any
 
-from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task
+from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task, Votes
 from envs.errors import EnvConfigError
 from envs.rewards import Sample, Scorer
 
@@ -226,3 +227,8 @@ class ReasoningGymSpec(EnvSpec):
     def extract_answer(self, reply: str) -> str | None:
         """The answer as the reward takes it (``env.answer``: ``tagged`` or ``last_number``)."""
         return extract_answer(reply, self.answer) or None
+
+    def own_votes(self) -> Mapping[str, Votes | None]:
+        """``verifier`` reads the answer as ``env.answer`` says; equal text agrees (the
+        dataset's verifier scores against its own entry, not against another answer)."""
+        return {"verifier": Votes(self.extract_answer)}

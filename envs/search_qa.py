@@ -25,11 +25,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
-from envs.base import Env, EnvSpec, Message, Reward, Task
+from envs.base import Env, EnvSpec, Message, Reward, Task, Votes
 from envs.errors import EnvConfigError, EnvError, EnvNotRunning
 from envs.parsers import HermesParser
 from envs.reward_builtins import em_reward, f1_reward, squad_normalise
@@ -215,6 +215,11 @@ class SearchQASpec(EnvSpec):
     def extract_answer(self, reply: str) -> str | None:
         """The final reply, normalised as the reward compares it."""
         return normalize(reply) or None
+
+    def own_votes(self) -> Mapping[str, Votes | None]:
+        """``searched`` (a search came first) reads no answer: ``em`` or ``f1`` beside it
+        votes."""
+        return {"searched": None}
 
     def _env(self) -> ToolEnv:
         topk = self.topk
