@@ -111,6 +111,11 @@ class Scoring(Protocol):
     fail_steps: int
     first_failure: str | None
 
+    @property
+    def judge_to_serve(self) -> str | None: ...
+
+    def use_judge_url(self, url: str) -> None: ...
+
     def metrics(self) -> dict[str, float]: ...
 
     async def __aenter__(self) -> Any: ...
@@ -282,6 +287,18 @@ class EnvSpec(ABC):
         ``env.reward`` may give beside the shared ones) reads an answer for a vote; None for
         one that reads no answer (a term like ``format``)."""
         return {}
+
+    def judge_to_serve(self) -> str | None:
+        """The ``conf/model`` entry the run serves itself as this environment's LLM judge
+        (``env.judge.serve``), None when there is none to serve: the orchestrator starts it
+        before :meth:`running` and hands its URL to :meth:`use_judge_url`."""
+        return self.scorer.judge_to_serve if self.scorer is not None else None
+
+    def use_judge_url(self, url: str) -> None:
+        """Where the judge the run serves answers (plain data: an OpenAI-compatible URL)."""
+        if self.scorer is None:
+            raise RuntimeError(f"{type(self).__name__} has no scorer to judge with")
+        self.scorer.use_judge_url(url)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

@@ -139,6 +139,7 @@ class CodeSpec(EnvSpec):
         reward_processes: int = 2,
         reward_concurrency: int = 32,
         reward_fail_steps: int = 3,
+        judge: Mapping[str, Any] | None = None,
     ) -> None:
         unknown = [op for op in ops if op not in OPS]
         if unknown or not ops:
@@ -157,7 +158,7 @@ class CodeSpec(EnvSpec):
         # tests_passed: the hidden tests in a sandbox (the environment's own reward)
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("tests_passed",),
                              concurrency=reward_concurrency,
-                             fail_steps=reward_fail_steps)
+                             fail_steps=reward_fail_steps, judge=judge)
         self.test_timeout = test_timeout
         self.pool: SandboxPool | None = None
         rng = random.Random(seed)

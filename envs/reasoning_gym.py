@@ -140,6 +140,7 @@ class ReasoningGymSpec(EnvSpec):
         reward_processes: int = 2,
         reward_concurrency: int = 32,
         reward_fail_steps: int = 3,
+        judge: Mapping[str, Any] | None = None,
     ) -> None:
         registry = _registry()
         if answer not in EXTRACTORS:
@@ -166,7 +167,7 @@ class ReasoningGymSpec(EnvSpec):
         self._verifier: Any = None  # the train split's dataset object: its verifier scores
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("verifier",),
                              concurrency=reward_concurrency,
-                             fail_steps=reward_fail_steps)
+                             fail_steps=reward_fail_steps, judge=judge)
         seen: set[str] = set()
         self.splits = {split: self._collect(split, size, _split_seed(seed, split), seen)
                         for split, size in (("train", train_size), ("eval", eval_size))}

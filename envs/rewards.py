@@ -461,6 +461,18 @@ class Scorer:
         self._scored = 0
         self._last_warning = 0.0
 
+    @property
+    def judge_to_serve(self) -> str | None:
+        """The ``conf/model`` entry the run must serve as this scorer's judge
+        (``env.judge.serve``); None when there is no judge or it is at a URL."""
+        return self._judge.config.serve if self._judge is not None else None
+
+    def use_judge_url(self, url: str) -> None:
+        """The URL of the judge the run serves (:attr:`judge_to_serve`), once it is up."""
+        if self._judge is None:
+            raise RuntimeError("this scorer has no judge (env.reward names none)")
+        self._judge.use_url(url)
+
     async def __aenter__(self) -> Self:
         if self._judge is not None:  # first: an endpoint that does not answer is one line now
             await self._judge.__aenter__()

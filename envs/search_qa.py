@@ -116,6 +116,7 @@ class SearchQASpec(EnvSpec):
         reward_processes: int = 2,
         reward_concurrency: int = 32,
         reward_fail_steps: int = 3,
+        judge: Mapping[str, Any] | None = None,
     ) -> None:
         unknown = [q for q in questions if q not in QUESTIONS]
         if unknown or not questions:
@@ -130,7 +131,7 @@ class SearchQASpec(EnvSpec):
             raise EnvConfigError(f"env.time_scale={time_scale} must be >= 0")
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("searched",),
                              concurrency=reward_concurrency,
-                             fail_steps=reward_fail_steps)
+                             fail_steps=reward_fail_steps, judge=judge)
         self.topk, self.latency = topk, latency
         self.time_scale, self.failure_rate, self.search_url = time_scale, failure_rate, search_url
         self.request_timeout, self.retries, self.backoff = request_timeout, retries, backoff
