@@ -165,6 +165,7 @@ class AgentSpec(EnvSpec):
         reward_processes: int = 2,
         reward_concurrency: int = 32,
         reward_fail_steps: int = 3,
+        judge: Mapping[str, Any] | None = None,
     ) -> None:
         if rewards:
             raise EnvConfigError("env.rewards is replaced by env.reward (the same {package."
@@ -193,7 +194,7 @@ class AgentSpec(EnvSpec):
         self.splits = {split: self._load(make_tasks, split) for split in ("train", "eval")}
         self.scorer = None if reward is None else Scorer(
             reward, reward_timeout_s, reward_processes, concurrency=reward_concurrency,
-            fail_steps=reward_fail_steps)
+            fail_steps=reward_fail_steps, judge=judge)
         self.timeout_s = float(timeout_s)
         self.model, self.host, self.port = model, host, port
         self.max_n, self.max_calls, self.max_context = max_n, max_calls, max_context

@@ -9,7 +9,7 @@ disjoint (eval operands never appear in train).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task
@@ -45,6 +45,7 @@ class ArithmeticSpec(EnvSpec):
         reward_processes: int = 2,
         reward_concurrency: int = 32,
         reward_fail_steps: int = 3,
+        judge: Mapping[str, Any] | None = None,
     ) -> None:
         unknown = [op for op in ops if op not in _OPS]
         if unknown:
@@ -61,7 +62,7 @@ class ArithmeticSpec(EnvSpec):
             )
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes,
                              concurrency=reward_concurrency,
-                             fail_steps=reward_fail_steps)
+                             fail_steps=reward_fail_steps, judge=judge)
         rng = random.Random(seed)
         seen: set[tuple[int, str, int]] = set()
         problems: list[tuple[int, str, int]] = []

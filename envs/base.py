@@ -111,6 +111,11 @@ class Scoring(Protocol):
     fail_steps: int
     first_failure: str | None
 
+    @property
+    def judge_to_serve(self) -> str | None: ...
+
+    def use_judge_url(self, url: str) -> None: ...
+
     def metrics(self) -> dict[str, float]: ...
 
     async def __aenter__(self) -> Any: ...
@@ -180,6 +185,11 @@ class Votes:
     def answer(self, reply: str) -> str | None:
         """The answer ``reply`` gives; None when it gives none (no vote)."""
         return self._extract(reply) or None
+
+    def for_source(self, source: str) -> Votes:
+        """The votes of a task from data source ``source``: these, unless a route by data
+        source votes each source its own way (:class:`envs.votes.Routed`)."""
+        return self
 
     async def agree(self, reply: str, answer: str, metadata: Mapping[str, Any],
                     threshold: float) -> bool:
@@ -265,11 +275,30 @@ class EnvSpec(ABC):
     scorer: Scoring | None = None
 
     def votes(self) -> Votes:
-        """How an evaluation's majority vote (maj@n) reads answers and groups them
-        (:mod:`envs.votes`): by default this environment's :meth:`extract_answer`, equal
-        normalised text agreeing; an environment scored by ``env.reward`` votes by that
-        reward's own reading and equivalence (:func:`envs.votes.votes_for`)."""
+        """How an evaluation's majority vote (maj@n) reads answers and groups them when the
+        environment is not scored by ``env.reward`` (a plugin's own scoring): this
+        environment's :meth:`extract_answer`, equal normalised text agreeing. An environment
+        scored by ``env.reward`` votes by that reward's own reading and equivalence instead,
+        whatever this says (:func:`envs.votes.votes_of`, the one path the evaluation asks)."""
         return Votes(self.extract_answer)
+
+    def own_votes(self) -> Mapping[str, Votes | None]:
+        """How each of the environment's own rewards (``tests_passed``, ``verifier``, …: names
+        ``env.reward`` may give beside the shared ones) reads an answer for a vote; None for
+        one that reads no answer (a term like ``format``)."""
+        return {}
+
+    def judge_to_serve(self) -> str | None:
+        """The ``conf/model`` entry the run serves itself as this environment's LLM judge
+        (``env.judge.serve``), None when there is none to serve: the orchestrator starts it
+        before :meth:`running` and hands its URL to :meth:`use_judge_url`."""
+        return self.scorer.judge_to_serve if self.scorer is not None else None
+
+    def use_judge_url(self, url: str) -> None:
+        """Where the judge the run serves answers (plain data: an OpenAI-compatible URL)."""
+        if self.scorer is None:
+            raise RuntimeError(f"{type(self).__name__} has no scorer to judge with")
+        self.scorer.use_judge_url(url)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

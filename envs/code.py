@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
+from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task, Votes
 from envs.errors import EnvConfigError, EnvNotRunning
 from envs.parsers import HermesParser
 from envs.rewards import Sample, Scorer
@@ -139,6 +139,7 @@ class CodeSpec(EnvSpec):
         reward_processes: int = 2,
         reward_concurrency: int = 32,
         reward_fail_steps: int = 3,
+        judge: Mapping[str, Any] | None = None,
     ) -> None:
         unknown = [op for op in ops if op not in OPS]
         if unknown or not ops:
@@ -157,7 +158,7 @@ class CodeSpec(EnvSpec):
         # tests_passed: the hidden tests in a sandbox (the environment's own reward)
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("tests_passed",),
                              concurrency=reward_concurrency,
-                             fail_steps=reward_fail_steps)
+                             fail_steps=reward_fail_steps, judge=judge)
         self.test_timeout = test_timeout
         self.pool: SandboxPool | None = None
         rng = random.Random(seed)
@@ -220,6 +221,10 @@ class CodeSpec(EnvSpec):
     def extract_answer(self, reply: str) -> str | None:
         """None: a reply is a program, not an answer to vote on (no maj@n)."""
         return None
+
+    def own_votes(self) -> Mapping[str, Votes | None]:
+        """``tests_passed`` reads no answer to vote on: a reply is a program (no maj@n)."""
+        return {"tests_passed": Votes(self.extract_answer)}
 
 
 class CodeToolSpec(CodeSpec):

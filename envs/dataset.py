@@ -40,7 +40,7 @@
   worker processes with ``env.reward_timeout_s`` per item; its counters join the metrics.
   ``env.reward=judge`` asks an LLM judge (``env.judge``, :mod:`envs.judge`), handed the task's
   messages as the prompt it grades against. An evaluation's majority vote reads and groups
-  answers as that reward does (:meth:`DatasetSpec.votes`, :mod:`envs.votes`).
+  answers as that reward does (:func:`envs.votes.votes_of`, as every environment).
 * **Bad input** (a missing file, an unknown extension, a file with no rows, no prompt column,
   a column named by ``env.prompt_key`` / ``env.answer_key`` that the file lacks, an empty
   answer, a prompt that is neither a string nor a list of messages, an unknown role, a
@@ -71,7 +71,6 @@ from typing import Any, overload
 from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
 from envs.errors import EnvConfigError
 from envs.rewards import Sample, Scorer
-from envs.votes import Votes, votes_for
 
 log = logging.getLogger(__name__)
 
@@ -533,8 +532,6 @@ class DatasetSpec(EnvSpec):
         if train is None and eval is None:
             raise EnvConfigError("env.train (or, to evaluate only, env.eval) must name your data, "
                                  "e.g. env.train=data/train.jsonl")
-        self._reward = reward
-        self._reward_timeout_s = reward_timeout_s
         self.system_prompt = system_prompt
         self.instruction = instruction.strip() if instruction else None
         self.scorer = Scorer(reward, timeout_s=reward_timeout_s, processes=reward_processes,
@@ -558,10 +555,6 @@ class DatasetSpec(EnvSpec):
                           for segment in splits["train"].segments())
         log.info("env=dataset: %d train samples an epoch (%s), %d eval rows",
                  len(splits["train"]), sizes, len(splits["eval"]))
-
-    def votes(self) -> Votes:
-        """``env.reward``'s own reading and equivalence (:func:`envs.votes.votes_for`)."""
-        return votes_for(self._reward, timeout_s=self._reward_timeout_s)
 
     def messages(self, prompt: Any) -> tuple[Message, ...]:
         if isinstance(prompt, str):

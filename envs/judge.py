@@ -11,9 +11,12 @@ generative reward models, ROLL's judge cluster and ART's RULER do:
   (``{{`` / ``}}``), as in :meth:`str.format`.
 * **Endpoint.** Any OpenAI-compatible server: ``POST {url}/chat/completions`` with ``model``,
   the one user message, ``temperature`` and ``max_tokens``; the key read from the environment
-  variable ``api_key_env`` (sent as ``Authorization: Bearer``), none when that is null. A model
-  the run serves itself is a URL like any other (``orchestrator.gateway.serve.ModelServer``
-  puts an engine behind one).
+  variable ``api_key_env`` (sent as ``Authorization: Bearer``), none when that is null. Or a
+  model the run serves itself: ``serve`` names a ``conf/model`` entry (``tiny``, ``smollm2``)
+  instead of ``url``, and the training or evaluation command builds that model's engine from
+  its own weights (no trainer), puts it behind :class:`orchestrator.gateway.serve.ModelServer`
+  in the run's own event loop, and hands its URL in (:meth:`Judge.use_url`) before the
+  environment starts; the environments never import the orchestrator.
 * **Score.** The number in the reply's last ``<score>…</score>``, else the number the last
   non-empty line is (``7``, ``Score: 7``, ``7/10``, ``0.7``), divided by ``scale`` (or by the
   line's own ``/N``) so it lies in [0, 1]. Anything else, or a number outside ``[0, scale]``, is
@@ -57,7 +60,7 @@ import string
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -95,6 +98,9 @@ class JudgeConfig:
     """``env.judge``: where the judge is and how it is asked."""
 
     url: str | None = None  # the OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
+    # or a conf/model entry (tiny, smollm2) the run serves itself on an engine of its own, its
+    # URL handed in (Judge.use_url) by the orchestrator before the run starts
+    serve: str | None = None
     model: str = "judge"  # the model name sent with each call
     api_key_env: str | None = None  # the environment variable holding the key (null: no key)
     template: str | None = None  # the rubric: its text or a file's path (null: the default)
@@ -131,15 +137,26 @@ class JudgeConfig:
             if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
                 raise EnvConfigError(f"{key}.{name} must be {'an integer' if whole else 'a number'}"
                                      f", got {value!r}")
-        for name in ("url", "model", "api_key_env", "template"):
+        for name in ("url", "serve", "model", "api_key_env", "template"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise EnvConfigError(f"{key}.{name} must be a string, got {value!r}")
+        if self.url and self.serve:
+            raise EnvConfigError(f"{key}.url and {key}.serve are both set: the judge is either "
+                                 f"a server at a URL or a model the run serves; set the other "
+                                 f"to null")
+        if self.serve:
+            return self._check_limits(key)
         if not self.url:
             raise EnvConfigError(f"env.reward=judge needs {key}.url, the judge's OpenAI-"
-                                 f"compatible base URL, e.g. {key}.url=http://127.0.0.1:8000/v1")
+                                 f"compatible base URL, e.g. {key}.url=http://127.0.0.1:8000/v1, "
+                                 f"or {key}.serve, a conf/model entry the run serves itself "
+                                 f"(e.g. {key}.serve=smollm2)")
         if not self.url.startswith(("http://", "https://")):
             raise EnvConfigError(f"{key}.url must start with http:// or https://, got {self.url!r}")
+        self._check_limits(key)
+
+    def _check_limits(self, key: str) -> None:
         for name in ("timeout_s", "start_timeout_s", "scale"):
             if not getattr(self, name) > 0:
                 raise EnvConfigError(f"{key}.{name} must be > 0, got {getattr(self, name)}")
@@ -255,6 +272,11 @@ class Judge:
     def base_url(self) -> str:
         return str(self.config.url).rstrip("/")
 
+    def use_url(self, url: str) -> None:
+        """Where the model the run serves itself (``serve``) answers, once it is up: the
+        orchestrator hands it in as plain data, as it would a hosted judge's URL."""
+        self.config = replace(self.config, url=url)
+
     def _headers(self) -> dict[str, str]:
         name = self.config.api_key_env
         return {"Authorization": f"Bearer {os.environ[name]}"} if name else {}
@@ -262,6 +284,11 @@ class Judge:
     async def __aenter__(self) -> Self:
         import aiohttp
 
+        if not self.config.url:  # serve: the orchestrator starts it and hands in its URL
+            raise EnvConfigError(f"{self.key}.serve={self.config.serve}: the run serves this "
+                                 f"judge itself (python -m orchestrator, python -m "
+                                 f"orchestrator.eval), which this command does not; set "
+                                 f"{self.key}.url to a running server instead")
         self._slots = anyio.Semaphore(self.config.concurrency)
         self._session = aiohttp.ClientSession(
             headers=self._headers(),

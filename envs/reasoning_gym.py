@@ -41,9 +41,10 @@ from __future__ import annotations
 import difflib
 import hashlib
 import re
+from collections.abc import Mapping
 from typing import Any
 
-from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task
+from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task, Votes
 from envs.errors import EnvConfigError
 from envs.rewards import Sample, Scorer
 
@@ -139,6 +140,7 @@ class ReasoningGymSpec(EnvSpec):
         reward_processes: int = 2,
         reward_concurrency: int = 32,
         reward_fail_steps: int = 3,
+        judge: Mapping[str, Any] | None = None,
     ) -> None:
         registry = _registry()
         if answer not in EXTRACTORS:
@@ -165,7 +167,7 @@ class ReasoningGymSpec(EnvSpec):
         self._verifier: Any = None  # the train split's dataset object: its verifier scores
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("verifier",),
                              concurrency=reward_concurrency,
-                             fail_steps=reward_fail_steps)
+                             fail_steps=reward_fail_steps, judge=judge)
         seen: set[str] = set()
         self.splits = {split: self._collect(split, size, _split_seed(seed, split), seen)
                         for split, size in (("train", train_size), ("eval", eval_size))}
@@ -226,3 +228,8 @@ class ReasoningGymSpec(EnvSpec):
     def extract_answer(self, reply: str) -> str | None:
         """The answer as the reward takes it (``env.answer``: ``tagged`` or ``last_number``)."""
         return extract_answer(reply, self.answer) or None
+
+    def own_votes(self) -> Mapping[str, Votes | None]:
+        """``verifier`` reads the answer as ``env.answer`` says; equal text agrees (the
+        dataset's verifier scores against its own entry, not against another answer)."""
+        return {"verifier": Votes(self.extract_answer)}

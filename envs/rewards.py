@@ -12,10 +12,16 @@ plain or an ``async`` function written in one of three conventions, told apart b
   ``prompt`` (the opening messages), ``data_source`` and ``transcript`` (every message of the
   episode; empty for a single turn), or ``**kwargs`` for all three.
 * **TRL's**: ``fn(prompts, completions, **columns)`` (any function with a ``completions``
-  parameter) — batched lists, returning a list. It is called by keyword with batches of one: ``prompts=[p]`` (the prompt text when the prompt is a single user
-  message, else its messages), ``completions=[c]`` (the text, or ``[{"role": "assistant",
-  "content": c}]`` with a conversational prompt), ``answer=[a]`` and each column of the row as a
-  list of one (only those it declares, unless it takes ``**kwargs``).
+  parameter) — batched lists, returning a list of one score per completion. It is called
+  batched: the samples scored at about the same time (within 20 ms, at most 64; a group's
+  episodes, an evaluation's) share one call in a reward worker (:mod:`envs.reward_batch`), by
+  keyword: ``prompts`` (each the prompt text when it is a single user message, else its
+  messages), ``completions`` (the text, or ``[{"role": "assistant", "content": c}]`` with a
+  conversational prompt), ``answer`` and each column of the rows (None where a row lacks it;
+  only those it declares, unless it takes ``**kwargs``). The batch shares one hard limit. A
+  call that fails (raises, times out, or returns anything but one value per completion) fails
+  every sample of its batch, each counted once under its kind; a value that is no number fails
+  its own sample only (``invalid``).
 * **verl's**: ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``,
   called by keyword; ``extra_info`` is the row's ``extra_info`` column when it has one, else
   all its columns. A returned dict gives its ``score``; its other numbers are diagnostics.
@@ -93,6 +99,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
 from typing import Any, Protocol, Self
 
@@ -102,6 +109,7 @@ import anyio.to_thread
 from envs.base import Message, Reward, RewardTerm
 from envs.errors import EnvConfigError
 from envs.judge import Judge
+from envs.reward_batch import Batcher
 from envs.reward_builtins import BUILTINS, set_math_verify_timeout, warm_up
 from envs.reward_pool import Failure, Outcome, VerificationLost, WorkerPool
 from sandboxes.api import EngineUnavailable
@@ -171,6 +179,16 @@ class Adapted:
         extras = {"prompt": list(sample.prompt), "data_source": sample.data_source,
                   "transcript": list(sample.transcript)}
         return self.fn(sample.completion, sample.answer, sample.metadata, **self._take(extras))
+
+    def batch(self, samples: Sequence[Sample]) -> Any:
+        """A TRL-style function called once for ``samples``: each argument a list with one
+        entry per sample (a column a row lacks is None in its place)."""
+        columns = dict.fromkeys(k for s in samples for k in s.metadata)
+        values = {"answer": [s.answer for s in samples],
+                  **{k: [s.metadata.get(k) for s in samples] for k in columns},
+                  "prompts": [_trl_prompt(s) for s in samples],
+                  "completions": [_trl_completion(s) for s in samples]}
+        return self.fn(**self._take(values))
 
     def _take(self, values: Mapping[str, Any], listed: bool = False) -> dict[str, Any]:
         return {k: [v] if listed else v for k, v in values.items()
@@ -368,6 +386,42 @@ async def _await(value: Awaitable[Any]) -> Any:
     return await value
 
 
+def call_batch(fn: Adapted, samples: Sequence[Sample]) -> list[Any]:
+    """A TRL-style function's values for ``samples``, one call; InvalidReward when it returns
+    anything but one value per sample."""
+    value = fn.batch(samples)
+    if inspect.isawaitable(value):
+        value = asyncio.run(_await(value))
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) \
+            or len(value) != len(samples):
+        got = f"{len(value)} values" if isinstance(value, Sequence) else type(value).__name__
+        raise InvalidReward(f"returned {got} for a batch of {len(samples)} completions, not "
+                            f"one score each")
+    return list(value)
+
+
+def score_batch(fns: Mapping[str, Adapted], samples: Sequence[Sample],
+                names: Sequence[str]) -> list[Outcome]:
+    """Each of ``names`` (TRL-style) called once for all ``samples``: each sample's Reward, or
+    how it gave up. A call that fails (raises, or returns no list of one value per sample)
+    fails every sample of the batch, each counted once; a value that is not a number fails
+    its own sample only."""
+    outcomes = [Outcome() for _ in samples]
+    for name in names:
+        try:
+            values = call_batch(fns[name], samples)
+        except Exception as e:  # noqa: BLE001 - a reward that gives up scores 0, counted
+            for outcome in outcomes:
+                outcome.failures.append(failure(name, e))
+            continue
+        for outcome, value in zip(outcomes, values, strict=True):
+            try:
+                outcome.parts[name] = as_reward(value, name)
+            except InvalidReward as e:
+                outcome.failures.append(failure(name, e))
+    return outcomes
+
+
 def failure(name: str, error: BaseException) -> Failure:
     """How ``error`` (raised by reward ``name``) is counted."""
     if isinstance(error, InvalidReward):
@@ -399,7 +453,9 @@ def prepare_worker(names: Sequence[str], mv_timeout: int
     fns = {name: resolve(name) for name in names}
     warm_up(names)
 
-    def score(sample: Sample, asked: Sequence[str]) -> Outcome:
+    def score(sample: Sample | tuple[Sample, ...], asked: Sequence[str]) -> Any:
+        if isinstance(sample, tuple):  # a batch, for TRL-style functions (Scorer._run_batch)
+            return score_batch(fns, sample, asked)
         return score_parts(fns, sample, asked)
 
     return score
@@ -451,6 +507,10 @@ class Scorer:
                         True: tuple(n for n, f in adapted.items() if f.is_async)}
         self._pools: dict[bool, WorkerPool] = {}
         self._limiters: dict[bool, anyio.CapacityLimiter] = {}
+        # TRL-style functions take lists: the samples scored at about the same time share one
+        # call in a worker (envs.reward_batch), sync or async alike
+        self._trl = {n: f.is_async for n, f in adapted.items() if f.convention == "trl"}
+        self._batchers: dict[str, Batcher[Sample, Outcome]] = {}
         # Built-ins are functions of (completion, answer) alone: each one's score is decided
         # in the caller where that is certain, or kept for the same reply to the same answer
         # (a group's samples often repeat one). A user's function is always asked.
@@ -460,6 +520,18 @@ class Scorer:
         self.first_failure: str | None = None  # "name: kind: message", the first one
         self._scored = 0
         self._last_warning = 0.0
+
+    @property
+    def judge_to_serve(self) -> str | None:
+        """The ``conf/model`` entry the run must serve as this scorer's judge
+        (``env.judge.serve``); None when there is no judge or it is at a URL."""
+        return self._judge.config.serve if self._judge is not None else None
+
+    def use_judge_url(self, url: str) -> None:
+        """The URL of the judge the run serves (:attr:`judge_to_serve`), once it is up."""
+        if self._judge is None:
+            raise RuntimeError("this scorer has no judge (env.reward names none)")
+        self._judge.use_url(url)
 
     async def __aenter__(self) -> Self:
         if self._judge is not None:  # first: an endpoint that does not answer is one line now
@@ -473,6 +545,7 @@ class Scorer:
             self._pools[is_async] = pool
             # more waiting threads than workers: a waiting item holds no worker
             self._limiters[is_async] = anyio.CapacityLimiter(4 * size)
+        self._batchers = {name: Batcher(partial(self._run_batch, name)) for name in self._trl}
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -547,16 +620,20 @@ class Scorer:
         """The isolated terms of ``wanted``, each group in its pool, the groups at once."""
         result = Outcome()
         asked: dict[bool, list[str]] = {}
+        batched: list[str] = []
         for is_async, names in self._groups.items():
             for name in names:
                 if name not in wanted:
+                    continue
+                if name in self._trl:
+                    batched.append(name)
                     continue
                 known = self._known(name, sample.completion, sample.answer)
                 if known is None:
                     asked.setdefault(is_async, []).append(name)
                 else:
                     result.parts[name] = known
-        if not asked:
+        if not asked and not batched:
             if any(n in wanted for names in self._groups.values() for n in names):
                 self._spared += 1  # decided here, or scored before: no worker round trip
             return result
@@ -579,10 +656,30 @@ class Scorer:
                 if name in BUILTINS:
                     self._remember((name, sample.completion, sample.answer), part)
 
+        async def in_batch(name: str) -> None:
+            outcome = await self._batchers[name].submit(sample)
+            result.parts.update(outcome.parts)
+            result.failures.extend(outcome.failures)
+
         async with anyio.create_task_group() as tg:
             for is_async, names in asked.items():
                 tg.start_soon(one, is_async, names)
+            for name in batched:
+                tg.start_soon(in_batch, name)
         return result
+
+    async def _run_batch(self, name: str, samples: Sequence[Sample]) -> list[Outcome]:
+        """The TRL-style function ``name`` once for ``samples``, in a worker under the hard
+        limit (one call, one limit); a worker that timed out or died fails every sample."""
+        is_async = self._trl[name]
+        try:
+            outcomes: list[Outcome] = await anyio.to_thread.run_sync(
+                self._pools[is_async].run, tuple(samples), (name,),
+                limiter=self._limiters[is_async], abandon_on_cancel=True)
+        except VerificationLost as e:
+            kind = "timeout" if e.timed_out else "error"
+            return [Outcome(failures=[Failure(name, kind, str(e))]) for _ in samples]
+        return outcomes
 
     def _known(self, name: str, completion: str, answer: str) -> Reward | None:
         """An isolated built-in's score without a worker: decided here (``Builtin.quick``) or

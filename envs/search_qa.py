@@ -25,11 +25,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
-from envs.base import Env, EnvSpec, Message, Reward, Task
+from envs.base import Env, EnvSpec, Message, Reward, Task, Votes
 from envs.errors import EnvConfigError, EnvError, EnvNotRunning
 from envs.parsers import HermesParser
 from envs.reward_builtins import em_reward, f1_reward, squad_normalise
@@ -116,6 +116,7 @@ class SearchQASpec(EnvSpec):
         reward_processes: int = 2,
         reward_concurrency: int = 32,
         reward_fail_steps: int = 3,
+        judge: Mapping[str, Any] | None = None,
     ) -> None:
         unknown = [q for q in questions if q not in QUESTIONS]
         if unknown or not questions:
@@ -130,7 +131,7 @@ class SearchQASpec(EnvSpec):
             raise EnvConfigError(f"env.time_scale={time_scale} must be >= 0")
         self.scorer = Scorer(reward, reward_timeout_s, reward_processes, own=("searched",),
                              concurrency=reward_concurrency,
-                             fail_steps=reward_fail_steps)
+                             fail_steps=reward_fail_steps, judge=judge)
         self.topk, self.latency = topk, latency
         self.time_scale, self.failure_rate, self.search_url = time_scale, failure_rate, search_url
         self.request_timeout, self.retries, self.backoff = request_timeout, retries, backoff
@@ -215,6 +216,11 @@ class SearchQASpec(EnvSpec):
     def extract_answer(self, reply: str) -> str | None:
         """The final reply, normalised as the reward compares it."""
         return normalize(reply) or None
+
+    def own_votes(self) -> Mapping[str, Votes | None]:
+        """``searched`` (a search came first) reads no answer: ``em`` or ``f1`` beside it
+        votes."""
+        return {"searched": None}
 
     def _env(self) -> ToolEnv:
         topk = self.topk

@@ -44,6 +44,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,14 @@ from orchestrator.config import (
 from orchestrator.engines.placement import Placement
 from orchestrator.errors import ConfigError
 from orchestrator.evaluate import evaluate
-from orchestrator.main import engine_of, environment, eval_config, eval_tasks_of, torch_settings
+from orchestrator.main import (
+    engine_of,
+    environment,
+    eval_config,
+    eval_tasks_of,
+    served_judge,
+    torch_settings,
+)
 from orchestrator.recorder import Recorder
 from orchestrator.rollout import EpisodeRunner
 from orchestrator.rundir import write_json, write_jsonl
@@ -199,10 +207,12 @@ def run_evaluation(target: Target, cfg: DictConfig, progress: bool = False) -> O
     # no trainer beside it: the starting weights go by the byte route, the engine takes its GPU
     recipe = replace(engine_of(cfg), placement=Placement(trainer_here=False))
     weights = checkpoint_weights(target.checkpoint) if target.checkpoint is not None else None
+    judge = served_judge(cfg, spec)  # env.judge.serve: the judge's model, served in this run
 
     async def session(on_sample: Callable[[EvalSample], None] | None) -> Outcome:
         recorder = Recorder()
-        async with spec.running(), recipe.build(weights) as engine:
+        async with (judge() if judge is not None else nullcontext()), spec.running(), \
+                recipe.build(weights) as engine:
             runner = EpisodeRunner(engine, tokenizer, spec, rollout_cfg, recorder)
             started = time.perf_counter()
             evaluation = await evaluate(runner, tasks, eval_cfg, on_sample)

@@ -54,7 +54,7 @@ import numpy as np
 
 from envs.agent import AgentSpec
 from envs.base import Task
-from envs.votes import Votes
+from envs.votes import Votes, votes_of
 from orchestrator.gateway import agent_gateway, evaluate_agents
 from orchestrator.rollout import EpisodeRunner
 from orchestrator.schema import EvalConfig
@@ -93,7 +93,7 @@ async def evaluate(runner: EpisodeRunner, tasks: Sequence[Task],
             for task in tasks:
                 for index in range(config.n):
                     tg.start_soon(one, task, index)
-    async with runner.spec.votes() as votes:
+    async with votes_of(runner.spec) as votes:
         samples = await voted(samples, tasks, votes, config.success_threshold)
     return score(samples, config)
 
@@ -101,7 +101,8 @@ async def evaluate(runner: EpisodeRunner, tasks: Sequence[Task],
 async def voted(samples: Sequence[EvalSample], tasks: Sequence[Task], votes: Votes,
                 threshold: float) -> list[EvalSample]:
     """``samples`` with their answers read and their maj@n groups (``vote``) set by
-    ``votes``, task by task (a task's metadata reaches a user's reward)."""
+    ``votes``, task by task, each by its data source's route (a task's metadata reaches a
+    user's reward)."""
     metadata = {task.id: task.metadata for task in tasks}
     by_task: dict[int, list[EvalSample]] = defaultdict(list)
     for sample in samples:
@@ -111,9 +112,10 @@ async def voted(samples: Sequence[EvalSample], tasks: Sequence[Task], votes: Vot
         task_samples.sort(key=lambda s: s.sample_index)
         # an episode with no reply (an agent program that never called the model) gives none
         replies = [s.reply if s.reply else "" for s in task_samples]
-        groups = await votes.groups(replies, metadata.get(task_id, {}), threshold)
+        route = votes.for_source(task_samples[0].source)
+        groups = await route.groups(replies, metadata.get(task_id, {}), threshold)
         for sample, reply, group in zip(task_samples, replies, groups, strict=True):
-            answer = votes.answer(reply) if group is not None else None
+            answer = route.answer(reply) if group is not None else None
             vote = None if group is None else task_samples[group].sample_index
             out.append(replace(sample, answer=answer, vote=vote))
     return out

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import random
 from collections import defaultdict
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, ExitStack, asynccontextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -40,11 +40,13 @@ from orchestrator.algo.build import algorithm_values, build_algorithm
 from orchestrator.algo.filters import FILTER_KEY, build_filter
 from orchestrator.algo.losses import cannot_act
 from orchestrator.checkpoint import CheckpointStore
-from orchestrator.config import build_env, check_node, check_target, scalar, section, typed
+from orchestrator.config import CONF, build_env, check_node, check_target, scalar, section, typed
 from orchestrator.engines.base import InferenceEngine, sync_weights
+from orchestrator.engines.placement import Placement
 from orchestrator.errors import ConfigError
 from orchestrator.evaluate import evaluate
 from orchestrator.faults import resumed_faults
+from orchestrator.gateway.serve import ModelServer
 from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRecipe
 from orchestrator.loggers.base import Logger
 from orchestrator.models.policy import build_tokenizer, model_context
@@ -66,6 +68,8 @@ from orchestrator.warmstart import warm_start
 from orchestrator.weights import WeightUpdate
 
 log = logging.getLogger(__name__)
+
+JudgeServing = Callable[[], AbstractAsyncContextManager[None]]  # served_judge's
 
 
 def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> RunResult:
@@ -226,6 +230,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         progress=scalar(cfg, "progress"),
         progress_every=scalar(cfg, "progress_every"),
         attest=bool(section(cfg, "engine").get("attest", False)),
+        judge=served_judge(cfg, spec),
     )
 
 
@@ -260,6 +265,52 @@ def environment(cfg: DictConfig, model_cfg: dict[str, Any],
     if isinstance(spec, DatasetSpec):
         _leave_out_long_prompts(spec, tokenizer, rollout_cfg, model_context(model_cfg))
     return spec, tokenizer
+
+
+def served_judge(cfg: DictConfig, spec: EnvSpec) -> JudgeServing | None:
+    """The LLM judge the run serves itself (``env.judge.serve``: a ``conf/model`` entry), or
+    None: an async context manager that builds that model's engine from its own weights (no
+    trainer; ``cfg.engine``'s kind and options), serves it behind an OpenAI-compatible URL in
+    the run's event loop and hands the URL to ``spec`` before the environment starts. The
+    model's config and tokenizer are read now; an engine that cannot start is one line."""
+    name = spec.judge_to_serve()
+    if name is None:
+        return None
+    path = CONF / "model" / f"{name}.yaml"
+    if not path.is_file():
+        choices = ", ".join(sorted(p.stem for p in (CONF / "model").glob("*.yaml")))
+        raise ConfigError(f"env.judge.serve={name} names no model in conf/model/; choose from "
+                          f"{choices}, or set env.judge.url to a server")
+
+    def cannot_start(e: Exception) -> ConfigError:
+        return ConfigError(f"env.judge.serve={name}: the judge's engine could not start "
+                           f"({type(e).__name__}: {e}); set env.judge.url to a server instead, "
+                           f"or fix conf/model/{name}.yaml")
+
+    judged = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    OmegaConf.set_struct(judged, False)
+    judged.model = OmegaConf.load(path)  # its ${seed} and the like resolve against the run's
+    try:
+        model_cfg = section(judged, "model")
+        tokenizer = build_tokenizer(model_cfg)
+    except Exception as e:  # one line naming the key, the cause chained
+        raise cannot_start(e) from e
+    recipe = EngineRecipe(engine=section(cfg, "engine"), model=model_cfg,
+                          placement=Placement(trainer_here=False))
+
+    @asynccontextmanager
+    async def serving() -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            try:
+                engine = await stack.enter_async_context(recipe.build(None))  # type: ignore[arg-type]
+                server = await stack.enter_async_context(ModelServer(engine, tokenizer))
+            except Exception as e:  # one line naming the key, the cause chained
+                raise cannot_start(e) from e
+            log.info("env.judge.serve=%s: the judge is served at %s", name, server.base_url)
+            spec.use_judge_url(server.base_url)
+            yield
+
+    return serving
 
 
 def eval_on_own_engine(eval_cfg: EvalConfig, cfg: DictConfig, launcher: Launcher) -> bool:

@@ -24,7 +24,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -268,6 +268,9 @@ class RunParts:
     # engine.attest: the engine must report its weights' fingerprint (refused at start if it
     # cannot) and each batch is checked against the published ones (orchestrator/attest.py)
     attest: bool = False
+    # env.judge.serve: the judge model the run serves itself (orchestrator.main.served_judge),
+    # entered before the environment, whose judge calls its URL
+    judge: Callable[[], AbstractAsyncContextManager[None]] | None = None
 
 
 @dataclass
@@ -313,7 +316,8 @@ async def run_session(parts: RunParts, result: RunResult,
     before and after RL as they finish (those during RL travel in their step's report)."""
     recorder = make_recorder(parts.clock)
     result.recorder = recorder
-    async with parts.spec.running(), _checkpoints(checkpointer, recorder):
+    async with (parts.judge() if parts.judge is not None else nullcontext()), \
+            parts.spec.running(), _checkpoints(checkpointer, recorder):
         update = await parts.trainer.weights()
         engine = parts.make_engine(update, recorder)
         update.release()

@@ -88,3 +88,23 @@ def fits_nothing(reply: str, *, gold: str) -> float:
 def length_share(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
     """A user's reward for any environment: the reply's length over 100, at most 1."""
     return min(1.0, len(completion) / 100)
+
+
+def trl_batch_size(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    """TRL's convention, scoring each completion with the size of the batch it came in: how
+    many samples shared the call."""
+    return [float(len(completions))] * len(completions)
+
+
+def trl_raises(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    raise ValueError("no scores today")
+
+
+def trl_one_short(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    return [1.0] * (len(completions) - 1)
+
+
+def trl_odd_is_text(prompts: list[Any], completions: list[Any], index: list[int],
+                    **kwargs: Any) -> list[Any]:
+    """A number for each even ``index`` column, text (not a score) for each odd one."""
+    return [1.0 if i % 2 == 0 else "one" for i in index]

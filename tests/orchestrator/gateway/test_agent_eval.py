@@ -33,3 +33,19 @@ async def test_an_agent_programs_evaluation_has_n_samples_per_task() -> None:
     examples = {e.task_id: e for e in evaluation.examples}
     assert examples[3].reward == 0.0 and examples[3].tokens == 0 and examples[3].answer is None
     assert examples[0].tokens > 0 and examples[0].completion
+
+
+async def test_an_agent_program_votes_by_env_reward() -> None:
+    # env.reward=exact: "Paris" and "paris." are one answer; the default reading (math's)
+    # finds no number in either, so nobody voted before
+    from envs.votes import votes_of
+
+    replies = ["Paris", "paris.", "Rome"]
+    spec = AgentSpec(program="toy_agents:transcript", reward="exact")
+    async with votes_of(spec) as votes:
+        assert await votes.for_source(spec.name).groups(replies) == [0, 0, 2]
+    async with spec.votes() as own:
+        assert await own.groups(replies) == [None, None, None]
+    # with no env.reward (the program returns its reward) the environment's reading votes
+    async with votes_of(AgentSpec(program="toy_agents:transcript")) as votes:
+        assert await votes.groups(["\\boxed{3}", "3"]) == [0, 0]
