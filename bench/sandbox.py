@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -49,6 +50,12 @@ SNIPPETS = {
              "    pass\nprint(1)",
 }
 CONCURRENCY = (1, 16)
+# ``docker exec`` calls of the ``exec`` mode that exited 0 with no output at all: the Docker
+# engine can lose a short-lived exec's output when the process exits as its stream is attached
+# (docker-py#2042, moby#27289; seen once here on a machine at load 26). The call is timed, its
+# loss counted and printed, not raised: it is the baseline's behaviour, and the session mode,
+# one long-lived exec whose runner frames every reply, is not exposed to it.
+EXEC_OUTPUT_LOST: Counter[str] = Counter()
 SMOKE_CONCURRENCY = (1, 2)
 
 
@@ -147,6 +154,9 @@ async def run(size: Size, runtime: str = "runc") -> list[Cell]:
                     result = await anyio.to_thread.run_sync(
                         lambda: container.exec_run(argv, user=cfg.user, workdir=cfg.work_dir),
                         limiter=limiter)
+                    if result.exit_code == 0 and result.output == b"":
+                        EXEC_OUTPUT_LOST[runtime] += 1  # Docker's race: see EXEC_OUTPUT_LOST
+                        return
                     assert result.output.strip() == b"1", result
                 return call
 
@@ -207,6 +217,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{runtime}: session p50 {p50[(runtime, 'session', 'trivial', 1)]:.2f} ms, exec p50 "
               f"{p50[(runtime, 'exec', 'trivial', 1)]:.1f} ms, cold p50 "
               f"{p50[(runtime, 'cold', 'trivial', 1)]:.1f} ms (trivial, concurrency 1)")
+    for runtime in runtimes:
+        if EXEC_OUTPUT_LOST[runtime]:
+            print(f"{runtime}: {EXEC_OUTPUT_LOST[runtime]} docker exec call(s) exited 0 with their "
+                  f"output lost (Docker's exec race, docker-py#2042)")
     print(f"{time.perf_counter() - started:.0f} s in all")
     first = runtimes[0]
     cold, session = p50[(first, "cold", "trivial", 1)], p50[(first, "session", "trivial", 1)]
