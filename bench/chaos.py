@@ -24,6 +24,19 @@ launcher=ray launcher.num_engines=2 resume=auto hydra.run.dir=…``):
   answer that late counted in ``faults/search_slow``, so it may count naturally slow ones too),
   ``engine`` and ``driver``.
 
+* ``attestation`` and ``attestation_lora`` (``experiment=arithmetic``, no Docker, weight decay so
+  every version's weights differ from the last; the engines are
+  :class:`bench.faulty_engine.ChaosEngine`, torch engines that load wrongly when the bench arms
+  them): :data:`CLEAN_STEPS` trained steps with no fault, then weight attestation's faults, each
+  armed after a trained step and taken by the next load of whichever engine claims it:
+  ``attest_skip`` (the load skipped, the new version reported), ``attest_partial`` (one tensor
+  left old), ``attest_restart`` (the starting weights, told the current version) and, in the
+  LoRA run (``trainer.lora.r=4``), ``attest_adapter`` (the previous update's adapters under the
+  new version). Runs of their own: a partial load needs full weights and an adapter one LoRA,
+  and the default experiment trains 200 clean steps in seconds where ``code_tool`` would take
+  many minutes. A wrong load whose weights served no token a batch trained (the other engine
+  took that version's requests) has nothing to detect: it is shown and armed again.
+
 After the first trained step the injector acts one fault at a time, cycling through a shuffled
 plan of the run's kinds, and waits for two more trained steps after each. At the end of the
 run's share of ``--minutes`` it sends SIGTERM (the run stops after the step in progress) and
@@ -40,7 +53,19 @@ driver's start): the ``code_tool`` run alone on the toy model (:data:`bench.cli.
 one fault of each kind, each placed by events, not seconds: after the next trained step (the
 driver's kill once a checkpoint is complete too; one is written every step), so it runs the
 same on a machine twice as fast or twice as slow; its audit is real, the run is short.
-``--keep DIR`` keeps the run directories. Last line: ``chaos_lost=<n>`` (target 0).
+``--keep DIR`` keeps the run directories.
+
+The attestation audit (:func:`audit_attestation`), from the same files and ``train.log``: each
+fault is detected in the first step whose batch holds tokens of its wrong weights
+(``faults/attestation`` rises there), its engine is named in ``train.log``, and none of those
+tokens is trained (the loss mask of every PolyTrace record); ``attestation_missed=<n>`` counts
+the faults that fail one of these (and a kind none of whose faults reached a batch). Over every
+stretch with no attestation fault (the ``code_tool`` and ``search_qa`` runs, whose torch engines
+attest, and the attestation runs before their first fault) no failure may be counted, nor more
+than the faults detected after it: ``attestation_false=<n>``, printed only over at least
+:data:`CLEAN_STEPS` such steps. Both targets 0; each figure is refused in one line at a size
+that did not measure it (``--smoke`` runs ``code_tool`` alone: no attestation fault). Last line:
+``chaos_lost=<n>`` (target 0; attestation's figures are not part of it).
 
 Needs root (``kill -STOP`` of dockerd), a Docker engine with the sandbox image, and the ray
 extra; without one of them the bench says so in one line and exits with status 3. Freezing
@@ -494,6 +519,7 @@ def audit_attestation(chaos: Chaos, clean_steps: int = 0) -> dict[str, Any]:
         if first is not None:
             named[engine] -= 1
         faults.append({"kind": fault["kind"], "engine": engine, "version": fault["version"],
+                       "fingerprint": fault["fingerprint"],
                        "after_step": fault["steps_before"], "first_trained_step": first,
                        "detected": detected, "named": first is not None and named[engine] >= 0,
                        "tokens_trained": trained})
