@@ -26,6 +26,11 @@ processes. What it does for the pipeline:
   trainer in this process: vLLM's own weight-transfer engines (``WeightTransferConfig``,
   driven by :mod:`orchestrator.engines.vllm_transfer`), which load through the same layerwise
   reload, into the parameters' own storage, so CUDA graphs stay valid.
+* **Attestation** (``engine.attest=true``; docs/attestation.md): after every load the workers
+  fingerprint the weights they hold, read back under the trainer's names
+  (:mod:`orchestrator.engines.vllm_worker`), and each generation carries the fingerprint of
+  each version its tokens came from. On the CPU build the linear layers then keep their
+  weights as tensors (torch's linear, not oneDNN: slower decoding). One worker, full weights.
 * **Colocation** (``launcher.colocate=true``, one GPU for the trainer and the engine): vLLM
   runs with sleep mode; :meth:`sleep` (before each train step) is vLLM's ``sleep(level=1)``
   (weights offloaded to CPU, KV cache dropped, requests in flight kept), the next update
