@@ -19,7 +19,8 @@ import pytest
 import torch
 from helpers import REPO
 
-from orchestrator.types import SamplingParams
+from orchestrator.attest import Attestor
+from orchestrator.types import Attestation, Group, SamplingParams, Trajectory
 from orchestrator.weights import WeightUpdate
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
@@ -114,6 +115,19 @@ async def test_a_partial_load_and_a_skipped_one_are_exposed(engine: VLLMEngine) 
     assert engine.fingerprint == full.fingerprint != skipped.fingerprint
     out = await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=1))
     assert out.fingerprints == ((skipped.version, full.fingerprint),)
+    # the trainer's check: those tokens fail attestation and are not trained
+    attestor = Attestor()
+    attestor.publish(skipped.version, skipped.fingerprint)
+    n = 3 + len(out.token_ids)
+    sample = Trajectory(prompt_id=0, sample_index=0, token_ids=(5, 6, 7, *out.token_ids),
+                        loss_mask=(False,) * 3 + (True,) * len(out.token_ids),
+                        logprobs=(0.0,) * n, versions=(skipped.version,) * n, reward=1.0,
+                        start_version=skipped.version, finish_reason=out.finish_reason,
+                        attestations=(Attestation(3, n, skipped.version, full.fingerprint,
+                                                  "vllm"),))
+    [checked], failed = attestor.check([Group(prompt_id=0, trajectories=(sample,),
+                                              start_version=skipped.version)])
+    assert failed == {"vllm"} and not any(checked.trajectories[0].loss_mask)
 
 
 def test_a_vllm_run_attests_every_segment_with_no_failure(tmp_path: Path) -> None:
