@@ -335,7 +335,7 @@ class Chaos:
         other than those published for the version, False when it changed nothing."""
         assert self.fault_dir is not None
         number = len(list(self.fault_dir.glob("claimed-*")))
-        before = steps_done(self.run_dir)
+        before, counted = steps_done(self.run_dir), attested(self.run_dir)
         tmp = self.fault_dir / ".armed.json"
         tmp.write_text(json.dumps({"kind": ATTESTATION[kind], "id": number}))
         tmp.replace(self.fault_dir / ARMED)
@@ -344,7 +344,7 @@ class Chaos:
             if (done := self.fault_dir / f"injected-{number}.json").is_file():
                 record = json.loads(done.read_text())
                 self.misloads.append({**record, "kind": kind, "steps_before": before,
-                                      "counted_before": attested(self.run_dir)})
+                                      "counted_before": counted})
                 self.note(kind, f"{replica(record['engine'])} loaded version "
                                 f"{record['version']} wrongly ({ATTESTATION[kind]})")
                 return True
