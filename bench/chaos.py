@@ -24,6 +24,19 @@ launcher=ray launcher.num_engines=2 resume=auto hydra.run.dir=…``):
   answer that late counted in ``faults/search_slow``, so it may count naturally slow ones too),
   ``engine`` and ``driver``.
 
+* ``attestation`` and ``attestation_lora`` (``experiment=arithmetic``, no Docker, weight decay so
+  every version's weights differ from the last; the engines are
+  :class:`bench.faulty_engine.ChaosEngine`, torch engines that load wrongly when the bench arms
+  them): :data:`CLEAN_STEPS` trained steps with no fault, then weight attestation's faults, each
+  armed after a trained step and taken by the next load of whichever engine claims it:
+  ``attest_skip`` (the load skipped, the new version reported), ``attest_partial`` (one tensor
+  left old), ``attest_restart`` (the starting weights, told the current version) and, in the
+  LoRA run (``trainer.lora.r=4``), ``attest_adapter`` (the previous update's adapters under the
+  new version). Runs of their own: a partial load needs full weights and an adapter one LoRA,
+  and the default experiment trains 200 clean steps in seconds where ``code_tool`` would take
+  many minutes. A wrong load whose weights served no token a batch trained (the other engine
+  took that version's requests) has nothing to detect: it is shown and armed again.
+
 After the first trained step the injector acts one fault at a time, cycling through a shuffled
 plan of the run's kinds, and waits for two more trained steps after each. At the end of the
 run's share of ``--minutes`` it sends SIGTERM (the run stops after the step in progress) and
@@ -40,7 +53,19 @@ driver's start): the ``code_tool`` run alone on the toy model (:data:`bench.cli.
 one fault of each kind, each placed by events, not seconds: after the next trained step (the
 driver's kill once a checkpoint is complete too; one is written every step), so it runs the
 same on a machine twice as fast or twice as slow; its audit is real, the run is short.
-``--keep DIR`` keeps the run directories. Last line: ``chaos_lost=<n>`` (target 0).
+``--keep DIR`` keeps the run directories.
+
+The attestation audit (:func:`audit_attestation`), from the same files and ``train.log``: each
+fault is detected in the first step whose batch holds tokens of its wrong weights
+(``faults/attestation`` rises there), its engine is named in ``train.log``, and none of those
+tokens is trained (the loss mask of every PolyTrace record); ``attestation_missed=<n>`` counts
+the faults that fail one of these (and a kind none of whose faults reached a batch). Over every
+stretch with no attestation fault (the ``code_tool`` and ``search_qa`` runs, whose torch engines
+attest, and the attestation runs before their first fault) no failure may be counted, nor more
+than the faults detected after it: ``attestation_false=<n>``, printed only over at least
+:data:`CLEAN_STEPS` such steps. Both targets 0; each figure is refused in one line at a size
+that did not measure it (``--smoke`` runs ``code_tool`` alone: no attestation fault). Last line:
+``chaos_lost=<n>`` (target 0; attestation's figures are not part of it).
 
 Needs root (``kill -STOP`` of dockerd), a Docker engine with the sandbox image, and the ray
 extra; without one of them the bench says so in one line and exits with status 3. Freezing
@@ -70,6 +95,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cli import TOY_MODEL, add_smoke, headline, refuse
+from bench.faulty_engine import ARMED
 
 REPO = Path(__file__).resolve().parents[1]
 # the counter each kind of fault must show up in (None: nothing to count, only ridden out)
@@ -78,6 +104,12 @@ COUNTER: dict[str, str | None] = {
     "docker": "faults/docker_unreachable", "driver": "faults/resumes",
     "search_error": "faults/search_errors", "search_hang": "faults/search_timeouts",
     "search_slow": "faults/search_slow"}
+# weight attestation's faults (bench/faulty_engine.py): each audited on its own (detected in
+# the first batch with its tokens, its engine named, its tokens not trained), not by a count
+ATTESTATION = {"attest_skip": "skip", "attest_partial": "partial",
+               "attest_restart": "restart", "attest_adapter": "adapter"}
+ATTESTED = "faults/attestation"
+CLEAN_STEPS = 200  # steps with no attestation fault before the first one (--quick and longer)
 BATCH, K = 8, 1
 COMMON = ["logger=none", "progress=false", "model.device=cpu", f"pipeline.batch_size={BATCH}",
           "pipeline.num_workers=4", f"pipeline.max_staleness={K}", "pipeline.num_steps=100000",
@@ -85,7 +117,9 @@ COMMON = ["logger=none", "progress=false", "model.device=cpu", f"pipeline.batch_
           "launcher.num_engines=2", "launcher.placement=pack", "resume=auto"]
 SEARCH_PEOPLE = (2000, 200, 0)  # env.train_size, env.eval_size, seed: the corpus the run asks
 STEP_WAIT_S = 240  # a fault's handling: the next steps must come within this
-SMOKE_TRIES = 5  # --smoke: a fault that found nothing to act on is tried again after a step
+SMOKE_TRIES = 5  # --smoke, and attestation's faults: one that found nothing to act on is tried
+# again after a step
+ATTEST_AFTER = 3  # trained steps after an attestation fault: its tokens reach a batch (k = 1)
 REMOVED_WAIT_S = 60  # the run's containers' removal after it ends (auto-remove is asynchronous)
 
 
@@ -97,6 +131,12 @@ class Phase:
     run: tuple[str, ...]
     kinds: tuple[str, ...]
     share: float
+    clean_steps: int = 0  # trained before the first fault: a stretch with none injected
+
+    @property
+    def attests(self) -> bool:
+        """Whether its faults are attestation's (its engines are bench.faulty_engine's)."""
+        return any(kind in ATTESTATION for kind in self.kinds)
 
 
 CODE = Phase("code_tool", (
@@ -109,7 +149,18 @@ SEARCH = Phase("search_qa", (
     f"env.train_size={SEARCH_PEOPLE[0]}", f"env.eval_size={SEARCH_PEOPLE[1]}",
     f"seed={SEARCH_PEOPLE[2]}", "env.request_timeout=2", "env.retries=3", *COMMON),
     ("search_error", "search_hang", "search_slow", "engine", "driver"), 0.4)
-PHASES = (CODE, SEARCH)
+# Weight attestation's faults in runs of their own: they need the engines that misload on
+# cue (bench/faulty_engine.py), a partial load needs full weights and an adapter one LoRA, and
+# the default experiment (no Docker) trains 200 clean steps in seconds. Every step changes
+# the weights (weight decay), so a version's weights differ from the previous one's.
+_ATTEST_RUN = ("experiment=arithmetic", "warmstart.steps=0", "trainer.weight_decay=0.1",
+               "rollout.max_tokens=8", "checkpoint.every=50",
+               "engine._target_=bench.faulty_engine.ChaosEngine", *COMMON)
+ATTEST = Phase("attestation", _ATTEST_RUN, ("attest_skip", "attest_partial", "attest_restart"),
+               0.0, clean_steps=CLEAN_STEPS)
+ATTEST_LORA = Phase("attestation_lora", (*_ATTEST_RUN, "trainer.lora.r=4"), ("attest_adapter",),
+                    0.0)
+PHASES = (CODE, SEARCH, ATTEST, ATTEST_LORA)
 KINDS = tuple(dict.fromkeys(k for phase in PHASES for k in phase.kinds))
 
 
@@ -125,6 +176,13 @@ def steps_done(run_dir: Path) -> int:
                if line.endswith("}") and '"time/step"' in line)
 
 
+def attested(run_dir: Path) -> int:
+    """The run's count of attestation failures so far (its last step's)."""
+    last = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.endswith("}") and '"time/step"' in line][-1:]
+    return int(json.loads(last[0]).get(ATTESTED, 0)) if last else 0
+
+
 def dockerd_pid() -> int:
     return int(subprocess.check_output(["pidof", "dockerd"], text=True).split()[0])
 
@@ -138,10 +196,15 @@ class Chaos:
     namespace: str
     rng: random.Random
     search_url: str | None = None  # the search server's, with its /faults control
+    fault_dir: Path | None = None  # where attestation faults are armed (bench/faulty_engine.py)
+    docker: bool = True  # whether its run has sandbox containers to look for
     driver: subprocess.Popen[str] | None = None
     drivers: list[int] = field(default_factory=list)  # every driver process's pid
     injected: Counter[str] = field(default_factory=Counter)
     log: list[str] = field(default_factory=list)
+    # each attestation fault injected: the engine's record (its engine, version, the
+    # fingerprint it reported) and the trained steps before it
+    misloads: list[dict[str, Any]] = field(default_factory=list)
 
     def start(self) -> None:
         with (self.run_dir.parent / f"driver-{len(self.drivers)}.log").open("w") as stderr:
@@ -209,6 +272,8 @@ class Chaos:
     def containers(self, running: bool = True, live: bool = False) -> list[str]:
         """The sandbox containers of the run's drivers (``live``: of the driver running now)."""
         ids: list[str] = []
+        if not self.docker:
+            return ids
         pids = self.drivers[-1:] if live else self.drivers
         for pid in pids:
             out = subprocess.run(
@@ -264,7 +329,42 @@ class Chaos:
         self.note(f"search_{mode}", f"{mode} for {seconds:.1f} s ({met} requests)", count=met)
         return True
 
+    def misload(self, kind: str) -> bool:
+        """Arm an attestation fault: the next weight load of one engine (the first to claim
+        it) goes wrong; True once the engine says its wrong load left it holding weights
+        other than those published for the version, False when it changed nothing."""
+        assert self.fault_dir is not None
+        number = len(list(self.fault_dir.glob("claimed-*")))
+        before, counted = steps_done(self.run_dir), attested(self.run_dir)
+        tmp = self.fault_dir / ".armed.json"
+        tmp.write_text(json.dumps({"kind": ATTESTATION[kind], "id": number}))
+        tmp.replace(self.fault_dir / ARMED)
+        deadline = time.monotonic() + STEP_WAIT_S
+        while True:  # until an engine's next load (after the next step) has taken it
+            if (done := self.fault_dir / f"injected-{number}.json").is_file():
+                record = json.loads(done.read_text())
+                self.misloads.append({**record, "kind": kind, "steps_before": before,
+                                      "counted_before": counted})
+                self.note(kind, f"{replica(record['engine'])} loaded version "
+                                f"{record['version']} wrongly ({ATTESTATION[kind]})")
+                return True
+            if (self.fault_dir / f"ineffective-{number}.json").is_file():
+                print(f"{kind}: the wrong load changed nothing the engine serves (the update "
+                      "left those weights alone): not counted as injected", flush=True)
+                return False
+            if not self.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{kind}: no engine loaded weights within {STEP_WAIT_S} s "
+                                   f"(the driver {'runs' if self.alive() else 'ended'})")
+            time.sleep(0.1)
+
+    def unseen(self) -> bool:
+        """Whether the last attestation fault's wrong weights reached no batch (the run counted
+        no failure since): an engine that served no trained token in that version's window."""
+        return attested(self.run_dir) <= self.misloads[-1]["counted_before"]
+
     def inject(self, kind: str) -> bool:
+        if kind in ATTESTATION:
+            return self.misload(kind)
         act: dict[str, Callable[[], bool]] = {
             "engine": self.kill_engine, "container": self.kill_container,
             "docker": self.freeze_docker, "driver": self.kill_driver,
@@ -284,6 +384,11 @@ class Chaos:
         except subprocess.TimeoutExpired:
             self.driver.kill()
             return self.driver.wait()
+
+
+def replica(actor: str) -> str:
+    """The router's name of an engine (``engine-0``) from its actor's (``<run>-engine-0``)."""
+    return "engine-" + actor.rsplit("-engine-", 1)[-1] if "-engine-" in actor else actor
 
 
 def _faults(url: str | None, **turn_on: Any) -> Counter[str]:
@@ -379,6 +484,59 @@ def audit(chaos: Chaos, batch: int, k: int) -> dict[str, Any]:
     }
 
 
+def audit_attestation(chaos: Chaos, clean_steps: int = 0) -> dict[str, Any]:
+    """Weight attestation, from the run's files: each fault injected (:attr:`Chaos.misloads`)
+    is detected in the first batch that trains tokens of its wrong weights (``faults/
+    attestation`` rises at that step), its engine is named in ``train.log`` and none of those
+    tokens is trained (loss-masked in every PolyTrace record); the stretch before the first
+    fault (the whole run if none) counts no failure, and no failure is counted beyond the
+    faults injected."""
+    from orchestrator.trace.reader import TraceDir
+
+    run_dir = chaos.run_dir
+    counts = {int(m["step"]): int(m.get(ATTESTED, 0))
+              for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if line.endswith("}") and "time/step" in (m := json.loads(line))}
+    log = run_dir / "train.log"
+    named = Counter(line.split("attestation failure: engine ", 1)[1].split()[0]
+                    for line in (log.read_text().splitlines() if log.is_file() else ())
+                    if "attestation failure: engine " in line)
+    trace = TraceDir.open(run_dir)
+    records = [(step, r) for step in trace.steps() for r in trace.workload(step)]
+    faults = []
+    for fault in chaos.misloads:
+        engine = replica(fault["engine"])
+        wrong = (engine, fault["version"], fault["fingerprint"])
+        steps, trained = set(), 0
+        for step, r in records:
+            mask = [bool(v) for v, n in r.response_loss_mask_rle for _ in range(n)]
+            for seg in r.polyrl.segments if r.polyrl else ():
+                if (seg.engine, seg.version, seg.fingerprint) == wrong:
+                    steps.add(step)
+                    trained += sum(mask[max(seg.start - r.prompt_len, 0):seg.end - r.prompt_len])
+        first = min(steps, default=None)
+        detected = first is not None and counts.get(first, 0) > counts.get(first - 1, 0)
+        if first is not None:
+            named[engine] -= 1
+        faults.append({"kind": fault["kind"], "engine": engine, "version": fault["version"],
+                       "fingerprint": fault["fingerprint"],
+                       "after_step": fault["steps_before"], "first_trained_step": first,
+                       "detected": detected, "named": first is not None and named[engine] >= 0,
+                       "tokens_trained": trained})
+    # a fault whose wrong weights served no trained token has nothing to detect: it is shown,
+    # not audited; a kind with none that did is a miss (the bench did not show it detected)
+    exercised = [f for f in faults if f["first_trained_step"] is not None]
+    missed = sum(1 for f in exercised
+                 if not (f["detected"] and f["named"]) or f["tokens_trained"])
+    missed += len({f["kind"] for f in faults} - {f["kind"] for f in exercised})
+    clean = chaos.misloads[0]["steps_before"] if chaos.misloads else len(counts)
+    last = counts[max(counts)] if counts else 0
+    before = counts.get(clean - 1, 0) if clean else 0
+    false = before + max(0, last - before - sum(1 for f in faults if f["detected"]))
+    return {"attestation": faults, "attestation_missed": missed, "attestation_false": false,
+            "clean_steps": clean, "clean_steps_asked": clean_steps}
+
+
 def soak(minutes: float, quick: bool, seed: int, keep: Path | None,
          phases: tuple[Phase, ...] = PHASES, smoke: bool = False) -> dict[str, dict[str, Any]]:
     """Run each phase in turn on one Ray cluster (``quick``: one fault of each kind; ``smoke``:
@@ -401,9 +559,9 @@ def soak(minutes: float, quick: bool, seed: int, keep: Path | None,
             search_url = None
             if any(kind.startswith("search_") for kind in phase.kinds):
                 server, search_url = search_server(root)
+            share = phase.share / (sum(p.share for p in phases) or 1)
             results[phase.name] = run_phase(phase, root / phase.name, cluster.address, rng,
-                                            minutes * phase.share / sum(p.share for p in phases),
-                                            quick or smoke, search_url, smoke)
+                                            minutes * share, quick or smoke, search_url, smoke)
             if server is not None:
                 server.kill()
                 server.wait()
@@ -424,20 +582,30 @@ def run_phase(phase: Phase, root: Path, address: str, rng: random.Random, minute
               quick: bool, search_url: str | None, smoke: bool = False) -> dict[str, Any]:
     run_dir = root / "run"
     root.mkdir(parents=True, exist_ok=True)
+    fault_dir = root / "faults" if phase.attests else None
+    if fault_dir is not None:
+        fault_dir.mkdir(exist_ok=True)
+    # attestation's faults: one of each, by events, whatever the size (they take seconds)
+    quick = quick or phase.attests
+    by_events = smoke or phase.attests
     namespace = f"chaos-{uuid.uuid4().hex[:6]}"
     command = [sys.executable, "-m", "orchestrator", *phase.run, f"launcher.address='{address}'",
                f"launcher.namespace={namespace}", f"hydra.run.dir={run_dir}",
                *([f"env.search_url={search_url}"] if search_url else []),
                *(["checkpoint.every_s=10"] if quick and not smoke else []),
-               *([*TOY_MODEL, "checkpoint.every=1"] if smoke else [])]
-    chaos = Chaos(run_dir, command, namespace, rng, search_url=search_url)
+               *([*TOY_MODEL, "checkpoint.every=1"] if smoke else []),
+               *([f"+engine.fault_dir={fault_dir}"] if fault_dir is not None else [])]
+    chaos = Chaos(run_dir, command, namespace, rng, search_url=search_url, fault_dir=fault_dir,
+                  docker=not phase.attests)
     started = time.monotonic()
-    length = ("one fault of each kind, each after the next step" if smoke
+    length = ("one fault of each kind, each after the next step" if by_events
               else "one fault of each kind" if quick else f"{minutes:.1f} min")
-    print(f"-- {phase.name}: {length}; faults: {', '.join(phase.kinds)}", flush=True)
+    clean = f"{phase.clean_steps} clean steps, then " if phase.clean_steps else ""
+    print(f"-- {phase.name}: {clean}{length}; faults: {', '.join(phase.kinds)}", flush=True)
     try:
         chaos.start()
         chaos.wait_steps(1, deadline_s=600)  # Ray actors, the sandbox pool, the warm start
+        chaos.wait_steps(phase.clean_steps, deadline_s=STEP_WAIT_S + phase.clean_steps)
         plan: list[str] = []
         tries: Counter[str] = Counter()
         end = started + minutes * 60
@@ -447,7 +615,7 @@ def run_phase(phase: Phase, root: Path, address: str, rng: random.Random, minute
                     break
                 plan = list(phase.kinds)
                 rng.shuffle(plan)
-            if smoke:  # by events: after the next trained step (and a checkpoint, for the driver)
+            if by_events:  # after the next trained step (and a checkpoint, for the driver)
                 chaos.wait_steps(steps_done(run_dir) + 1)
                 if plan[-1] == "driver":
                     chaos.wait_checkpoint()
@@ -458,8 +626,14 @@ def run_phase(phase: Phase, root: Path, address: str, rng: random.Random, minute
             kind = plan.pop()
             before = steps_done(run_dir)
             if chaos.inject(kind):
-                chaos.wait_steps(max(steps_done(run_dir), before) + 2)
-            elif smoke and tries[kind] < SMOKE_TRIES:  # e.g. no container yet: after a step
+                after = ATTEST_AFTER if kind in ATTESTATION else 2
+                chaos.wait_steps(max(steps_done(run_dir), before) + after)
+                if kind in ATTESTATION and chaos.unseen() and tries[kind] < SMOKE_TRIES:
+                    tries[kind] += 1  # no batch had its tokens (the audit tells): once more
+                    plan.append(kind)
+            # nothing to act on (no container yet; a wrong load that changed nothing): again
+            # after the next step
+            elif (smoke or kind in ATTESTATION) and tries[kind] < SMOKE_TRIES:
                 tries[kind] += 1
                 plan.append(kind)
         chaos.wait_steps(steps_done(run_dir) + 1)
@@ -467,7 +641,7 @@ def run_phase(phase: Phase, root: Path, address: str, rng: random.Random, minute
         print(f"   stopped by SIGTERM (exit code {code}) after "
               f"{(time.monotonic() - started) / 60:.1f} min", flush=True)
         chaos.wait_removed()  # auto-remove of the last containers is asynchronous
-        return audit(chaos, BATCH, K)
+        return {**audit(chaos, BATCH, K), **audit_attestation(chaos, phase.clean_steps)}
     finally:
         if chaos.alive():
             assert chaos.driver is not None
@@ -522,7 +696,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     results = soak(args.minutes, args.quick, args.seed, args.keep,
                    phases=(CODE,) if args.smoke else PHASES, smoke=args.smoke)
-    total = 0
+    total = missed = false = clean = 0
     for name, result in results.items():
         print(f"{name}: steps {result['steps']} (missing {result['steps_missing']}, trace files "
               f"missing {result['trace_steps_missing']}); samples {result['samples']} (repeated "
@@ -530,13 +704,40 @@ def main(argv: list[str] | None = None) -> None:
               f"staleness > {K}: {result['staleness_over_k']}; containers left: "
               f"{result['containers_left']}")
         for kind, n in result["injected"].items():
-            counter = COUNTER[kind]
+            counter = COUNTER.get(kind)
             seen = f"counted {result['counted'][kind]} ({counter})" if counter else "not counted"
+            if kind in ATTESTATION:
+                seen = "audited below"
             print(f"  {kind:13s} injected {n}  {seen}")
+        for f in result["attestation"]:
+            head = (f"  {f['kind']:13s} {f['engine']} version {f['version']} (armed after step "
+                    f"{f['after_step']}): ")
+            if f["first_trained_step"] is None:
+                print(head + "its tokens reached no batch (nothing to detect; armed again)")
+                continue
+            print(head + f"first trained at step {f['first_trained_step']}, "
+                  f"{'detected' if f['detected'] else 'NOT detected'} there, "
+                  f"{'named' if f['named'] else 'NOT named'} in train.log, "
+                  f"{f['tokens_trained']} of its tokens trained")
+        print(f"  {ATTESTED} over {result['clean_steps']} steps with no attestation fault: "
+              f"{result['attestation_false']} false")
         print("  faults/*: " + json.dumps(result["faults"]))
         total += lost(result)
+        missed += result["attestation_missed"]
+        false += result["attestation_false"]
+        clean += result["clean_steps"]
     print(f"wall {(time.monotonic() - started) / 60:.1f} min; load average "
           f"{os.getloadavg()[0]:.1f}")
+    injected = sum(len(r["attestation"]) for r in results.values())
+    if injected:
+        headline("attestation_missed", missed, 0)
+    else:
+        print("attestation_missed: not measured (no attestation fault at this size)", flush=True)
+    if clean >= CLEAN_STEPS:
+        headline("attestation_false", false, 0)
+    else:
+        print(f"attestation_false: not measured ({clean} clean steps, fewer than {CLEAN_STEPS})",
+              flush=True)
     headline("chaos_lost", total, 0)
 
 

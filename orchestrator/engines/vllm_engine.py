@@ -26,6 +26,11 @@ processes. What it does for the pipeline:
   trainer in this process: vLLM's own weight-transfer engines (``WeightTransferConfig``,
   driven by :mod:`orchestrator.engines.vllm_transfer`), which load through the same layerwise
   reload, into the parameters' own storage, so CUDA graphs stay valid.
+* **Attestation** (``engine.attest=true``; docs/attestation.md): after every load the workers
+  fingerprint the weights they hold, read back under the trainer's names
+  (:mod:`orchestrator.engines.vllm_worker`), and each generation carries the fingerprint of
+  each version its tokens came from. On the CPU build the linear layers then keep their
+  weights as tensors (torch's linear, not oneDNN: slower decoding). One worker, full weights.
 * **Colocation** (``launcher.colocate=true``, one GPU for the trainer and the engine): vLLM
   runs with sleep mode; :meth:`sleep` (before each train step) is vLLM's ``sleep(level=1)``
   (weights offloaded to CPU, KV cache dropped, requests in flight kept), the next update
@@ -93,6 +98,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 RPC_BYTES_MAX = 1 << 30
 SHM = Path("/dev/shm")
 CPU_KV_CACHE_BYTES = 1 << 30  # kv_cache_bytes=auto on CPU
+KEEP_VERSIONS = 64  # fingerprints kept for requests still running across updates
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6,
           "GB": 10**9}
 
@@ -143,10 +149,21 @@ class VLLMEngine(InferenceEngine):
         kv_cache_bytes: int | str | None = "auto",
         weight_transfer: WeightTransfer = "auto",
         placement: Placement | None = None,
-        attest: bool = False,  # no fingerprint hook yet: a run with it true is refused at start
+        attest: bool = False,  # fingerprint the weights the workers hold after every load
     ) -> None:
         _check_options(gpu_memory_utilization, max_num_seqs, max_model_len, tensor_parallel_size,
                        dtype)
+        if attest and tensor_parallel_size > 1:
+            raise ConfigError("engine.attest=true reads the trainer's tensors back from one "
+                              "worker's weights, and engine.tensor_parallel_size="
+                              f"{tensor_parallel_size} shards them: set engine.attest=false")
+        if attest and weights is not None and weights.adapters is not None:
+            raise ConfigError("engine=vllm merges LoRA adapters into its weights, so it cannot "
+                              "fingerprint the adapters the trainer publishes: set "
+                              "engine.attest=false with trainer.lora")
+        self._attest = attest
+        self._attested: dict[int, str] = {}  # version -> fingerprint of the weights held
+        self._names: list[str] = []  # the trainer's tensor names the fingerprint covers
         if model.get("fp32_head"):  # the trainer's head alone in float32 widens the gap
             raise ConfigError("model.fp32_head=true is for engine=torch: vLLM computes its LM head "
                               "in the model's dtype, so only the trainer's would be float32; "
@@ -229,9 +246,13 @@ class VLLMEngine(InferenceEngine):
         except RuntimeError:
             raise ConfigError("engine=vllm runs on asyncio; this run's event loop is not asyncio") from None
         try:
+            if self._attest:
+                self._names = await anyio.to_thread.run_sync(self._trainer_names)
             self._llm = await anyio.to_thread.run_sync(self._start)
             self.max_model_len = int(self._llm.model_config.max_model_len)
             await self._llm.update_weight_version(str(self.version))
+            if self._attest:  # the layers keep their weights as tensors (vllm_worker)
+                await self._llm.collective_rpc("polyrl_keep_weights")
             fused = (await self._llm.collective_rpc("polyrl_fused_modules"))[0]
             self._adapters = AdapterMerger(fused)
             if self.transfer != "rpc":
@@ -243,11 +264,31 @@ class VLLMEngine(InferenceEngine):
             elif self._weights is not None and self._weights.adapters is not None:
                 # Started from them: keep the base weights the next adapter update needs.
                 await anyio.to_thread.run_sync(self._adapters.merged, self._weights)
+            await self._fingerprint()
         except BaseException:
             await self.aclose()
             raise
         self._weights = None
         return self
+
+    def _trainer_names(self) -> list[str]:
+        """The names of the tensors the trainer publishes (its model's state dict)."""
+        if self._weights is not None:
+            return sorted(self._weights.tensors())
+        return sorted(build_policy({**self._model, "device": "cpu"}).model.state_dict())
+
+    async def _fingerprint(self) -> None:
+        """The attestation, computed by the worker from the tensors it holds."""
+        if self._attest:
+            [self.fingerprint] = await self._llm.collective_rpc("polyrl_fingerprint",
+                                                                args=(self._names,))
+            self._attested[self.version] = self.fingerprint
+            for old in [v for v in self._attested if v < self.version - KEEP_VERSIONS]:
+                del self._attested[old]
+
+    @property
+    def attests(self) -> bool:
+        return self._attest
 
     def _start(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -316,15 +357,18 @@ class VLLMEngine(InferenceEngine):
         if completion.finish_reason not in _FINISH:
             raise EngineClosed(f"vLLM ended the request: {completion.finish_reason}")
         tokens = tuple(completion.token_ids)
+        versions = _versions(completion.weight_versions, len(tokens))
         logprobs = tuple(float(step[t].logprob) for step, t in zip(completion.logprobs, tokens,
                                                                       strict=True))
         return Generation(
             token_ids=tokens,
             logprobs=logprobs,
-            versions=_versions(completion.weight_versions, len(tokens)),
+            versions=versions,
             finish_reason=_FINISH[completion.finish_reason],
             start_version=start_version,
             cached_tokens=final.num_cached_tokens or 0,  # the prefix cache's hits: PolyTrace's
+            fingerprints=tuple((v, self._attested[v]) for v in sorted(set(versions))
+                               if v in self._attested),
         )
 
     def _vllm_sampling(self, sampling: SamplingParams, budget: int) -> Any:
@@ -368,6 +412,7 @@ class VLLMEngine(InferenceEngine):
             await self._llm.collective_rpc("polyrl_load_bytes", args=(data, partial))
         await self._llm.update_weight_version(str(update.version))
         self.version = update.version
+        await self._fingerprint()
 
     async def _load_through_file(self, update: WeightUpdate, partial: bool) -> None:
         """``update`` written to a safetensors file on this host, the workers load it, and it

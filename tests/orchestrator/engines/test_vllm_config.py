@@ -6,10 +6,12 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 from helpers import TINY_MODEL, quick_config
 
 from orchestrator.engines.vllm_engine import VLLMEngine, parse_bytes
 from orchestrator.errors import ConfigError
+from orchestrator.weights import Adapters, WeightUpdate
 
 
 @pytest.mark.parametrize(("option", "message"), [
@@ -27,6 +29,18 @@ def test_a_bad_option_is_named_in_one_line(option: dict, message: str) -> None:
     with pytest.raises(ConfigError) as error:
         VLLMEngine(TINY_MODEL, **option)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_attestation_is_refused_where_vllm_cannot_fingerprint_what_the_trainer_publishes() -> None:
+    lora = WeightUpdate.by_reference(0, {"q::lora_A": torch.zeros(2, 2)}, leased=False)
+    cases = [({"tensor_parallel_size": 2}, "engine.tensor_parallel_size=2 shards them"),
+             ({"weights": lora.with_adapters(Adapters(scale=1.0, modules=("q",)))},
+              "set engine.attest=false with trainer.lora")]
+    for option, message in cases:
+        with pytest.raises(ConfigError) as error:
+            VLLMEngine(TINY_MODEL, attest=True, **option)
+        assert message in str(error.value) and "\n" not in str(error.value)
+        assert "engine.attest=false" in str(error.value)
 
 
 def test_the_config_group_composes_with_every_option() -> None:
