@@ -148,7 +148,12 @@ def decode_tensor(entry: TensorDelta, base: torch.Tensor | None,
 def apply(delta: Delta, held: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The new weights: ``held`` (what the engine holds, the delta's base) with ``delta`` applied,
     as new tensors. Raises :class:`DeltaUnusable` where ``held`` cannot be the base."""
-    entries = delta.tensors()
+    return rebuild(delta.tensors(), held)
+
+
+def rebuild(entries: Mapping[str, TensorDelta],
+            held: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`apply` on a delta's tensors alone (as a process that was sent only them has)."""
     if set(entries) != set(held):
         raise DeltaUnusable("the engine's tensors are not the ones the delta names")
     decompressor = zstandard.ZstdDecompressor()
