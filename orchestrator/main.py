@@ -191,7 +191,8 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
 
     trainer = launcher.trainer(TrainerRecipe(
         trainer=section(cfg, "trainer"), model=model_cfg, algo=section(cfg, "algo"),
-        temperature=rollout_cfg.temperature, seed=seed, torch_threads=threads))
+        temperature=rollout_cfg.temperature, seed=seed, torch_threads=threads,
+        weight_delta=bool(section(cfg, "engine").get("delta", False))))
     engine_recipe = engine_of(cfg)
 
     def make_engine(weights: WeightUpdate, recorder: Recorder) -> InferenceEngine:

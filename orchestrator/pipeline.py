@@ -466,6 +466,8 @@ class Pipeline:
                         attrs.update(transport=update.transport, bytes=update.nbytes,
                                      load_seconds=self.recorder.now() - started,
                                      **update.stats)  # gather_seconds from trainer ranks
+                        if update.delta is not None:  # engine.delta: what an engine at the
+                            attrs["delta_bytes"] = update.delta.nbytes  # version before pulls
                     finally:
                         if finish_old:
                             await self.gate.release_exclusive()
@@ -530,6 +532,9 @@ class Pipeline:
                     **(self.attestor.metrics() if self.attestor is not None else {}),
                     **(self.gateway.metrics() if self.gateway is not None else {}),
                     **self._retired_metrics(step, capped)}
+        if counters.get("weights/full_bytes"):  # engine.delta: the last sync, over the engines
+            counters["weights/delta_ratio"] = (counters["weights/delta_bytes"]
+                                               / counters["weights/full_bytes"])
         self.faults = add_faults(self.faults_before, counters)
         totals = self.recorder.totals()
         stage_seconds = totals - self._reported_seconds  # recorded since the last report

@@ -26,6 +26,11 @@ it. By reference they stay as they are (an engine's load casts them).
 :attr:`nbytes` is what a transfer moves (the weight-sync span records it), :attr:`stats` what
 producing it cost (``gather_seconds`` when trainer ranks gathered their shards).
 
+:attr:`delta`, when set (``engine.delta``; :mod:`orchestrator.delta`), is the same weights as
+the bitwise difference from the version before: an engine that holds that version exactly loads
+the delta instead of pulling the full tensors, which the update still offers for every other
+engine and for a delta that fails its attestation.
+
 A LoRA trainer's update carries :class:`Adapters`: its tensors are ``<weight>::lora_A`` and
 ``<weight>::lora_B`` pairs (plus, in the first update, the base weights) and an engine applies
 them with an :class:`AdapterMerger`.
@@ -36,10 +41,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import torch
+
+if TYPE_CHECKING:
+    from orchestrator.delta import Delta
 
 Transport = Literal["reference", "bytes", "file", "object_store"]
 
@@ -67,6 +75,7 @@ class WeightUpdate:
     stats: Mapping[str, float] = field(default_factory=dict)  # e.g. gather_seconds
     wire_dtype: torch.dtype | None = None  # floating tensors' dtype once copied (module doc)
     fingerprint: str | None = None  # of the weights an engine serves once loaded (served_tensors)
+    delta: Delta | None = None  # the same weights as a difference from the last ones (module doc)
 
     # -- making one --------------------------------------------------------------------------
 
@@ -104,6 +113,9 @@ class WeightUpdate:
     def with_wire_dtype(self, dtype: torch.dtype | None) -> WeightUpdate:
         return replace(self, wire_dtype=dtype)
 
+    def with_delta(self, delta: Delta | None) -> WeightUpdate:
+        return replace(self, delta=delta)
+
     def attested(self) -> WeightUpdate:
         """This update with its :attr:`fingerprint`, computed where its tensors are (the
         trainer's device) from :meth:`served_tensors`: what an engine must report once loaded."""
@@ -122,9 +134,9 @@ class WeightUpdate:
 
     def _carry(self, other: WeightUpdate) -> WeightUpdate:
         """``other`` (the same weights over another transport) with this one's adapters, stats,
-        wire dtype and fingerprint."""
+        wire dtype, fingerprint and delta."""
         return replace(other, adapters=self.adapters, stats=self.stats, wire_dtype=self.wire_dtype,
-                       fingerprint=self.fingerprint)
+                       fingerprint=self.fingerprint, delta=self.delta)
 
     # -- other transports ---------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Self
 
+from orchestrator.delta import Loaded
 from orchestrator.faults import kill_point
 from orchestrator.types import Generation, SamplingParams
 from orchestrator.weights import WeightUpdate
@@ -35,6 +36,9 @@ class InferenceEngine(ABC):
     # from its own tensors after every load and stamped, with the version, on what it generates;
     # None from an engine that does not attest.
     fingerprint: str | None = None
+    # What the last load moved (bytes pulled, whether as a delta: orchestrator/delta.py); None
+    # from an engine that does not say.
+    last_load: Loaded | None = None
 
     @abstractmethod
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation: ...

@@ -34,6 +34,12 @@ call :meth:`resume`). One controller (the pipeline's weight sync) pauses and res
 the next step finds a newer version it discards the KV cache and re-prefills every resident
 sequence over prompt + tokens generated so far under the new weights; every token carries
 the version that produced it. This is the "continue under new weights" behaviour.
+An update that carries a delta (:mod:`orchestrator.delta`) is applied to the tensors the
+engine holds when it holds the delta's base exactly, and kept only if the engine's fingerprint
+afterwards is the published one; otherwise the full update is loaded (``weights/delta_fallbacks``
+counts a delta that failed). In this process updates come by reference and carry no delta:
+nothing travels, so there is nothing to save; the delta matters to an engine in another process
+(``launcher=ray``).
 
 Sampling: a request whose ``SamplingParams.seed`` is set draws its uniform variates from a
 stream of its own, seeded by it, so what it samples does not depend on which requests share
@@ -58,6 +64,7 @@ vLLM is the engine for throughput.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -70,6 +77,7 @@ import torch
 from anyio import AsyncContextManagerMixin
 from anyio.abc import TaskGroup
 
+from orchestrator.delta import Delta, DeltaUnusable, LoadCounter, Loaded, apply
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.slot_cache import ATTENTION, SlotCache
 from orchestrator.errors import ConfigError, EngineClosed
@@ -84,6 +92,7 @@ from orchestrator.rwlock import ReadWriteLock
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
+log = logging.getLogger(__name__)
 BATCHING = ("continuous", "waves")
 # Turns of the event loop without a new request after which a burst is taken to be complete
 SETTLE_TURNS = 2
@@ -188,7 +197,11 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         prefill_limit_after: int = 24,
         prefill_limit_tokens: int = 64,
         attest: bool = True,
+        delta: bool = False,
     ) -> None:
+        """``delta`` (``engine.delta``) is the sender's choice, read by the launcher (the trainer
+        actor under ``launcher=ray`` sends deltas); this engine applies any delta it is sent."""
+        del delta
         if max_batch_size < 1:
             raise ConfigError(f"engine.max_batch_size must be >= 1, got {max_batch_size}")
         if queue_size < 1:
@@ -219,6 +232,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         self.version = 0
         self._weights = AdapterMerger()
         self._attest = attest  # engine.attest: fingerprint the weights after every load
+        self.loads = LoadCounter()  # bytes each load pulled, deltas applied and failed
         if weights is not None:
             self._load(weights)
         else:
@@ -292,14 +306,57 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         await anyio.to_thread.run_sync(self._load, update)
 
     def _load(self, update: WeightUpdate) -> None:
+        delta, fallback = update.delta, False
+        if delta is not None and self._holds(delta):
+            if self._load_delta(delta, update.fingerprint or delta.fingerprint):
+                self._loaded(update, Loaded(delta.nbytes, delta.full_nbytes, delta=True))
+                return
+            fallback = True
         self._weights.load(self.model, update)  # a LoRA update: the adapters merged in
         self._fingerprint()
+        pulled = update.nbytes + (delta.nbytes if fallback and delta is not None else 0)
+        self._loaded(update, Loaded(pulled, update.nbytes, fallback=fallback))
+
+    def _loaded(self, update: WeightUpdate, loaded: Loaded) -> None:
         self.version = update.version
+        self.last_load = loaded
+        self.loads.add(loaded, offered=update.delta is not None)
+
+    def _holds(self, delta: Delta) -> bool:
+        """Whether the engine holds the delta's base exactly (its version and fingerprint)."""
+        if self.version != delta.base_version or self._weights.adapters:
+            return False
+        held = self.fingerprint if self._attest else fingerprint(self.model.state_dict())
+        return held == delta.base_fingerprint
+
+    def _load_delta(self, delta: Delta, published: str) -> bool:
+        """Apply ``delta`` to the weights held; True if the engine's fingerprint is then
+        ``published``. Else the engine holds a bad reconstruction, to be replaced by a full
+        load before anything is served (the engine is paused)."""
+        try:
+            weights = apply(delta, self.model.state_dict())
+        except DeltaUnusable as error:
+            log.warning("weight delta to version %s not applied: %s; loading the full update",
+                        delta.base_version + 1, error)
+            return False
+        with torch.no_grad():
+            self.model.load_state_dict(weights, strict=True)
+        self._weights.forget()
+        held = fingerprint(self._weights.served(self.model))
+        if held != published:
+            log.warning("weight delta from version %d: the reconstruction's fingerprint is not "
+                        "the published one; loading the full update", delta.base_version)
+            return False
+        self.fingerprint = held if self._attest else None
+        return True
 
     def _fingerprint(self) -> None:
         """The attestation: from the tensors the engine now holds, not the update it was sent."""
         if self._attest:
             self.fingerprint = fingerprint(self._weights.served(self.model))
+
+    def metrics(self) -> dict[str, float]:
+        return self.loads.metrics()
 
     async def pause(self) -> None:
         if not self._paused:

@@ -66,7 +66,9 @@ least 32 (64 is safest); the tiny default (128 / 4 heads) qualifies.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -79,6 +81,7 @@ from typing import Any, Literal, Self
 import anyio
 import torch
 
+from orchestrator.delta import DeltaEncoder, LoadCounter, Loaded
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.placement import (
     Placement,
@@ -92,6 +95,7 @@ from orchestrator.models.policy import build_policy, checkpoint_dir
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights import AdapterMerger, WeightUpdate
 
+log = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Updates above this go to the workers through a file, not as bytes in a collective_rpc: vLLM's
 # msgpack channel to its engine core holds at most 4 GiB in one value.
@@ -147,6 +151,7 @@ class VLLMEngine(InferenceEngine):
         enforce_eager: bool = False,
         seed: int = 0,
         kv_cache_bytes: int | str | None = "auto",
+        delta: bool = False,  # engine.delta: updates to the workers as deltas (rpc route)
         weight_transfer: WeightTransfer = "auto",
         placement: Placement | None = None,
         attest: bool = False,  # fingerprint the weights the workers hold after every load
@@ -187,6 +192,8 @@ class VLLMEngine(InferenceEngine):
         # LoRA updates: merged into the weights they adapt (made again, knowing the model's
         # fused layers, once vLLM has built it)
         self._adapters = AdapterMerger()
+        self._encoder = DeltaEncoder() if delta else None
+        self.loads = LoadCounter()
         if gpu_memory_utilization == "auto":
             gpu_memory_utilization = self._memory_share(weights)
         self._options: dict[str, Any] = {
@@ -401,7 +408,9 @@ class VLLMEngine(InferenceEngine):
         else:
             self._adapters.forget()
         await self._wake("weights")  # colocated: the weights back first, the KV cache at resume()
-        if self._sender is not None:
+        if self._encoder is not None and self._sender is None and not partial:
+            await self._load_by_delta(update)
+        elif self._sender is not None:
             await anyio.to_thread.run_sync(self._sender.send, update.tensors())
         elif update.path is not None:
             await self._llm.collective_rpc("polyrl_load_file", args=(str(update.path), partial))
@@ -413,6 +422,49 @@ class VLLMEngine(InferenceEngine):
         await self._llm.update_weight_version(str(update.version))
         self.version = update.version
         await self._fingerprint()
+
+    async def _load_by_delta(self, update: WeightUpdate) -> None:
+        """``engine.delta`` on the rpc route: the update as a delta from the last one sent
+        (:mod:`orchestrator.delta`), which each worker applies to the copy it kept and loads
+        only if the result's fingerprint is the published one; else (no delta, a worker without
+        that base, a mismatch) the full update, which the workers keep as the next base. LoRA
+        updates and vLLM's GPU weight-transfer engines are not sent as deltas."""
+        assert self._encoder is not None
+        served = update.served_tensors()  # the wire dtype: what the workers hold
+        delta = await anyio.to_thread.run_sync(self._encoder.encode, update.version, served,
+                                               update.fingerprint)
+        payload, fallback = b"", False
+        if delta is not None:
+            payload = await anyio.to_thread.run_sync(pickle.dumps, dict(delta.tensors()))
+            answers = await self._llm.collective_rpc(
+                "polyrl_load_delta", args=(payload, delta.base_fingerprint, delta.fingerprint))
+            if all(a == "applied" for a in answers):
+                self._count(update, Loaded(len(payload), delta.full_nbytes, delta=True))
+                return
+            fallback = "mismatch" in answers
+            if fallback:
+                log.warning("weight delta to version %d failed its fingerprint check on a vLLM "
+                            "worker; loading the full update", update.version)
+        room = update.nbytes <= RPC_BYTES_MAX
+        data = await anyio.to_thread.run_sync(update.to_bytes) if room else None
+        if data is not None:
+            await self._llm.collective_rpc("polyrl_load_base", args=(data,))
+        else:
+            path = Path(tempfile.gettempdir()) / f"polyrl-{uuid.uuid4().hex}.safetensors"
+            try:
+                await anyio.to_thread.run_sync(update.to_file, path)
+                await self._llm.collective_rpc("polyrl_load_base", args=(str(path),))
+            finally:
+                path.unlink(missing_ok=True)
+        full = len(data) if data is not None else update.nbytes
+        self._count(update, Loaded(full + len(payload), full, fallback=fallback))
+
+    def _count(self, update: WeightUpdate, loaded: Loaded) -> None:
+        self.last_load = loaded
+        self.loads.add(loaded, offered=True)
+
+    def metrics(self) -> dict[str, float]:
+        return self.loads.metrics()
 
     async def _load_through_file(self, update: WeightUpdate, partial: bool) -> None:
         """``update`` written to a safetensors file on this host, the workers load it, and it

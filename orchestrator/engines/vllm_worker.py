@@ -46,6 +46,42 @@ class WeightLoader:
 
         return self._polyrl_reload(load_file(path), partial)
 
+    def polyrl_load_base(self, source: bytes | str) -> int:
+        """Load a full update (safetensors bytes, or the path of a file on this host) and keep
+        it, in the wire dtype, as the base the next delta is applied to (``engine.delta``:
+        vLLM's own tensors are fused and sharded, not the update's, so the base is this copy).
+        Returns the tensor count."""
+        from safetensors.torch import load, load_file
+
+        from orchestrator.fingerprint import fingerprint
+
+        tensors = load(source) if isinstance(source, bytes) else load_file(source)
+        self._polyrl_base = (fingerprint(tensors), tensors)
+        return self._polyrl_reload(tensors, False)
+
+    def polyrl_load_delta(self, payload: bytes, base: str, target: str) -> str:
+        """Rebuild the new weights from the kept base and a pickled delta (name ->
+        :class:`~orchestrator.delta.TensorDelta`) and load them, only if the base's fingerprint
+        is ``base`` and the rebuilt weights' is ``target``: ``applied``; else nothing is loaded
+        and the answer says why (``no_base``, ``mismatch``) so the engine sends the full update."""
+        import pickle
+
+        from orchestrator.delta import DeltaUnusable, rebuild
+        from orchestrator.fingerprint import fingerprint
+
+        kept = getattr(self, "_polyrl_base", None)
+        if kept is None or kept[0] != base:
+            return "no_base"
+        try:
+            tensors = rebuild(pickle.loads(payload), kept[1])  # the engine's own payload
+        except DeltaUnusable:
+            return "mismatch"
+        if fingerprint(tensors) != target:
+            return "mismatch"
+        self._polyrl_reload(tensors, False)
+        self._polyrl_base = (target, tensors)
+        return "applied"
+
     def polyrl_fused_modules(self) -> dict[str, list[str]]:
         """The model's layers that each load several checkpoint modules, only whole
         (``packed_modules_mapping``: ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}``)."""

@@ -60,6 +60,9 @@ class TrainerRecipe:
     # ranks): the trainer's process gives back the GPU memory torch cached during a step and
     # the weights' gather, which the engine's wake would otherwise find taken.
     colocated: bool = False
+    # engine.delta: a trainer in another process than its engines sends each update as a delta
+    # from the last one too (orchestrator/delta.py); the trainer actor under launcher=ray does
+    weight_delta: bool = False
 
     def release_cached_memory(self) -> None:
         """Under :attr:`colocated`, the GPU blocks torch's allocator holds free go back."""

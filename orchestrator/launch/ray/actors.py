@@ -9,11 +9,17 @@ and its one ``ray.put`` of the new weights per step.
 :class:`EngineActor` builds its engine in :meth:`~EngineActor.serve`, a call that lasts as long
 as the engine runs, so the driver learns that the actor died the moment that call fails (see
 :mod:`orchestrator.launch.ray.engines`). Each actor records its own spans (``engine_start``,
-``weight_sync`` with ``bytes`` and ``seconds``; ``train_compute``, ``supervised_compute``,
+``weight_sync`` with ``bytes`` (pulled: a delta's, or the full update's) and ``seconds``;
+``train_compute``, ``supervised_compute``,
 ``weights_put``, ``checkpoint_copy``). The calls the driver awaits on its event loop (a train
 step, a weight update, a forwarded trainer coroutine, an engine's weight load) return them with
 their result in a :class:`~orchestrator.launch.ray.spans.Reply`, so they count in the step that
 made the call; the driver drains the rest (:mod:`orchestrator.launch.ray.spans`).
+
+With ``engine.delta`` the trainer actor also puts, beside each full update, its delta from the
+update before (:class:`~orchestrator.delta.DeltaEncoder`, which keeps the last one in the wire
+dtype): an engine actor that holds that version pulls only the delta; any other, or one whose
+reconstruction fails its attestation, pulls the full update (:mod:`orchestrator.delta`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import ray
 import torch
 from ray.exceptions import ObjectLostError
 
+from orchestrator.delta import DeltaEncoder, Loaded
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import EngineClosed, RunAborted
 from orchestrator.faults import kill_point
@@ -71,6 +78,15 @@ class ActorInfo:
     version: int
     fingerprint: str | None = None
     attests: bool = False
+
+
+@dataclass(frozen=True)
+class Synced:
+    """An engine actor's answer to a weight update: the fingerprint of the weights it now holds
+    and what the load moved."""
+
+    fingerprint: str | None
+    loaded: Loaded | None
 
 
 @dataclass(frozen=True)
@@ -180,15 +196,19 @@ class EngineActor(_Reporting):
         finally:
             self._inflight -= 1
 
-    async def update_weights(self, update: WeightUpdate) -> Reply[str | None]:
-        """Load ``update``; the reply is the fingerprint of the weights the engine now holds."""
+    async def update_weights(self, update: WeightUpdate) -> Reply[Synced]:
+        """Load ``update``; the reply is the fingerprint of the weights the engine now holds
+        and what the load pulled."""
         engine = self._running()
         started = time.time()
+        engine.last_load = None
         with self._spans.span("weight_sync", update.version) as attrs, _pulling(update):
             await engine.update_weights(update)  # the torch engine pulls and loads in a thread
-            attrs.update(bytes=update.nbytes, seconds=time.time() - started,
-                         transport=update.transport)
-        return self._spans.reply(engine.fingerprint)
+            loaded = engine.last_load
+            attrs.update(bytes=loaded.nbytes if loaded else update.nbytes,
+                         seconds=time.time() - started, transport=update.transport,
+                         delta=bool(loaded and loaded.delta))
+        return self._spans.reply(Synced(engine.fingerprint, loaded))
 
     async def pause(self) -> None:
         await self._running().pause()
@@ -217,6 +237,7 @@ class TrainerActor(_Reporting):
         self._threads = threads
         self._spans = SpanBuffer(name)
         self._trainer: Trainer | None = None
+        self._delta = DeltaEncoder() if recipe.weight_delta else None
 
     async def start(self) -> ActorInfo:
         """Build the trainer (a method, not the constructor: its errors reach the driver as
@@ -249,8 +270,19 @@ class TrainerActor(_Reporting):
             shared = await anyio.to_thread.run_sync(update.unleased().to_object_store)
             attrs["bytes"] = shared.nbytes
         update.release()  # in the loop that made its lease; the store holds a copy
+        if self._delta is not None and shared.adapters is None:  # LoRA: adapters travel whole
+            with self._spans.span("weights_delta", update.version) as attrs:
+                shared = await anyio.to_thread.run_sync(self._with_delta, shared)
+                attrs["bytes"] = shared.delta.nbytes if shared.delta else shared.nbytes
         self._recipe.release_cached_memory()
         return self._spans.reply(shared)
+
+    def _with_delta(self, shared: WeightUpdate) -> WeightUpdate:
+        """``shared`` with its delta from the last update, also in the store (encoded from the
+        store's copy: the wire dtype the engines hold)."""
+        assert self._delta is not None
+        delta = self._delta.encode(shared.version, shared.tensors(), shared.fingerprint)
+        return shared.with_delta(delta.to_object_store() if delta is not None else None)
 
     async def call(self, name: str, args: Sequence[Any], with_spans: bool = False) -> Reply[Answer]:
         """A forwarded :class:`Trainer` method (:mod:`orchestrator.trainer.proxy`), in the span

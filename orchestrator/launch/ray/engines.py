@@ -41,10 +41,11 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
+from orchestrator.delta import LoadCounter
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.router import EngineRouter, EnginesLost, Keeper, PrefixAffinity, Replica
 from orchestrator.errors import EngineClosed, RunAborted, first_line
-from orchestrator.launch.ray.actors import ActorInfo
+from orchestrator.launch.ray.actors import ActorInfo, Synced
 from orchestrator.launch.ray.remote import RayActorError, result
 from orchestrator.launch.ray.spans import Reply, SpanCollector
 from orchestrator.rwlock import ReadWriteLock
@@ -75,6 +76,7 @@ class RayEngine(InferenceEngine):
         self.version = 0
         self.info: ActorInfo | None = None
         self.pid: int | None = None
+        self.loads = LoadCounter()  # what its loads pulled (engine.delta: deltas, fallbacks)
 
     async def _call(self, ref: Any) -> Any:
         try:
@@ -95,9 +97,16 @@ class RayEngine(InferenceEngine):
         return self.info is not None and self.info.attests
 
     async def update_weights(self, update: WeightUpdate) -> None:
-        reply: Reply[str | None] = await self._call(self.actor.update_weights.remote(update))
-        self.fingerprint = await self.spans.receive(self.name, reply)  # the actor's own reading
+        reply: Reply[Synced] = await self._call(self.actor.update_weights.remote(update))
+        synced = await self.spans.receive(self.name, reply)
+        self.fingerprint = synced.fingerprint  # the actor's own reading
         self.version = update.version
+        if synced.loaded is not None:
+            self.last_load = synced.loaded
+            self.loads.add(synced.loaded, offered=update.delta is not None)
+
+    def metrics(self) -> dict[str, float]:
+        return self.loads.metrics()
 
     async def pause(self) -> None:
         await self._call(self.actor.pause.remote())

@@ -180,6 +180,27 @@ def test_lora_updates_reach_the_engine_actors_as_adapters(cluster: Cluster,
     check_run(result, tmp_path / "run", num_steps=2, k=1, batch=8)
 
 
+def test_engine_actors_load_deltas_through_the_object_store(cluster: Cluster,
+                                                            tmp_path: Path) -> None:
+    """engine.delta: the trainer actor puts each update's delta beside it; both engine actors
+    hold the version before, pull the delta, and rebuild the weights the trainer published
+    (their fingerprints pass the trainer's check every step, with no fallback)."""
+    run_dir = tmp_path / "run"
+    result = run(ray_config(cluster, unique_run(), "engine.delta=true", "trainer.lr=1e-6",
+                            "pipeline.num_steps=3"), run_dir)
+    check_run(result, run_dir, num_steps=3, k=1, batch=8)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")[:3]
+    assert all(m["faults/attestation"] == 0 for m in metrics)
+    synced = [m for m in metrics if "weights/delta_ratio" in m]  # a step after a delta sync
+    assert synced and all(m["weights/delta_fallbacks"] == 0 for m in synced)
+    assert all(0 < m["weights/delta_ratio"] < 1 for m in synced)
+    assert synced[-1]["weights/delta_loads"] >= 2  # both engines
+    syncs = [s for s in run_spans(run_dir) if s["stage"] == "weight_sync"
+             and s["worker"] != "weight_sync"]  # the engine actors' own
+    pulled = [s["attributes"]["bytes"] for s in syncs if s["attributes"].get("delta")]
+    assert len(pulled) >= 2 and max(pulled) < synced[0]["weights/full_bytes"]
+
+
 def test_spans_come_from_every_node_onto_the_driver_timeline(
         cluster: Cluster, smoke_run: tuple[RunResult, Path]) -> None:
     _, run_dir = smoke_run
