@@ -142,10 +142,13 @@ async def test_an_engine_that_missed_a_version_gets_the_full_update(start) -> No
 
 
 def corrupted(update: WeightUpdate) -> WeightUpdate:
-    """``update`` with one bit of one element of its delta's first XOR tensor flipped."""
+    """``update`` with one bit of one element of an XOR tensor of its delta flipped: the first,
+    by name, of a layer's (not the tied embedding's: a load of ``lm_head.weight``'s correct
+    reconstruction into the same storage would undo it; the delta's order follows the
+    serialised update's, which varies with the hash seed)."""
     assert update.delta is not None
     entries = dict(update.delta.tensors())
-    name = next(n for n, e in entries.items() if e.kind == "xor")
+    name = min(n for n, e in entries.items() if e.kind == "xor" and ".layers." in n)
     entry = entries[name]
     xor = bytearray(zstandard.ZstdDecompressor().decompress(entry.data))
     xor[len(xor) // 2] ^= 0x10
