@@ -465,9 +465,7 @@ class TorchTrainer(Trainer):
     # -- RL step -----------------------------------------------------------------------
 
     async def step(self, groups: Sequence[Group]) -> TrainStats:
-        """:meth:`train_step` in a worker thread. Its forward and backward passes only read the
-        weights, so they overlap the engines' load of the last update; the first optimiser
-        step waits for it (:meth:`_engines_done_in_thread`)."""
+        await self._engines_done()
         return await anyio.to_thread.run_sync(self.train_step, groups)
 
     async def _engines_done(self) -> None:
@@ -475,14 +473,6 @@ class TorchTrainer(Trainer):
         if self._published is not None:
             await self._published.wait_released()
             self._published = None
-
-    def _engines_done_in_thread(self) -> None:
-        """:meth:`_engines_done` from :meth:`step`'s worker thread, before the weights change:
-        an engine may still be copying them (or fingerprinting them) while this step's passes
-        read them too."""
-        published, self._published = self._published, None
-        if published is not None and not published.released:
-            anyio.from_thread.run(published.wait_released)
 
     def train_step(self, groups: Sequence[Group]) -> TrainStats:
         """The blocking optimiser step (:meth:`step` runs it in a worker thread)."""
@@ -564,7 +554,6 @@ class TorchTrainer(Trainer):
                         sums[k] = sums.get(k, 0.0) + v
             grad_norm = self._clip_gradients()
             kill_point("train_step", self.version)
-            self._engines_done_in_thread()
             self.optimizer.step()
             updated = True
         if updated:  # the schedule counts updates: a step with nothing to train is none

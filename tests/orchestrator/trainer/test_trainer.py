@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from helpers import engine_for, group_prefixes, make_groups
+from helpers import engine_for, group_prefixes, make_groups, threads_held
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
@@ -262,19 +262,13 @@ def test_weights_are_shared_by_reference_and_the_next_step_waits_for_their_relea
         name, tensor = next(iter(update.tensors().items()))
         assert tensor.data_ptr() == tiny.model.state_dict()[name].data_ptr()  # no copy
         before = tensor.clone()
-        lease = update._lease
-        assert lease is not None
         async with anyio.create_task_group() as tg:
-            tg.start_soon(trainer.step, groups)
-            # the step's passes run (they only read the weights) and it parks before its
-            # optimiser step, waiting on the lease, the tensors intact
-            with anyio.fail_after(60):
-                while lease.statistics().tasks_waiting == 0:
-                    await anyio.sleep(0.01)
-            assert trainer.version == 0 and torch.equal(tensor, before)
-            # parked in its worker thread, not before it: the passes overlapped the engines' load
-            limiter = anyio.to_thread.current_default_thread_limiter()
-            assert limiter.statistics().borrowed_tokens == 1
+            with threads_held() as threads:
+                tg.start_soon(trainer.step, groups)
+                await anyio.wait_all_tasks_blocked()
+                # the step waits for the release before it computes: no thread, tensors intact
+                assert threads.statistics().tasks_waiting == 0
+                assert trainer.version == 0 and torch.equal(tensor, before)
             update.release()
         assert trainer.version == 1 and not torch.equal(tensor, before)
 
