@@ -67,9 +67,10 @@ from __future__ import annotations
 import logging
 import random
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Self
 
 import anyio
@@ -232,6 +233,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         self.version = 0
         self._weights = AdapterMerger()
         self._attest = attest  # engine.attest: fingerprint the weights after every load
+        self._copied: Callable[[], None] | None = None  # releases the update being loaded
         self.loads = LoadCounter()  # bytes each load pulled, deltas applied and failed
         if weights is not None:
             self._load(weights)
@@ -303,7 +305,20 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
     async def update_weights(self, update: WeightUpdate) -> None:
         if not self._paused:
             raise RuntimeError("update_weights must be called between pause() and resume()")
-        await anyio.to_thread.run_sync(self._load, update)
+        if not update.released:  # by reference: the trainer waits until the copy is made
+            self._copied = partial(anyio.from_thread.run_sync, update.release)
+        try:
+            await anyio.to_thread.run_sync(self._load, update)
+        finally:
+            self._copied = None
+
+    def _release_copied(self) -> None:
+        """Let the trainer change its tensors once they are copied: the fingerprint after the
+        load reads the engine's own tensors, so the trainer's next step need not wait for it
+        (called in :meth:`update_weights`'s worker thread)."""
+        copied, self._copied = self._copied, None
+        if copied is not None:
+            copied()
 
     def _load(self, update: WeightUpdate) -> None:
         delta, fallback = update.delta, False
@@ -313,6 +328,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
                 return
             fallback = True
         self._weights.load(self.model, update)  # a LoRA update: the adapters merged in
+        self._release_copied()
         self._fingerprint()
         pulled = update.nbytes + (delta.nbytes if fallback and delta is not None else 0)
         self._loaded(update, Loaded(pulled, update.nbytes, fallback=fallback))

@@ -48,6 +48,25 @@ async def test_the_engine_reports_the_fingerprint_published_for_each_version(sta
             assert out.fingerprints == ((version, update.fingerprint),)
 
 
+async def test_the_trainer_is_released_once_copied_before_the_engine_fingerprints(start) -> None:
+    # the fingerprint reads the engine's own tensors: the trainer (waiting on the lease for its
+    # next step) must not wait for it too
+    engine = TorchEngine(TINY_MODEL, WeightUpdate.by_reference(0, start, leased=False))
+    async with engine:
+        update = WeightUpdate.by_reference(1, trained(start, 1)).attested()  # leased
+        released_when_fingerprinted = []
+        fingerprint_held = engine._fingerprint
+
+        def spy() -> None:
+            released_when_fingerprinted.append(update.released)
+            fingerprint_held()
+
+        engine._fingerprint = spy  # type: ignore[method-assign]
+        await sync_weights(engine, update)
+        assert released_when_fingerprinted == [True]
+        assert (engine.version, engine.fingerprint) == (1, update.fingerprint)
+
+
 async def test_a_bf16_engine_fed_float32_master_weights_matches_the_wire_dtype(start) -> None:
     engine = TorchEngine({**TINY_MODEL, "dtype": "bfloat16"},
                          WeightUpdate.by_reference(0, start, leased=False))
