@@ -27,6 +27,12 @@ TOK = CharTokenizer()
 # The tests' tiny model as a conf/model node: engines are built from it, never from a policy.
 TINY_MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 32,
               "num_layers": 1, "num_heads": 2, "intermediate_size": 64, "device": "cpu"}
+# The vLLM engine tests' model (head size 32: vLLM's CPU attention rejects 16) and engine: the
+# KV cache in bytes (a share of NUMA node 0 depends on the machine, and fails where it is small).
+VLLM_TINY_MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 64,
+                   "num_layers": 2, "num_heads": 2, "intermediate_size": 128,
+                   "max_position_embeddings": 256, "dtype": "float32", "device": "cpu", "seed": 0}
+VLLM_ENGINE = {"kv_cache_bytes": "256MiB", "max_num_seqs": 32, "enforce_eager": True}
 REPO = Path(__file__).resolve().parents[1]
 
 

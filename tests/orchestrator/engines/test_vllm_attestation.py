@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, VLLM_ENGINE, VLLM_TINY_MODEL
 
 from orchestrator.attest import Attestor
 from orchestrator.types import Attestation, Group, SamplingParams, Trajectory
@@ -35,10 +35,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 64, "num_layers": 2,
-         "num_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256,
-         "dtype": "float32", "device": "cpu", "seed": 0}
-ENGINE = {"kv_cache_bytes": "256MiB", "max_num_seqs": 32, "enforce_eager": True, "attest": True}
+MODEL = VLLM_TINY_MODEL
+ENGINE = {**VLLM_ENGINE, "attest": True}
 
 
 @pytest.fixture(scope="module")

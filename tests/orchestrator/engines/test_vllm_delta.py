@@ -19,6 +19,7 @@ from orchestrator.weights import WeightUpdate
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
 
 import zstandard
+from helpers import VLLM_ENGINE, VLLM_TINY_MODEL
 
 from orchestrator.delta import TensorDelta
 from orchestrator.engines.base import sync_weights
@@ -31,10 +32,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 64, "num_layers": 2,
-         "num_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256,
-         "dtype": "float32", "device": "cpu", "seed": 0}
-ENGINE = {"kv_cache_bytes": "256MiB", "max_num_seqs": 32, "enforce_eager": True, "delta": True}
+MODEL = VLLM_TINY_MODEL
+ENGINE = {**VLLM_ENGINE, "delta": True}
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from orchestrator.weights import WeightUpdate
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
 
 import anyio.lowlevel
+from helpers import VLLM_ENGINE, VLLM_TINY_MODEL
 
 from orchestrator.engines.base import sync_weights
 from orchestrator.engines.vllm_engine import VLLMEngine
@@ -36,13 +37,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-# The default tiny model's shape (head size 32: vLLM's CPU attention rejects 16), smaller.
-MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 64, "num_layers": 2,
-         "num_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256,
-         "dtype": "float32", "device": "cpu", "seed": 0}
-# The KV cache in bytes: a share of NUMA node 0 depends on the machine (and fails where node 0 is
-# small or busy).
-ENGINE = {"kv_cache_bytes": "256MiB", "max_num_seqs": 32, "enforce_eager": True}
+MODEL, ENGINE = VLLM_TINY_MODEL, VLLM_ENGINE  # tests/helpers.py says why these sizes
 
 
 @pytest.fixture(scope="module")
