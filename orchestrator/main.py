@@ -135,8 +135,8 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path,
                 if saved is not None:
                     log.warning("the run failed; checkpoint of its last step at %s", saved)
             raise
-        if parts.checkpoint is not None:
-            parts.trainer.save(out.checkpoint_dir("final"))
+        if checkpointer is not None:
+            checkpointer.save_final(out.checkpoint_dir("final"))
         failed = False
     finally:
         result.summary = summarise(result, out.earlier, checkpointer)

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from orchestrator.checkpoint import Best, CheckpointStore
+from orchestrator.checkpoint import MANIFEST, Best, CheckpointStore
 from orchestrator.config import CONF
 from orchestrator.errors import ConfigError
 from orchestrator.types import Evaluation
@@ -86,6 +88,27 @@ class RunState:
             state["eval_before"] = Evaluation.from_dict(state["eval_before"])
         state["best"] = Best.of(state.get("best"))
         return cls(**state)
+
+
+def link_trainer_files(checkpoint: Path, directory: Path) -> Path:
+    """``directory`` made to hold ``checkpoint``'s trainer files (all but the run's state and
+    the manifest) as hard links (copies where the file system has none); returns it."""
+    run_files = {RUN_STATE, RNG, MANIFEST}
+    tmp = directory.with_name(f".tmp-{directory.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for path in sorted(checkpoint.rglob("*")):
+        name = path.relative_to(checkpoint)
+        if not path.is_file() or str(name) in run_files:
+            continue
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, tmp / name)
+        except OSError:
+            shutil.copy2(path, tmp / name)
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    return directory
 
 
 def restore(trainer: Trainer, checkpoint: Path) -> RunState:

@@ -44,7 +44,7 @@ from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline import PeriodicEval, Pipeline
 from orchestrator.recorder import Recorder
-from orchestrator.resume import RunState, capture_rng
+from orchestrator.resume import RunState, capture_rng, link_trainer_files
 from orchestrator.rollout import EpisodeRunner
 from orchestrator.sampler import TaskSampler
 from orchestrator.schema import CheckpointConfig, EvalConfig, PipelineConfig, RolloutConfig
@@ -96,6 +96,7 @@ class Checkpointer:
         self.logger_run_id = logger_run_id
         last_saved = resumed.step if resumed is not None else -1
         self.last_saved = last_saved  # the step (``RunState.step``) of the newest one written
+        self.last_saved_version = resumed.version if resumed is not None else None  # its trainer's
         self.last_saved_at: float | None = None  # when (``clock``) it was written
         self.on_written: Callable[[int], None] = lambda step: None
         self.recorder = Recorder()
@@ -206,6 +207,16 @@ class Checkpointer:
             return None
         return self._write(state, self._rng, snapshot)
 
+    def save_final(self, directory: Path) -> Path:
+        """The trainer's files at the run's end in ``directory`` (``checkpoints/final``): hard
+        links to the newest checkpoint's when it holds the trainer's version (the run's end
+        writes one), so the end takes no second snapshot and no second copy on disk; else
+        the trainer's snapshot, written."""
+        if self.last_saved >= 0 and self.last_saved_version == self.trainer.version:
+            return link_trainer_files(self.store.path(self.last_saved), directory)
+        self.trainer.save(directory)
+        return directory
+
     async def _wait_written(self) -> None:
         if self._written is not None:
             await self._written.wait()
@@ -229,6 +240,7 @@ class Checkpointer:
 
         path = self.store.save(state.step, write)
         self.last_saved, self.last_saved_at = state.step, self._clock()
+        self.last_saved_version = state.version
         self._count += 1
         log.debug("checkpoint: step %d at %s", state.step, path)
         self.on_written(state.step)

@@ -127,7 +127,8 @@ def _in_run(run_dir: Path, step: Step) -> Path:
              if p is not None and is_checkpoint(p)]
     if not found:
         raise ConfigError(f"{run_dir} has no complete checkpoint")
-    return max(found, key=lambda p: (p / TRAINER_STATE).stat().st_mtime)
+    # final, when it is the newest step's files linked (checkpointer.save_final), is named
+    return max(found, key=lambda p: ((p / TRAINER_STATE).stat().st_mtime, p.name == "final"))
 
 
 def step_of(checkpoint: Checkpoint) -> int | None:

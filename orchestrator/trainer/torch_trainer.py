@@ -807,7 +807,7 @@ class TorchTrainer(Trainer):
     def restore(self, snapshot: TrainerSnapshot) -> None:
         """Load a snapshot (read from a checkpoint, or shipped to a trainer actor)."""
         self.model.load_state_dict(snapshot.weights, strict=False)  # tied weights are saved once
-        self.load_state_dict({**snapshot.state, "model": self.model.state_dict()})
+        self.load_state_dict({**snapshot.owned_state(), "model": self.model.state_dict()})
 
     def state_dict(self) -> dict[str, Any]:
         state = {"version": self.version, "model": self.model.state_dict(),

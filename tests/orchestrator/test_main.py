@@ -92,8 +92,14 @@ def test_the_final_checkpoint_loads_back(tmp_path: Path) -> None:
                          max_position_embeddings=model.max_position_embeddings, seed=99,
                          device="cpu")
     trainer = TorchTrainer(policy, GRPO())
-    trainer.load(tmp_path / "checkpoints" / "final")
+    final = tmp_path / "checkpoints" / "final"
+    trainer.load(final)
     assert trainer.version == 4
+    # the run's end wrote step-4 and links its trainer files as final: one snapshot, one copy
+    last = tmp_path / "checkpoints" / "step-4"
+    for name in ("trainer.pt", "model/model.safetensors"):
+        assert os.stat(final / name).st_ino == os.stat(last / name).st_ino, name
+    assert not (final / "run_state.json").exists() and (last / "run_state.json").is_file()
     from safetensors.torch import load_file
 
     saved = load_file(str(tmp_path / "checkpoints" / "final" / "model" / "model.safetensors"))

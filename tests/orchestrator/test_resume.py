@@ -417,6 +417,49 @@ def test_a_snapshot_is_a_copy_that_reuses_the_last_ones_memory(tiny, make_policy
     assert torch.equal(moments, trainer.optimizer.state_dict()["state"][0]["exp_avg"])
 
 
+def test_a_pickled_snapshot_carries_its_tensors_out_of_band_and_restores_into_owned_memory(
+        tiny, make_policy) -> None:
+    """Pickled (as Ray's object store does: protocol 5, buffers out of band), a snapshot's
+    tensors leave as buffers, not as torch.save bytes in the pickle; unpickled over read-only
+    memory, it restores a trainer that then trains without writing into that memory."""
+    import pickle
+
+    from orchestrator.algo.grpo import GRPO
+    from orchestrator.trainer import TorchTrainer
+
+    trainer = TorchTrainer(tiny, GRPO())
+
+    def train(t: TorchTrainer) -> None:
+        ids = torch.randint(0, tiny.tokenizer.vocab_size, (2, 8))
+        t.model(input_ids=ids, labels=ids).loss.backward()
+        t.optimizer.step()
+        t.optimizer.zero_grad()
+
+    train(trainer)
+    snapshot = trainer.snapshot()
+    snapshot.weights["bf16"] = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)  # no numpy type
+    tensors = [*snapshot.weights.values(), *[v for s in snapshot.state["optimizer"]["state"].values()
+                                              for v in s.values()]]
+    buffers: list[pickle.PickleBuffer] = []
+    inband = pickle.dumps(snapshot, protocol=5, buffer_callback=buffers.append)
+    assert sum(b.raw().nbytes for b in buffers) == sum(t.numel() * t.element_size() for t in tensors)
+    assert len(inband) < 0.05 * sum(b.raw().nbytes for b in buffers)
+    # the buffers as read-only memory, as ray.get hands them
+    read_only = [memoryview(bytes(b.raw())).toreadonly() for b in buffers]
+    back = pickle.loads(inband, buffers=read_only)
+    assert back.borrowed and back.weights.keys() == snapshot.weights.keys()
+    for k, v in snapshot.weights.items():
+        assert back.weights[k].dtype == v.dtype and torch.equal(back.weights[k], v), k
+    before = [bytes(m) for m in read_only]
+    del back.weights["bf16"]
+    other = TorchTrainer(make_policy(1), GRPO())
+    other.restore(back)
+    moments = other.optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(moments, trainer.optimizer.state_dict()["state"][0]["exp_avg"])
+    train(other)  # Adam writes its moments: into memory of the trainer's own
+    assert [bytes(m) for m in read_only] == before
+
+
 def test_a_run_killed_before_its_first_checkpoint_starts_again_and_counts_the_restart(
         tmp_path: Path) -> None:
     """resume=auto finds no checkpoint: the run starts from the beginning in its directory, the
