@@ -68,6 +68,11 @@ class InferenceEngine(ABC):
         """Whether this engine computes :attr:`fingerprint` (``engine.attest`` needs it)."""
         return False
 
+    async def attested(self) -> str | None:
+        """:attr:`fingerprint`, awaited: an engine that computes it after a load while it
+        generates again (the torch engine) is waited for here, not blocked on."""
+        return self.fingerprint
+
     @property
     def context_length(self) -> int | None:
         """The most positions a sequence may have (prompt + generated); None: not known here."""

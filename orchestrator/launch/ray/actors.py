@@ -172,7 +172,7 @@ class EngineActor(_Reporting):
         if self._error is not None:
             raise self._error
         engine = self._running()
-        return _info(self._name, engine.version, engine.fingerprint, engine.attests)
+        return _info(self._name, engine.version, await engine.attested(), engine.attests)
 
     async def stop(self) -> None:
         self._stop.set()
@@ -208,7 +208,7 @@ class EngineActor(_Reporting):
             attrs.update(bytes=loaded.nbytes if loaded else update.nbytes,
                          seconds=time.time() - started, transport=update.transport,
                          delta=bool(loaded and loaded.delta))
-        return self._spans.reply(Synced(engine.fingerprint, loaded))
+        return self._spans.reply(Synced(await engine.attested(), loaded))
 
     async def pause(self) -> None:
         await self._running().pause()

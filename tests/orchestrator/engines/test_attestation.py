@@ -67,6 +67,45 @@ async def test_the_trainer_is_released_once_copied_before_the_engine_fingerprint
         assert (engine.version, engine.fingerprint) == (1, update.fingerprint)
 
 
+async def test_the_engine_generates_again_while_it_fingerprints_and_hands_out_once_known(
+        start, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fingerprint after a load is computed in the engine's own thread: the sync returns
+    # (the engine resumes) before it is known; tokens generated meanwhile carry it once known
+    import threading
+
+    import anyio
+
+    from orchestrator.engines import torch_engine
+
+    engine = TorchEngine(TINY_MODEL, WeightUpdate.by_reference(0, start, leased=False))
+    async with engine:
+        update = WeightUpdate.by_reference(1, trained(start, 1), leased=False).attested()
+        computing, finish = threading.Event(), threading.Event()
+
+        def slow_fingerprint(tensors):  # noqa: ANN001, ANN202
+            computing.set()
+            finish.wait(10)
+            return torch_engine.fingerprint.__wrapped__(tensors)
+
+        slow_fingerprint.__wrapped__ = torch_engine.fingerprint  # type: ignore[attr-defined]
+        monkeypatch.setattr(torch_engine, "fingerprint", slow_fingerprint)
+        with anyio.fail_after(5):  # computed in the sync, this would wait for ``finish``
+            await sync_weights(engine, update)
+        assert computing.wait(5) and engine.version == 1
+        result: list = []
+
+        async def generate() -> None:
+            result.append(await engine.generate([5, 6, 7], SamplingParams(max_tokens=3, seed=1)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(generate)
+            await anyio.sleep(0.2)
+            assert not result  # generated, waiting for its fingerprint
+            finish.set()
+        assert result[0].fingerprints == ((1, update.fingerprint),)
+        assert await engine.attested() == update.fingerprint
+
+
 async def test_a_bf16_engine_fed_float32_master_weights_matches_the_wire_dtype(start) -> None:
     engine = TorchEngine({**TINY_MODEL, "dtype": "bfloat16"},
                          WeightUpdate.by_reference(0, start, leased=False))
