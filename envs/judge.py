@@ -28,7 +28,9 @@ generative reward models, ROLL's judge cluster and ART's RULER do:
   retried (the same request would get them again). A sample is therefore decided within
   ``(retries + 1) * timeout_s`` plus the backoffs, whatever the server does.
 * **Counters** (cumulative, in the run's metrics): ``judge/calls`` (HTTP attempts),
-  ``judge/scored``, ``judge/unscored`` (samples that got no score: they score 0), and
+  ``judge/scored``, ``judge/unscored`` (samples that got no score: they score 0),
+  ``judge/in_flight`` (calls not answered yet, a gauge: with ``retries=0`` every call is
+  scored, unscored or in flight, at every step's report), and
   ``judge/failures/<kind>`` for every failed attempt, by kind: ``timeout``, ``connection``,
   ``server_error`` (5xx), ``rate_limited`` (429), ``client_error`` (other 4xx),
   ``bad_response`` (not a chat completion), ``unparsable``.
@@ -381,6 +383,7 @@ class Judge:
         assert self._slots is not None
         async with self._slots:
             self.counters["calls"] += 1
+            self.counters["in_flight"] += 1
             try:
                 with anyio.fail_after(self.config.timeout_s):
                     async with self._session.post(f"{self.base_url}/chat/completions",
@@ -390,6 +393,8 @@ class Judge:
                 raise _Failed("timeout", f"no answer within {self.config.timeout_s:g} s") from e
             except (aiohttp.ClientError, OSError) as e:
                 raise _Failed("connection", f"{type(e).__name__}: {e}") from e
+            finally:  # the caller counts it scored, unscored or failed before its next await
+                self.counters["in_flight"] -= 1
         if status >= 500:
             raise _Failed("server_error", f"HTTP {status}: {raw[:200]!r}")
         if status == 429:
@@ -413,8 +418,8 @@ class Judge:
             self._last_warning = now
 
     def metrics(self) -> dict[str, float]:
-        out = {f"judge/{name}": float(self.counters[name]) for name in ("calls", "scored",
-                                                                         "unscored")}
+        out = {f"judge/{name}": float(self.counters[name])
+               for name in ("calls", "scored", "unscored", "in_flight")}
         for kind in FAILURES:
             out[f"judge/failures/{kind}"] = float(self.counters[f"failures/{kind}"])
         return out

@@ -82,7 +82,7 @@ async def test_the_engine_generates_again_while_it_fingerprints_and_hands_out_on
         update = WeightUpdate.by_reference(1, trained(start, 1), leased=False).attested()
         computing, finish = threading.Event(), threading.Event()
 
-        def slow_fingerprint(tensors):  # noqa: ANN001, ANN202
+        def slow_fingerprint(tensors):
             computing.set()
             finish.wait(10)
             return torch_engine.fingerprint.__wrapped__(tensors)
