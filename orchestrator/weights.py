@@ -349,21 +349,30 @@ def _copy(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in tensors.items()}
 
 
+def as_bytes_array(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], Any]:
+    """(dtype name, shape, raw bytes as a uint8 numpy array) of a tensor: numpy arrays leave
+    a pickle (protocol 5: Ray's object store) out of band, without a copy, and a byte view
+    carries any dtype (bfloat16 has no numpy type)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
+            flat.view(torch.uint8).numpy())
+
+
+def from_bytes_array(dtype: str, shape: Sequence[int], array: Any) -> torch.Tensor:
+    """:func:`as_bytes_array` undone, over the array's memory (read-only where it is the
+    object store's: these tensors are only read unless copied)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array).view(getattr(torch, dtype)).reshape(tuple(shape))
+
+
 def _to_arrays(tensors: Mapping[str, torch.Tensor],
                dtype: torch.dtype | None = None) -> dict[str, tuple[str, tuple[int, ...], Any]]:
-    """Name -> (dtype, shape, raw bytes as a uint8 numpy array), floating tensors in ``dtype``
-    if given: numpy arrays leave the object store without a copy, and a byte view carries any
-    dtype (bfloat16 has no numpy type)."""
-    wired = {k: _wire(v, dtype) for k, v in tensors.items()}
-    return {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape),
-                v.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-            for k, v in wired.items()}
+    """Name -> :func:`as_bytes_array`, floating tensors in ``dtype`` if given."""
+    return {k: as_bytes_array(_wire(v, dtype)) for k, v in tensors.items()}
 
 
 def _from_arrays(arrays: Mapping[str, tuple[str, tuple[int, ...], Any]]) -> dict[str, torch.Tensor]:
-    import warnings
-
-    with warnings.catch_warnings():  # read-only store memory: these tensors are only read
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return {k: torch.from_numpy(a).view(getattr(torch, dtype)).reshape(shape)
-                for k, (dtype, shape, a) in arrays.items()}
+    return {k: from_bytes_array(*v) for k, v in arrays.items()}

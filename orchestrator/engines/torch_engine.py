@@ -108,6 +108,13 @@ BATCHING = ("continuous", "waves")
 SETTLE_TURNS = 2
 
 
+async def _known(print_: str | Future[str] | None) -> str | None:
+    """A fingerprint, awaited in a worker thread while the engine's thread computes it."""
+    if not isinstance(print_, Future):
+        return print_
+    return print_.result() if print_.done() else await anyio.to_thread.run_sync(print_.result)
+
+
 @dataclass
 class _Request:
     prompt_ids: list[int]
@@ -166,9 +173,7 @@ class _Request:
     async def attested(self) -> None:
         """Its versions' fingerprints, once the engine has computed them."""
         for version, print_ in self.fingerprints.items():
-            if isinstance(print_, Future):
-                self.fingerprints[version] = (print_.result() if print_.done()
-                                              else await anyio.to_thread.run_sync(print_.result))
+            self.fingerprints[version] = await _known(print_)
 
     def result(self) -> Generation:
         assert self.finish_reason is not None
@@ -410,9 +415,8 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
 
     async def attested(self) -> str | None:
         """:attr:`fingerprint`, without blocking the event loop while it is computed."""
-        if isinstance(self._held_print, Future) and not self._held_print.done():
-            await anyio.to_thread.run_sync(self._held_print.result)
-        return self.fingerprint
+        self._held_print = await _known(self._held_print)
+        return self._held_print
 
     def metrics(self) -> dict[str, float]:
         return self.loads.metrics()

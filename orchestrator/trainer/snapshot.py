@@ -27,6 +27,7 @@ import torch
 
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
+from orchestrator.weights import as_bytes_array, from_bytes_array
 
 
 class Trained(Protocol):
@@ -113,8 +114,7 @@ class TrainerSnapshot:
 
 
 class _Array(NamedTuple):
-    """A pickled snapshot's tensor: its dtype's name, shape and bytes (any dtype: bfloat16 has
-    no numpy type)."""
+    """A pickled snapshot's tensor (:func:`~orchestrator.weights.as_bytes_array`)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -123,9 +123,7 @@ class _Array(NamedTuple):
 
 def _as_arrays(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        flat = value.detach().cpu().contiguous().reshape(-1)
-        return _Array(str(value.dtype).removeprefix("torch."), tuple(value.shape),
-                      flat.view(torch.uint8).numpy())
+        return _Array(*as_bytes_array(value))
     if isinstance(value, Mapping):
         return {k: _as_arrays(v) for k, v in value.items()}
     if type(value) in (list, tuple):  # a named tuple is pickled as it is
@@ -138,10 +136,7 @@ def _as_tensors(value: Any) -> Any:
     store's: a snapshot is written from it, and :meth:`TrainerSnapshot.owned_state` copies
     what a trainer restores)."""
     if isinstance(value, _Array):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            data = torch.from_numpy(value.data)
-        return data.view(getattr(torch, value.dtype)).reshape(value.shape)
+        return from_bytes_array(*value)
     if isinstance(value, Mapping):
         return {k: _as_tensors(v) for k, v in value.items()}
     if type(value) in (list, tuple):
