@@ -42,12 +42,12 @@ nothing travels, so there is nothing to save; the delta matters to an engine in 
 (``launcher=ray``).
 
 Attestation (``attest``, :mod:`orchestrator.fingerprint`): after every load the engine
-fingerprints the tensors it now holds in a thread of its own, while it generates again: the
-fingerprint is wanted only when a request's tokens are handed out (each carries its version's)
-or the next load begins, not before the engine may resume. Computed while paused, it held the
-engine's weight sync for 3 to 4 ms a step on 2 cores (1.8 ms of CPU against 0.9 ms alone: the
-trainer's step and the event loop run beside it) and a step's ``time/weight_sync`` was 6.6 to
-7.6 ms; in its own thread, 3.7 to 4.1 ms (``docs/attestation.md``).
+fingerprints the tensors it now holds, at the start of its next decoding step, in the step's
+own thread, before it samples a token of those weights; an engine that generates nothing after
+a load computes it when asked (:meth:`TorchEngine.attested`, or the next load). The sync does
+not wait for it, and no third thread runs beside the trainer's step and the engine's: on 2
+cores, computed while paused it cost the default experiment 6.8% of its samples/s, in a thread
+of its own 3 to 5%, in the step about nothing measurable (``docs/attestation.md``).
 
 Sampling: a request whose ``SamplingParams.seed`` is set draws its uniform variates from a
 stream of its own, seeded by it, so what it samples does not depend on which requests share
@@ -74,9 +74,9 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -108,11 +108,31 @@ BATCHING = ("continuous", "waves")
 SETTLE_TURNS = 2
 
 
-async def _known(print_: str | Future[str] | None) -> str | None:
-    """A fingerprint, awaited in a worker thread while the engine's thread computes it."""
-    if not isinstance(print_, Future):
-        return print_
-    return print_.result() if print_.done() else await anyio.to_thread.run_sync(print_.result)
+class _Pending:
+    """The fingerprint of the weights just loaded, computed once: by the engine's next decoding
+    step, in its thread, before it samples a token of those weights (:meth:`TorchEngine.
+    _advance`), or by whoever needs it first (an idle engine's :meth:`TorchEngine.attested`).
+    Not in a thread of its own: beside the trainer's step and the engine's, a third thread on
+    two cores cost the default experiment 3 to 5% of its samples/s (docs/attestation.md)."""
+
+    def __init__(self, compute: Callable[[], str]) -> None:
+        self._compute = compute
+        self._lock = threading.Lock()
+        self.value: str | None = None
+
+    def run(self) -> str:
+        with self._lock:
+            if self.value is None:
+                self.value = self._compute()
+            return self.value
+
+    async def result(self) -> str:
+        return self.value if self.value is not None else await anyio.to_thread.run_sync(self.run)
+
+
+async def _known(print_: str | _Pending | None) -> str | None:
+    """A fingerprint, once the engine's thread has computed it."""
+    return await print_.result() if isinstance(print_, _Pending) else print_
 
 
 @dataclass
@@ -126,7 +146,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     # version -> the fingerprint of its weights (a future while the engine computes it)
-    fingerprints: dict[int, str | Future[str]] = field(default_factory=dict)
+    fingerprints: dict[int, str | _Pending | None] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
     fed: int = 0  # tokens of prompt + generated that are in the KV cache
     # its own uniform variates when ``sampling.seed`` is set: what it samples then depends on
@@ -151,7 +171,7 @@ class _Request:
         return self.prompt_ids[i] if i < n else self.token_ids[i - n]
 
     def add(self, token: int, logprob: float, version: int,
-            fingerprint: str | Future[str] | None = None) -> None:
+            fingerprint: str | _Pending | None = None) -> None:
         """Record one sampled token; it stops on a stop token or at its budget."""
         if fingerprint is not None:
             self.fingerprints.setdefault(version, fingerprint)
@@ -256,8 +276,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         self.version = 0
         self._weights = AdapterMerger()
         self._attest = attest  # engine.attest: fingerprint the weights after every load
-        self._fingerprinter: ThreadPoolExecutor | None = None  # made at the first load
-        self._held_print: str | Future[str] | None = None  # :attr:`fingerprint`
+        self._held_print: str | _Pending | None = None  # :attr:`fingerprint`
         self._copied: Callable[[], None] | None = None  # releases the update being loaded
         self.loads = LoadCounter()  # bytes each load pulled, deltas applied and failed
         if weights is not None:
@@ -295,8 +314,6 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         if self._closed:
             return
         self._closed = True
-        if self._fingerprinter is not None:
-            self._fingerprinter.shutdown(wait=False)
         await self._send.aclose()
         if self._task_group is None:  # never started: the scheduler owns no receive stream
             await self._receive.aclose()
@@ -400,17 +417,14 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         computed in the engine's fingerprint thread (:attr:`fingerprint` waits for it)."""
         if not self._attest:
             return
-        if self._fingerprinter is None:
-            self._fingerprinter = ThreadPoolExecutor(1, thread_name_prefix="torch-engine-attest")
-        self._held_print = self._fingerprinter.submit(fingerprint,
-                                                      self._weights.served(self.model))
+        self._held_print = _Pending(lambda: fingerprint(self._weights.served(self.model)))
 
     @property
     def fingerprint(self) -> str | None:
         """The fingerprint of the weights the engine holds (None: ``attest`` off); waits for
         the one computed after the last load (in an event loop, :meth:`attested` first)."""
-        if isinstance(self._held_print, Future):
-            self._held_print = self._held_print.result()
+        if isinstance(self._held_print, _Pending):
+            self._held_print = self._held_print.run()
         return self._held_print
 
     async def attested(self) -> str | None:
@@ -556,6 +570,8 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
     def _advance(self, batch: _Batch) -> tuple[list[int], list[float]]:
         """Drop finished rows, then one forward pass for the resident rows and the joining
         ones; returns one sampled token and its log-prob per row of ``batch.rows``."""
+        if isinstance(self._held_print, _Pending):
+            self._held_print.run()  # the weights' fingerprint before any token of theirs
         with torch.inference_mode():
             self._drop_finished(batch)
             if batch.rows and batch.version != self.version:

@@ -8,8 +8,10 @@ import struct
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from orchestrator.fingerprint import fingerprint, tensor_digest
+from orchestrator import fingerprint as fingerprint_module
+from orchestrator.fingerprint import fingerprint, tensor_digest, tensor_digests
 
 MASK = (1 << 64) - 1
 
@@ -85,3 +87,39 @@ def test_a_tensor_longer_than_a_chunk_is_read_whole() -> None:
     changed[-1] += 1
     assert int(tensor_digest(t, chunk=16)) != int(tensor_digest(changed, chunk=16))
     assert int(tensor_digest(t, chunk=16)) == reference_digest(t, chunk=16)
+
+
+@pytest.mark.parametrize("batch", [50, 1 << 22])
+def test_digests_taken_together_are_each_tensors_digest(monkeypatch: pytest.MonkeyPatch,
+                                                        batch: int) -> None:
+    monkeypatch.setattr(fingerprint_module, "BATCH", batch)  # 50: runs of a few tensors
+    g = torch.Generator().manual_seed(1)
+    tensors = [(torch.randn(n, generator=g) * 100).to(dtype)
+               for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                             torch.int8, torch.bool)
+               for n in (0, 1, 2, 7, 8, 8, 8, 33, 100, 100)]
+    tensors += [torch.randn(40, 30, generator=g).t(), torch.randn(30, 40, generator=g)]
+    for chunk in (16, 64, 1 << 20):  # 16: the longer tensors take several chunks
+        assert tensor_digests(tensors, chunk) == [int(tensor_digest(t, chunk)) for t in tensors]
+
+
+def test_a_model_is_fingerprinted_in_a_few_operations_per_shape_not_per_tensor() -> None:
+    """Each torch call lets go of the GIL and takes it back: in a thread beside the trainer's
+    Python that is what a fingerprint costs (docs/attestation.md), so it must not grow with the
+    count of tensors."""
+    layers = {f"layer.{i}.{part}": torch.randn(*shape)
+              for i in range(32) for part, shape in (("w", (16, 16)), ("norm", (16,)))}
+
+    metadata = {"__get__", "numel", "element_size"}  # read in Python: no operation dispatched
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += getattr(func, "__name__", "") not in metadata
+            return func(*args, **(kwargs or {}))
+
+    fingerprint(layers)  # the coefficient table, made once per device
+    with Count():
+        fingerprint(layers)
+    assert Count.calls <= 20, f"{Count.calls} torch calls for 64 tensors of 2 shapes"

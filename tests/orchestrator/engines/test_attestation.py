@@ -67,10 +67,11 @@ async def test_the_trainer_is_released_once_copied_before_the_engine_fingerprint
         assert (engine.version, engine.fingerprint) == (1, update.fingerprint)
 
 
-async def test_the_engine_generates_again_while_it_fingerprints_and_hands_out_once_known(
+async def test_the_engine_fingerprints_in_its_next_step_before_any_token_of_the_new_weights(
         start, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the fingerprint after a load is computed in the engine's own thread: the sync returns
-    # (the engine resumes) before it is known; tokens generated meanwhile carry it once known
+    # the fingerprint after a load is not computed in the sync (the engine resumes at once) nor
+    # in a thread of its own, but by the engine's next decoding step, before it samples a token
+    # of the new weights; every token of them carries it
     import threading
 
     import anyio
@@ -79,6 +80,7 @@ async def test_the_engine_generates_again_while_it_fingerprints_and_hands_out_on
 
     engine = TorchEngine(TINY_MODEL, WeightUpdate.by_reference(0, start, leased=False))
     async with engine:
+        await engine.attested()  # the starting weights' (the next load waits for it)
         update = WeightUpdate.by_reference(1, trained(start, 1), leased=False).attested()
         computing, finish = threading.Event(), threading.Event()
 
@@ -91,19 +93,29 @@ async def test_the_engine_generates_again_while_it_fingerprints_and_hands_out_on
         monkeypatch.setattr(torch_engine, "fingerprint", slow_fingerprint)
         with anyio.fail_after(5):  # computed in the sync, this would wait for ``finish``
             await sync_weights(engine, update)
-        assert computing.wait(5) and engine.version == 1
+        assert engine.version == 1 and not computing.is_set()
         result: list = []
 
-        async def generate() -> None:
-            result.append(await engine.generate([5, 6, 7], SamplingParams(max_tokens=3, seed=1)))
+        async def generate(seed: int) -> None:
+            result.append(await engine.generate([5, 6, 7], SamplingParams(max_tokens=3,
+                                                                           seed=seed)))
 
+        threads = anyio.to_thread.current_default_thread_limiter()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(generate)
+            for seed in range(8):
+                tg.start_soon(generate, seed)
+            with anyio.fail_after(5):
+                await anyio.to_thread.run_sync(computing.wait)
             await anyio.sleep(0.2)
-            assert not result  # generated, waiting for its fingerprint
+            assert not result  # no token before the fingerprint
+            assert threads.borrowed_tokens == 1  # the engine's step thread alone: no waiters
             finish.set()
-        assert result[0].fingerprints == ((1, update.fingerprint),)
-        assert await engine.attested() == update.fingerprint
+        assert [r.fingerprints for r in result] == [((1, update.fingerprint),)] * 8
+
+        # an engine that generates nothing after a load computes it when asked
+        update2 = WeightUpdate.by_reference(2, trained(start, 2), leased=False).attested()
+        await sync_weights(engine, update2)
+        assert await engine.attested() == update2.fingerprint
 
 
 async def test_a_bf16_engine_fed_float32_master_weights_matches_the_wire_dtype(start) -> None:
