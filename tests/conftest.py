@@ -68,6 +68,44 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+CPU_ENV = "POLYRL_TEST_CPU"  # a folder: each process writes its tests' CPU seconds there
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ``POLYRL_TEST_CPU=<folder>``: what each test cost, set-up and teardown included:
+    wall seconds and CPU seconds of this process and of the subprocesses it waited for (the
+    commands tests run; a Ray cluster's actors are not among them). One JSON file per
+    process, written at its end; ``python tests/cpu_report.py <folder>`` sums them by file.
+    What the test command's time is made of (issue 44's figures) came from these."""
+    if not os.environ.get(CPU_ENV):
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> tuple[float, float]:
+        own, waited = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                              resource.RUSAGE_CHILDREN))
+        return own.ru_utime + own.ru_stime, waited.ru_utime + waited.ru_stime
+
+    started, (own, waited) = time.perf_counter(), cpu()
+    yield
+    own_after, waited_after = cpu()
+    _cpu_rows.append({"test": item.nodeid, "wall_s": time.perf_counter() - started,
+                      "cpu_s": own_after - own, "subprocess_cpu_s": waited_after - waited})
+
+
+_cpu_rows: list[dict[str, Any]] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if (folder := os.environ.get(CPU_ENV)) and _cpu_rows:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        (Path(folder) / f"{worker}-{os.getpid()}.json").write_text(json.dumps(_cpu_rows))
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup`` by :func:`group`. xdist's own loadgroup reads ``xdist_group`` marks
     into node ids through an attribute pytest 9 no longer has (every test then is its own
