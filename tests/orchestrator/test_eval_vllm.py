@@ -21,6 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh 
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,  # about 55 s: two evaluations, a vLLM engine each; slow files start first (tests/conftest.py: schedule)
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]

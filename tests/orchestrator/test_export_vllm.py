@@ -19,6 +19,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh 
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.slow,  # about 17 s: a vLLM engine's start; slow files start first (tests/conftest.py: schedule)
     # vLLM and the torch internals it loads warn about their own deprecations on import
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
