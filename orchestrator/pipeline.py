@@ -337,6 +337,10 @@ class Pipeline:
         groups_per_batch: int,
         tg: TaskGroup,
     ) -> None:
+        """The trainer's side of the pipeline, a step at a time until ``num_steps`` or a stop:
+        wait for a batch of groups no staler than k allows, check its attestation and mask
+        what failed, retire its prompts, train, send the new weights to the weight-sync
+        task, start a periodic evaluation when one is due, and report the step."""
         pending: list[TimedGroup] = []
         last_report = self.recorder.now()
         async with send_weights:  # closing it lets weight sync finish; receive stays open

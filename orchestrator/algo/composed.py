@@ -44,6 +44,14 @@ def _pieces(value: Mapping[str, Any] | Sequence[Any] | None, key: str) -> list[A
 
 
 class PolicyGradient(Algorithm):
+    """Every preset: one policy-gradient algorithm composed of pieces (``conf/algo``): an
+    advantage estimator (``advantage``), a per-token policy loss (``loss``) and its
+    aggregation, the mode the ratio is taken in (``decoupled``: to the proximal policy, with
+    corrections against the engine's log-probs; ``bypass``: to the engine's directly),
+    off-policy ``corrections``, an optional ``kl`` term (in the loss or in the reward), an
+    entropy bonus and reward ``shaping``. docs/algorithms.md gives each piece's formula and
+    its source; a piece that does not apply to the mode chosen is a ConfigError naming it."""
+
     def __init__(
         self,
         advantage: Callable[[Sequence[Group], Sequence[Sequence[float]]], list[list[float]]] | None = None,

@@ -22,28 +22,15 @@ the same pieces by name, so any of them can be swapped from the command line.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from orchestrator.algo.advantages import GroupNorm, group_normalised
-from orchestrator.algo.base import LossInputs, LossOutput
+from orchestrator.algo.advantages import GroupNorm
 from orchestrator.algo.composed import PolicyGradient
 from orchestrator.algo.corrections import TokenTIS
 from orchestrator.algo.losses import PPOClip
 
 
-def group_advantages(rewards: Sequence[float], normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
-    if normalize_std:
-        return group_normalised(rewards, eps)
-    return GroupNorm("none", eps)([], [rewards])[0]
-
-
-def decoupled_ppo_loss(
-    inputs: LossInputs, eps_low: float, eps_high: float, importance_cap: float
-) -> LossOutput:
-    return GRPO(eps_low, eps_high, importance_cap).loss(inputs)
-
-
 class GRPO(PolicyGradient):
+    """The default preset as one object (what ``conf/algo/grpo.yaml`` composes by name)."""
+
     def __init__(
         self,
         eps_low: float = 0.2,

@@ -55,7 +55,6 @@ class TrainerRecipe:
     temperature: float = 1.0  # the sampling temperature the trainer scores tokens at
     seed: int = 0
     torch_threads: int | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
     # Set by a launcher whose colocated engine is in another process (Ray actors, trainer
     # ranks): the trainer's process gives back the GPU memory torch cached during a step and
     # the weights' gather, which the engine's wake would otherwise find taken.

@@ -6,8 +6,8 @@ loop stays free. :meth:`TorchTrainer.weights` hands out the model's own tensors 
 :mod:`orchestrator.weights`). The version counts optimiser steps: a batch trained at version
 ``v`` produces version ``v + 1``.
 
-Per step: GRPO advantages from each group's rewards, then ``num_minibatches`` optimiser
-updates over the batch. With a single update the proximal policy is the current one (its
+Per step: the algorithm's advantages from each group's rewards (``algo``; GRPO's group
+normalisation by default), then ``num_minibatches`` optimiser updates over the batch. With a single update the proximal policy is the current one (its
 log-probs are the detached forward pass); with several it is recomputed once, up front.
 Each update accumulates gradients over micro-batches, normalised by the trained tokens of
 the whole minibatch so token-level aggregation does not depend on how it is split.
@@ -218,6 +218,12 @@ def adamw(params: Iterable[torch.nn.Parameter], **options: Any) -> torch.optim.A
 
 
 class TorchTrainer(Trainer):
+    """The trainer of ``trainer=torch`` (every launcher's, one process or a rank each): the
+    policy's model, its AdamW optimiser and the :class:`~orchestrator.algo.base.Algorithm`
+    whose advantages and loss a step applies; the warm start, the reference policy (for a KL
+    term) and checkpoints too. Arguments are ``conf/trainer``'s keys (docs/configuration.md);
+    a bad value is a :class:`~orchestrator.errors.ConfigError` naming it."""
+
     def __init__(
         self,
         policy: Policy,
@@ -475,7 +481,16 @@ class TorchTrainer(Trainer):
             self._published = None
 
     def train_step(self, groups: Sequence[Group]) -> TrainStats:
-        """The blocking optimiser step (:meth:`step` runs it in a worker thread)."""
+        """The blocking RL step over ``groups`` (:meth:`step` runs it in a worker thread).
+
+        In order: the batch packed into rows (this rank's share of the groups under ranks);
+        the log-probs the algorithm needs before any update (the proximal policy's with
+        several updates, the reference policy's for a KL term); the advantages, from the
+        rewards (less a KL penalty in the reward) and put on the rows; then
+        ``num_minibatches`` updates, each accumulating gradients over micro-batches and
+        clipping their norm before the optimiser step; the version moves by one. Returns the
+        step's metrics (loss, clip and correction fractions, entropy, the engine/trainer
+        log-prob agreement, gradient norm)."""
         # The warm start is over: its AdamW's state (8 bytes a parameter) would stay on the
         # device for the whole run, beside the RL optimiser's, with nothing to use it.
         self._warm_optimizer = None

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from orchestrator.algo.advantages import GroupNorm
 from orchestrator.algo.base import LossInputs, LossOutput
-from orchestrator.algo.grpo import GRPO, decoupled_ppo_loss, group_advantages
+from orchestrator.algo.grpo import GRPO
 from orchestrator.types import FinishReason, Group, Trajectory
 
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 5.0
@@ -42,7 +43,13 @@ def groups(rewards: list[list[float]]) -> list[Group]:
 
 
 def loss_of(li: LossInputs) -> LossOutput:
-    return decoupled_ppo_loss(li, EPS_LOW, EPS_HIGH, CAP)
+    return GRPO(EPS_LOW, EPS_HIGH, CAP).loss(li)
+
+
+def group_advantages(rewards: list[float], normalize_std: bool = True,
+                     eps: float = 1e-6) -> list[float]:
+    """One group's advantages as GRPO computes them (``normalize_std=False``: Dr. GRPO's)."""
+    return GroupNorm("group" if normalize_std else "none", eps)([], [rewards])[0]
 
 
 # -- on-policy ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The shared/exclusive gate around weight updates (orchestrator/gate.py)."""
+"""The shared/exclusive lock around weight updates (orchestrator/rwlock.py): the pipeline's gate."""
 
 from __future__ import annotations
 
