@@ -288,6 +288,13 @@ class EnvSpec(ABC):
         one that reads no answer (a term like ``format``)."""
         return {}
 
+    def keep_prompts(self, fits: Callable[[tuple[Message, ...]], bool]) -> dict[str, int] | None:
+        """Leave out the tasks whose opening messages ``fits`` refuses (the run asks with the
+        model's tokenizer before training, so a prompt longer than the context never fails a
+        run mid-way); the number left out per split. None (the default): this environment
+        makes its prompts in code, where their length is known, and has nothing to check."""
+        return None
+
     def judge_to_serve(self) -> str | None:
         """The ``conf/model`` entry the run serves itself as this environment's LLM judge
         (``env.judge.serve``), None when there is none to serve: the orchestrator starts it

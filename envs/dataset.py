@@ -50,7 +50,7 @@
   them and their count (``python -m orchestrator.data check`` lists them).
 
 Limits: rows whose prompt is too long for the model are left out by the orchestrator, which
-has the tokenizer (:meth:`DatasetSpec.keep`); duplicate prompts between train and eval are
+has the tokenizer (:meth:`DatasetSpec.keep_prompts`); duplicate prompts between train and eval are
 reported, not removed.
 """
 
@@ -622,9 +622,8 @@ class DatasetSpec(EnvSpec):
         return {**super().metrics(),
                 **{f"data/samples/{source}": float(n) for source, n in self.samples.items()}}
 
-    def keep(self, fits: Callable[[tuple[Message, ...]], bool]) -> dict[str, int]:
-        """Leave out the rows whose prompt ``fits`` refuses (the orchestrator asks with the
-        model's tokenizer, before training); the number left out per split."""
+    def keep_prompts(self, fits: Callable[[tuple[Message, ...]], bool]) -> dict[str, int]:
+        """Leave out the rows whose prompt ``fits`` refuses; the number left out per split."""
         left_out = {}
         for split, rows in self.splits.items():
             assert isinstance(rows, Rows)

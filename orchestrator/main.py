@@ -30,11 +30,10 @@ from typing import Any
 
 import anyio
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from envs.base import EnvSpec, Task
-from envs.dataset import DatasetSpec
 from envs.errors import EnvConfigError
 from orchestrator.algo.build import algorithm_values, build_algorithm
 from orchestrator.algo.filters import FILTER_KEY, build_filter
@@ -263,8 +262,7 @@ def environment(cfg: DictConfig, model_cfg: dict[str, Any],
     model); a dataset's rows whose prompts do not fit the context are left out."""
     spec = build_env(cfg)
     tokenizer = build_tokenizer(model_cfg)
-    if isinstance(spec, DatasetSpec):
-        _leave_out_long_prompts(spec, tokenizer, rollout_cfg, model_context(model_cfg))
+    _leave_out_long_prompts(spec, tokenizer, rollout_cfg, model_context(model_cfg))
     return spec, tokenizer
 
 
@@ -324,8 +322,17 @@ def eval_on_own_engine(eval_cfg: EvalConfig, cfg: DictConfig, launcher: Launcher
     device = str(cfg.model.get("device", "auto"))
     on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     in_process = isinstance(launcher, LocalLauncher) and not launcher.colocate
-    return (in_process and not on_gpu
-            and str(cfg.engine.get("_target_", "")).endswith(".TorchEngine"))
+    return in_process and not on_gpu and _engine_class(cfg).cheap_copy_on_cpu
+
+
+def _engine_class(cfg: DictConfig) -> Any:
+    """The class ``engine._target_`` names (:class:`InferenceEngine` when it names none that
+    imports: building the engine then says what is wrong, in one line)."""
+    try:
+        target = get_object(str(cfg.engine.get("_target_", "")))
+    except Exception:  # noqa: BLE001 - reported where the engine is built
+        return InferenceEngine
+    return target if isinstance(target, type) else InferenceEngine
 
 
 def engine_of(cfg: DictConfig) -> EngineRecipe:
@@ -364,24 +371,27 @@ def prompt_budget(rollout: RolloutConfig, context: int | None) -> tuple[int, int
     return None if limit is None else (limit, limit - rollout.max_tokens)
 
 
-def _leave_out_long_prompts(spec: DatasetSpec, tokenizer: Tokenizer, rollout: RolloutConfig,
+def _leave_out_long_prompts(spec: EnvSpec, tokenizer: Tokenizer, rollout: RolloutConfig,
                             context: int | None) -> None:
-    """A file's rows whose prompt does not fit the model's context with ``rollout.max_tokens``
-    left for the answer are left out now, counted in one line, never a failure mid-run."""
+    """The tasks (a file's rows) whose prompt does not fit the model's context with
+    ``rollout.max_tokens`` left for the answer are left out now (:meth:`EnvSpec.keep_prompts`),
+    counted in one line, never a failure mid-run."""
     limits = prompt_budget(rollout, context)
     if limits is None:
-        log.info("env=dataset: the model's context is unknown (model.max_position_embeddings, "
+        log.info("the model's context is unknown (model.max_position_embeddings, "
                  "rollout.max_total_tokens): prompts are not checked for length")
         return
     limit, budget = limits
     try:
-        left_out = spec.keep(lambda messages: len(tokenizer.chat_prompt(messages)) <= budget)
+        left_out = spec.keep_prompts(
+            lambda messages: len(tokenizer.chat_prompt(messages)) <= budget)
     except EnvConfigError as e:
         raise ConfigError(str(e)) from e
-    if any(left_out.values()):
-        log.warning("env=dataset: left out %d train and %d eval rows whose prompt is over %d "
-                    "tokens (context %d less rollout.max_tokens=%d)", left_out["train"],
-                    left_out["eval"], budget, limit, rollout.max_tokens)
+    if left_out and any(left_out.values()):
+        log.warning("env=%s: left out %d train and %d eval tasks whose prompt is over %d "
+                    "tokens (context %d less rollout.max_tokens=%d)", spec.name,
+                    left_out.get("train", 0), left_out.get("eval", 0), budget, limit,
+                    rollout.max_tokens)
 
 
 def check_sizes(pipeline: PipelineConfig, rollout: RolloutConfig, spec: EnvSpec) -> None:

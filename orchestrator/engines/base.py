@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Self
+from typing import ClassVar, Self
 
 from orchestrator.delta import Loaded
 from orchestrator.faults import kill_point
@@ -39,6 +39,10 @@ class InferenceEngine(ABC):
     # What the last load moved (bytes pulled, whether as a delta: orchestrator/delta.py); None
     # from an engine that does not say.
     last_load: Loaded | None = None
+    # Whether a second copy of this engine in the run's process is cheap on the CPU: then
+    # ``eval.engine=auto`` gives evaluations during RL one of their own (a model copy in
+    # memory) rather than sharing the rollout engine. An engine of processes or GPUs: no.
+    cheap_copy_on_cpu: ClassVar[bool] = False
 
     @abstractmethod
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Generation: ...

@@ -229,6 +229,8 @@ class _Batch:
 
 
 class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
+    cheap_copy_on_cpu = True  # the model in this process: evaluations may have a copy
+
     def __init__(
         self,
         model: Mapping[str, Any],

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from hydra.utils import get_object
 
 from orchestrator.errors import ConfigError, PolyRLError, RunAborted, first_line
 from orchestrator.launch.base import TrainerRecipe
@@ -53,10 +54,13 @@ def world_size(recipe: TrainerRecipe) -> int | None:
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"trainer.world_size must be an integer >= 1 or null, got {size!r}")
     target = recipe.trainer.get("_target_")
-    if target not in ("orchestrator.trainer.TorchTrainer",
-                      "orchestrator.trainer.torch_trainer.TorchTrainer", RANK_TRAINER):
-        raise ConfigError(f"trainer.world_size={size} needs trainer._target_="
-                          f"orchestrator.trainer.TorchTrainer, not {target}")
+    try:
+        trainer = get_object(str(target))
+    except Exception:  # noqa: BLE001 - one line below names the key
+        trainer = None
+    if not getattr(trainer, "trains_in_ranks", False):
+        raise ConfigError(f"trainer.world_size={size} needs a trainer that trains in ranks "
+                          f"(trainer._target_=orchestrator.trainer.TorchTrainer), not {target}")
     return size
 
 

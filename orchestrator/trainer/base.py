@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from orchestrator.errors import ConfigError
 from orchestrator.types import Group
@@ -83,6 +83,9 @@ class Snapshot(Protocol):
 
 class Trainer(ABC):
     version: int = 0
+    # Whether ``trainer.world_size`` can split this trainer over ranks (FSDP2: the launcher
+    # builds one rank trainer per process, orchestrator/launch/ranks.py)
+    trains_in_ranks: ClassVar[bool] = False
 
     @abstractmethod
     async def step(self, groups: Sequence[Group]) -> TrainStats:

@@ -224,6 +224,8 @@ class TorchTrainer(Trainer):
     term) and checkpoints too. Arguments are ``conf/trainer``'s keys (docs/configuration.md);
     a bad value is a :class:`~orchestrator.errors.ConfigError` naming it."""
 
+    trains_in_ranks = True  # trainer.world_size: FSDP2 ranks (orchestrator/trainer/distributed.py)
+
     def __init__(
         self,
         policy: Policy,

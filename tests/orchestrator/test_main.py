@@ -163,3 +163,17 @@ def test_one_engine_serves_the_warm_start_checks_the_evals_and_rl(tmp_path: Path
     for span in syncs:
         assert span["attributes"]["transport"] == "reference"
         assert span["attributes"]["bytes"] > 0 and span["attributes"]["load_seconds"] >= 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto shares the engine on a GPU")
+@pytest.mark.parametrize(("engine", "own"), [("torch", True), ("vllm", False)])
+def test_eval_engine_auto_copies_an_engine_that_says_a_copy_is_cheap(engine: str,
+                                                                     own: bool) -> None:
+    # the engine class's capability (cheap_copy_on_cpu), not its name, decides
+    from helpers import quick_config
+
+    from orchestrator.launch.local import LocalLauncher
+    from orchestrator.main import eval_config, eval_on_own_engine
+
+    cfg = quick_config("smoke", f"engine={engine}", "eval.engine=auto")
+    assert eval_on_own_engine(eval_config(cfg), cfg, LocalLauncher()) is own

@@ -124,3 +124,27 @@ def test_a_rank_group_forwards_a_warm_start_step_like_the_trainer_itself(
                             served.model.state_dict().values(), strict=True):
         assert a.equal(b), name
     assert group.version == 0
+
+
+@pytest.mark.parametrize("target", ["orchestrator.trainer.TorchTrainer",
+                                    "orchestrator.trainer.torch_trainer.TorchTrainer",
+                                    "orchestrator.trainer.distributed.RankTrainer"])
+def test_world_size_takes_a_trainer_that_trains_in_ranks(target: str) -> None:
+    from orchestrator.launch.base import TrainerRecipe
+    from orchestrator.launch.ranks import world_size
+
+    recipe = TrainerRecipe(trainer={"_target_": target, "world_size": 2}, model={}, algo={})
+    assert world_size(recipe) == 2
+
+
+@pytest.mark.parametrize("target", ["orchestrator.trainer.simulated.SimulatedTrainer",
+                                    "orchestrator.trainer.no_such.Trainer"])
+def test_world_size_with_a_trainer_that_cannot_is_one_line_naming_the_key(target: str) -> None:
+    from orchestrator.errors import ConfigError
+    from orchestrator.launch.base import TrainerRecipe
+    from orchestrator.launch.ranks import world_size
+
+    recipe = TrainerRecipe(trainer={"_target_": target, "world_size": 2}, model={}, algo={})
+    with pytest.raises(ConfigError, match=r"^trainer.world_size=2 needs a trainer that trains "
+                                          rf"in ranks .*, not {target}$"):
+        world_size(recipe)
