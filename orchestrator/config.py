@@ -15,7 +15,7 @@ import inspect
 import re
 import sys
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -91,6 +91,16 @@ def check_target(cfg: DictConfig, key: str) -> None:
     """Type-check the keys of a ``_target_`` node (and of the nodes nested in it) before Hydra
     instantiates it."""
     check_node(section(cfg, key), key)
+
+
+def target_of(values: Mapping[str, Any]) -> Any:
+    """What a node's ``_target_`` names, or None where it names nothing that imports (building
+    the node says what is wrong, in one line): for asking a class what it can do before it is
+    built (``trains_in_ranks``, ``cheap_copy_on_cpu``)."""
+    try:
+        return get_object(str(values.get("_target_")))
+    except Exception:  # noqa: BLE001 - hydra raises a bare ImportError/ValueError mix here
+        return None
 
 
 def check_node(values: dict[str, Any], key: str) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import anyio
 import torch
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from envs.base import EnvSpec, Task
@@ -39,7 +39,16 @@ from orchestrator.algo.build import algorithm_values, build_algorithm
 from orchestrator.algo.filters import FILTER_KEY, build_filter
 from orchestrator.algo.losses import cannot_act
 from orchestrator.checkpoint import CheckpointStore
-from orchestrator.config import CONF, build_env, check_node, check_target, scalar, section, typed
+from orchestrator.config import (
+    CONF,
+    build_env,
+    check_node,
+    check_target,
+    scalar,
+    section,
+    target_of,
+    typed,
+)
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.engines.placement import Placement
 from orchestrator.errors import ConfigError
@@ -322,17 +331,8 @@ def eval_on_own_engine(eval_cfg: EvalConfig, cfg: DictConfig, launcher: Launcher
     device = str(cfg.model.get("device", "auto"))
     on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     in_process = isinstance(launcher, LocalLauncher) and not launcher.colocate
-    return in_process and not on_gpu and _engine_class(cfg).cheap_copy_on_cpu
-
-
-def _engine_class(cfg: DictConfig) -> Any:
-    """The class ``engine._target_`` names (:class:`InferenceEngine` when it names none that
-    imports: building the engine then says what is wrong, in one line)."""
-    try:
-        target = get_object(str(cfg.engine.get("_target_", "")))
-    except Exception:  # noqa: BLE001 - reported where the engine is built
-        return InferenceEngine
-    return target if isinstance(target, type) else InferenceEngine
+    return (in_process and not on_gpu
+            and getattr(target_of(section(cfg, "engine")), "cheap_copy_on_cpu", False))
 
 
 def engine_of(cfg: DictConfig) -> EngineRecipe:

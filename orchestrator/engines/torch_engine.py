@@ -145,7 +145,7 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    # version -> the fingerprint of its weights (a future while the engine computes it)
+    # version -> the fingerprint of its weights (pending until the engine's step computes it)
     fingerprints: dict[int, str | _Pending | None] = field(default_factory=dict)
     finish_reason: FinishReason | None = None
     fed: int = 0  # tokens of prompt + generated that are in the KV cache
@@ -416,7 +416,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
 
     def _fingerprint(self) -> None:
         """The attestation: from the tensors the engine now holds, not the update it was sent;
-        computed in the engine's fingerprint thread (:attr:`fingerprint` waits for it)."""
+        computed by the next decoding step or when asked (:class:`_Pending`)."""
         if not self._attest:
             return
         self._held_print = _Pending(lambda: fingerprint(self._weights.served(self.model)))

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from hydra.utils import get_object
 
+from orchestrator.config import target_of
 from orchestrator.errors import ConfigError, PolyRLError, RunAborted, first_line
 from orchestrator.launch.base import TrainerRecipe
 from orchestrator.trainer.base import Forwarded, TrainStats
@@ -53,14 +53,10 @@ def world_size(recipe: TrainerRecipe) -> int | None:
         return None
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"trainer.world_size must be an integer >= 1 or null, got {size!r}")
-    target = recipe.trainer.get("_target_")
-    try:
-        trainer = get_object(str(target))
-    except Exception:  # noqa: BLE001 - one line below names the key
-        trainer = None
-    if not getattr(trainer, "trains_in_ranks", False):
+    if not getattr(target_of(recipe.trainer), "trains_in_ranks", False):
         raise ConfigError(f"trainer.world_size={size} needs a trainer that trains in ranks "
-                          f"(trainer._target_=orchestrator.trainer.TorchTrainer), not {target}")
+                          f"(trainer._target_=orchestrator.trainer.TorchTrainer), not "
+                          f"{recipe.trainer.get('_target_')}")
     return size
 
 
