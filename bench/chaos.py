@@ -538,29 +538,34 @@ def audit_attestation(chaos: Chaos, clean_steps: int = 0) -> dict[str, Any]:
 
 
 def soak(minutes: float, quick: bool, seed: int, keep: Path | None,
-         phases: tuple[Phase, ...] = PHASES, smoke: bool = False) -> dict[str, dict[str, Any]]:
+         phases: tuple[Phase, ...] = PHASES, smoke: bool = False,
+         address: str | None = None) -> dict[str, dict[str, Any]]:
     """Run each phase in turn on one Ray cluster (``quick``: one fault of each kind; ``smoke``:
     so too, on the toy model, each fault after the next step) and return :func:`audit`'s
-    findings per phase; run directories stay under ``keep`` if given."""
+    findings per phase; run directories stay under ``keep`` if given. The cluster is one this
+    starts (one node, 3 CPUs) and shuts down, or the running one at ``address`` (3 CPUs free:
+    the trainer and two engines)."""
     import ray
     from ray.cluster_utils import Cluster
 
     rng = random.Random(seed)
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={
-        "num_cpus": 3, "include_dashboard": False})
+    cluster = None if address is not None else Cluster(
+        initialize_head=True, connect=False,
+        head_node_args={"num_cpus": 3, "include_dashboard": False})
+    address = cluster.address if cluster is not None else address
     tmp = tempfile.TemporaryDirectory(prefix="bench-chaos-") if keep is None else None
     root = Path(tmp.name) if tmp is not None else keep
     assert root is not None
     results: dict[str, dict[str, Any]] = {}
     server: subprocess.Popen[str] | None = None
     try:
-        ray.init(address=cluster.address, logging_level="ERROR")
+        ray.init(address=address, logging_level="ERROR")
         for phase in phases:
             search_url = None
             if any(kind.startswith("search_") for kind in phase.kinds):
                 server, search_url = search_server(root)
             share = phase.share / (sum(p.share for p in phases) or 1)
-            results[phase.name] = run_phase(phase, root / phase.name, cluster.address, rng,
+            results[phase.name] = run_phase(phase, root / phase.name, address, rng,
                                             minutes * share, quick or smoke, search_url, smoke)
             if server is not None:
                 server.kill()
@@ -573,7 +578,8 @@ def soak(minutes: float, quick: bool, seed: int, keep: Path | None,
             server.wait()
         if ray.is_initialized():
             ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         if tmp is not None:
             tmp.cleanup()
 

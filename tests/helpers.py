@@ -157,26 +157,6 @@ def run_step_files(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
             for kind, steps in trace.files.items() for step in steps}
 
 
-@contextmanager
-def ray_cluster(head: dict[str, float], worker: dict[str, float], workers: int = 2) -> Iterator[Any]:
-    """A real local multi-node Ray cluster: a head and ``workers`` nodes of one CPU each, with
-    custom ``resources`` to place actors on (``head`` and ``worker``); shut down after."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={
-        "num_cpus": 1, "resources": head, "include_dashboard": False})
-    for _ in range(workers):
-        cluster.add_node(num_cpus=1, resources=worker)
-    cluster.wait_for_nodes()
-    try:
-        yield cluster
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        cluster.shutdown()
-
-
 def make_groups(seed: int = 0, count: int = 5, size: int = 4) -> list[Group]:
     """Groups of varied lengths sharing a prompt each, mixed rewards, behaviour log-probs."""
     rng = random.Random(seed)

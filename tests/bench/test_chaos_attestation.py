@@ -1,5 +1,5 @@
 """bench.chaos's weight-attestation runs, shortened (5 clean steps instead of 200), on a real
-local Ray cluster with two engine actors: an engine that skips a sync, one that loads all but
+local Ray cluster (the test process's, ``ray_nodes``) with two engine actors: an engine that skips a sync, one that loads all but
 one tensor, one that goes back to its starting weights (full weights) and one that loads the
 previous adapters (LoRA), each armed after a trained step; the audit of the runs' own files
 finds each detected in the first batch with its tokens, its engine named, none of its tokens
@@ -12,6 +12,7 @@ import json
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,8 +23,10 @@ from bench.chaos import ATTEST, ATTEST_LORA, ATTESTATION, ATTESTED, Chaos, audit
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 
-def test_each_attestation_fault_is_detected_and_the_audit_can_tell(tmp_path: Path) -> None:
-    results = soak(0, True, 0, tmp_path, phases=(replace(ATTEST, clean_steps=5), ATTEST_LORA))
+def test_each_attestation_fault_is_detected_and_the_audit_can_tell(ray_nodes: Any,
+                                                                   tmp_path: Path) -> None:
+    results = soak(0, True, 0, tmp_path, phases=(replace(ATTEST, clean_steps=5), ATTEST_LORA),
+                   address=ray_nodes.address)
     faults = [f for r in results.values() for f in r["attestation"]]
     assert {f["kind"] for f in faults if f["first_trained_step"] is not None} == set(ATTESTATION)
     for result in results.values():

@@ -10,12 +10,13 @@ import json
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
 
-from helpers import ray_cluster, run_spans, run_step_files
+from helpers import run_spans, run_step_files
 from test_agent_learning import agent_config
 
 from orchestrator.main import run
@@ -23,18 +24,17 @@ from orchestrator.main import run
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 
-def test_agent_episodes_train_under_launcher_ray(tmp_path: Path) -> None:
+def test_agent_episodes_train_under_launcher_ray(ray_nodes: Any, tmp_path: Path) -> None:
     steps, batch = 3, 8
-    with ray_cluster({"head_node": 1}, {"engine_node": 1}) as cluster:
-        config = agent_config(
-            "toy_agents:calculator", f"pipeline.num_steps={steps}", f"pipeline.batch_size={batch}",
-            "rollout.group_size=4", "eval.num_tasks=4", "launcher=ray",
-            f"launcher.address='{cluster.address}'", f"launcher.namespace=agent-{uuid.uuid4().hex[:6]}",
-            "launcher.num_engines=2", "launcher.placement=spread",
-            "launcher.engine.resources={engine_node: 1}", "launcher.trainer.resources={head_node: 1}",
-            "launcher.span_flush_s=1")
-        result = run(config, tmp_path)
-        engine_nodes = {node.node_id for node in cluster.worker_nodes}
+    config = agent_config(
+        "toy_agents:calculator", f"pipeline.num_steps={steps}", f"pipeline.batch_size={batch}",
+        "rollout.group_size=4", "eval.num_tasks=4", "launcher=ray",
+        f"launcher.address='{ray_nodes.address}'", f"launcher.namespace=agent-{uuid.uuid4().hex[:6]}",
+        "launcher.num_engines=2", "launcher.placement=spread",
+        "launcher.engine.resources={engine_node: 1}", "launcher.trainer.resources={head_node: 1}",
+        "launcher.span_flush_s=1")
+    result = run(config, tmp_path)
+    engine_nodes = {node.node_id for node in ray_nodes.worker_nodes}
     assert len(result.reports) == steps
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]

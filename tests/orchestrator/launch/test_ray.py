@@ -1,6 +1,6 @@
 """``launcher=ray`` on a real multi-node Ray cluster on this machine (orchestrator/launch/ray/).
 
-One cluster for the module (``ray.cluster_utils.Cluster``): a head with the ``head_node``
+One cluster for the test process (``ray_nodes`` in conftest.py): a head with the ``head_node``
 resource, where the trainer goes, and two worker nodes with ``engine_node``, one engine each.
 Every run goes through :func:`orchestrator.main.run` exactly as ``python -m orchestrator
 launcher=ray launcher.address=…`` would. Nothing is mocked: actors are killed with SIGKILL.
@@ -15,7 +15,6 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
 
-from helpers import quick_config, ray_cluster, run_spans, run_step_files
+from helpers import quick_config, run_spans, run_step_files
 from ray.cluster_utils import Cluster
 
 from orchestrator.config import explain
@@ -39,10 +38,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A head (the driver, the trainer) and two engine nodes."""
-    with ray_cluster({"head_node": 1}, {"engine_node": 1}) as cluster:
-        yield cluster
+def cluster(ray_nodes: Cluster) -> Cluster:
+    """The process's cluster (``ray_nodes``): the trainer on the head, an engine on each
+    worker node."""
+    return ray_nodes
 
 
 def ray_config(cluster: Cluster, namespace: str, *overrides: str) -> Any:

@@ -9,14 +9,13 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
 
-from helpers import quick_config, ray_cluster, run_spans
+from helpers import quick_config, run_spans
 from ray.cluster_utils import Cluster
 
 from orchestrator.config import explain
@@ -28,17 +27,17 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A head (the driver, the engine) and two trainer nodes."""
-    with ray_cluster({"engine_node": 1}, {"trainer_node": 1}) as cluster:
-        yield cluster
+def cluster(ray_nodes: Cluster) -> Cluster:
+    """The process's cluster (``ray_nodes``): the engine on the head, a trainer rank on each
+    worker node."""
+    return ray_nodes
 
 
 def ranks_config(cluster: Cluster, namespace: str, *overrides: str):  # type: ignore[no-untyped-def]
     return quick_config(
         "smoke", "launcher=ray", f"launcher.address='{cluster.address}'",
         f"launcher.namespace={namespace}", "launcher.placement=spread", "trainer.world_size=2",
-        "launcher.engine.resources={engine_node: 1}", "launcher.trainer.resources={trainer_node: 1}",
+        "launcher.engine.resources={head_node: 1}", "launcher.trainer.resources={trainer_node: 1}",
         "launcher.span_flush_s=1", *overrides)
 
 
@@ -75,7 +74,7 @@ def test_two_rank_actors_train_as_one_trainer(cluster: Cluster, tmp_path: Path) 
     resumed = run(quick_config(
         "smoke", "launcher=ray", f"launcher.address='{cluster.address}'",
         f"launcher.namespace=test-{uuid.uuid4().hex[:6]}", "launcher.placement=spread",
-        "launcher.engine.resources={engine_node: 1}",
+        "launcher.engine.resources={head_node: 1}",
         "launcher.trainer.resources={trainer_node: 1}", "pipeline.num_steps=3"),
         tmp_path / "resumed", resume_from=last)
     assert [r.step for r in resumed.reports] == [2]

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import REPO
@@ -76,10 +77,10 @@ def test_two_rl_steps_with_the_vllm_engine(tmp_path: Path) -> None:
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_two_rl_steps_under_ray(tmp_path: Path) -> None:
-    pytest.importorskip("ray", reason="launcher=ray needs the ray extra")
-    # a Ray started for the run: the trainer and one engine as actors, each loading the model
+def test_two_rl_steps_under_ray(ray_nodes: Any, tmp_path: Path) -> None:
+    # the trainer and one engine as actors of the test process's cluster, each loading the model
     pytest.importorskip("reasoning_gym", reason="experiment=rg_smol needs the tasks extra")
-    metrics = two_steps(tmp_path, "launcher=ray", "launcher.namespace=polyrl-smollm2")
+    metrics = two_steps(tmp_path, "launcher=ray", f"launcher.address='{ray_nodes.address}'",
+                        "launcher.namespace=polyrl-smollm2")
     diffs = [m["engine/logprob_diff"] for m in metrics if "engine/logprob_diff" in m]
     assert diffs and max(diffs) <= 1e-4, diffs
