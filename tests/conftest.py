@@ -11,6 +11,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import helpers
 import pytest
 from filelock import FileLock
 from helpers import TINY_MODEL
@@ -149,30 +150,19 @@ def take_turns(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="session")
-def ray_nodes() -> Iterator[Any]:
-    """One real local multi-node Ray cluster (``ray.cluster_utils.Cluster``) for every test of
-    this process that runs Ray in it: a head with the ``head_node`` resource and two worker nodes
-    with ``engine_node`` and ``trainer_node``, one CPU each; shut down when the process ends.
-    Tests place actors with those resources (a trainer on the head and an engine on each worker
-    node, or an engine on the head and a trainer rank on each). One cluster, not one per test
-    file: a driver that connected to a cluster since shut down could crash the process when a
-    later one was torn down (a general protection fault in Ray 2.60's ``_raylet.so``, in the io
-    thread of the earlier driver), and each cluster costs seconds of CPU to start."""
-    ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
-    from ray.cluster_utils import Cluster
+@pytest.fixture
+def ray_nodes() -> Any:
+    """The process's Ray cluster (:func:`helpers.ray_nodes`), started by the first test that
+    asks for it."""
+    pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
+    return helpers.ray_nodes()
 
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={
-        "num_cpus": 1, "resources": {"head_node": 1}, "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1, resources={"engine_node": 1, "trainer_node": 1})
-    cluster.wait_for_nodes()
-    try:
-        yield cluster
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        cluster.shutdown()
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Shut the process's Ray cluster down once the next test is not one of Ray's group (its
+    daemons cost CPU while idle)."""
+    if nextitem is None or group(nextitem) != "ray":
+        helpers.stop_ray_nodes()
 
 
 @pytest.fixture

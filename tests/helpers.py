@@ -157,6 +157,45 @@ def run_step_files(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
             for kind, steps in trace.files.items() for step in steps}
 
 
+_ray_nodes: Any = None  # the process's Ray cluster, while Ray's tests run
+
+
+def ray_nodes() -> Any:
+    """One real local multi-node Ray cluster (``ray.cluster_utils.Cluster``) for every test of
+    this process that runs Ray in it: a head with the ``head_node`` resource and two worker
+    nodes with ``engine_node`` and ``trainer_node``, one CPU each. Tests place actors with those
+    resources (a trainer on the head and an engine on each worker node, or an engine on the
+    head and a trainer rank on each). Started on first use; conftest.py shuts it down after
+    the last test of Ray's group (:func:`stop_ray_nodes`). One cluster, not one per test file:
+    a driver that had connected to a cluster since shut down crashed the process when a later
+    one was torn down (a general protection fault in Ray 2.60's ``_raylet.so``, in the earlier
+    driver's io thread), and each start costs seconds of CPU."""
+    from ray.cluster_utils import Cluster
+
+    global _ray_nodes
+    if _ray_nodes is None:
+        cluster = Cluster(initialize_head=True, connect=False, head_node_args={
+            "num_cpus": 1, "resources": {"head_node": 1}, "include_dashboard": False})
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, resources={"engine_node": 1, "trainer_node": 1})
+        cluster.wait_for_nodes()
+        _ray_nodes = cluster
+    return _ray_nodes
+
+
+def stop_ray_nodes() -> None:
+    """Shut :func:`ray_nodes`' cluster down, if it runs (and this process's connection)."""
+    global _ray_nodes
+    if _ray_nodes is None:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    _ray_nodes.shutdown()
+    _ray_nodes = None
+
+
 def make_groups(seed: int = 0, count: int = 5, size: int = 4) -> list[Group]:
     """Groups of varied lengths sharing a prompt each, mixed rewards, behaviour log-probs."""
     rng = random.Random(seed)

@@ -23,7 +23,7 @@ import torch
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
 
-from helpers import quick_config, run_spans, run_step_files
+from helpers import quick_config, ray_nodes, run_spans, run_step_files
 from ray.cluster_utils import Cluster
 
 from orchestrator.config import explain
@@ -37,7 +37,7 @@ from orchestrator.weights import WeightUpdate
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster(ray_nodes: Cluster) -> Cluster:
     """The process's cluster (``ray_nodes``): the trainer on the head, an engine on each
     worker node."""
@@ -143,7 +143,8 @@ def test_weights_travel_through_the_object_store_in_any_dtype(cluster: Cluster) 
 
 
 @pytest.fixture(scope="module")
-def smoke_run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> tuple[RunResult, Path]:
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunResult, Path]:
+    cluster = ray_nodes()  # the tests that read it are of Ray's group: the cluster outlives them
     run_dir = tmp_path_factory.mktemp("smoke")
     # a preset with a reference policy (KL in the reward) and sequence-level aggregation: the
     # trainer actor builds every piece

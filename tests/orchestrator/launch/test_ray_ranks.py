@@ -26,7 +26,7 @@ from orchestrator.resume import RunState
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cluster(ray_nodes: Cluster) -> Cluster:
     """The process's cluster (``ray_nodes``): the engine on the head, a trainer rank on each
     worker node."""
