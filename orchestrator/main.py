@@ -197,10 +197,11 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         eval_cfg.check_ranked_figure(checkpoint_cfg.keep_best,
                                      {data_source(t, spec) for t in eval_tasks})
 
+    attest = bool(section(cfg, "engine").get("attest", False))
     trainer = launcher.trainer(TrainerRecipe(
         trainer=section(cfg, "trainer"), model=model_cfg, algo=section(cfg, "algo"),
         temperature=rollout_cfg.temperature, seed=seed, torch_threads=threads,
-        weight_delta=bool(section(cfg, "engine").get("delta", False))))
+        weight_delta=bool(section(cfg, "engine").get("delta", False)), fingerprint=attest))
     engine_recipe = engine_of(cfg)
 
     def make_engine(weights: WeightUpdate, recorder: Recorder) -> InferenceEngine:
@@ -238,7 +239,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         eval_own_engine=eval_on_own_engine(eval_cfg, cfg, launcher),
         progress=scalar(cfg, "progress"),
         progress_every=scalar(cfg, "progress_every"),
-        attest=bool(section(cfg, "engine").get("attest", False)),
+        attest=attest,
         judge=served_judge(cfg, spec),
     )
 

@@ -62,6 +62,8 @@ class TrainerRecipe:
     # engine.delta: a trainer in another process than its engines sends each update as a delta
     # from the last one too (orchestrator/delta.py); the trainer actor under launcher=ray does
     weight_delta: bool = False
+    # engine.attest: the trainer fingerprints each update it publishes (Trainer.fingerprints)
+    fingerprint: bool = True
 
     def release_cached_memory(self) -> None:
         """Under :attr:`colocated`, the GPU blocks torch's allocator holds free go back."""
@@ -84,7 +86,9 @@ class TrainerRecipe:
         algorithm = build_algorithm(self.algo)
         values = dict(self.trainer)
         cls = get_object(values.pop("_target_"))
-        return cls(policy=policy, algorithm=algorithm, temperature=self.temperature, **values)
+        trainer = cls(policy=policy, algorithm=algorithm, temperature=self.temperature, **values)
+        trainer.fingerprints = self.fingerprint
+        return trainer
 
 
 class Launcher(ABC):

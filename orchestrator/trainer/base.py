@@ -86,6 +86,10 @@ class Trainer(ABC):
     # Whether ``trainer.world_size`` can split this trainer over ranks (FSDP2: the launcher
     # builds one rank trainer per process, orchestrator/launch/ranks.py)
     trains_in_ranks: ClassVar[bool] = False
+    # engine.attest: each update :meth:`weights` publishes carries its fingerprint (computed
+    # on the trainer's device) for the engines' loads to be checked against; off, none is
+    # computed (a delta encoder computes its own)
+    fingerprints: bool = True
 
     @abstractmethod
     async def step(self, groups: Sequence[Group]) -> TrainStats:

@@ -304,7 +304,8 @@ class RankTrainer(TorchTrainer):
             update = WeightUpdate.by_reference(
                 self.version, {k: v.clone() for k, v in state.items()},
                 leased=False).with_wire_dtype(self._wire_dtype)
-        return update.attested().with_stats(gather_seconds=time.perf_counter() - started)
+        update = update.attested() if self.fingerprints else update
+        return update.with_stats(gather_seconds=time.perf_counter() - started)
 
     async def weights(self) -> WeightUpdate:
         raise TypeError("a rank's weights are gathered with RankTrainer.gather by every rank")

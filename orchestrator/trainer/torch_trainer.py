@@ -796,14 +796,16 @@ class TorchTrainer(Trainer):
     async def weights(self) -> WeightUpdate:
         """The model's tensors by reference; :meth:`step` waits for their release. With LoRA,
         copies of the adapters (the first time, with the base weights the engines start from).
-        Either carries its fingerprint, computed here on the trainer's device."""
+        Either carries its fingerprint, computed here on the trainer's device, if
+        :attr:`fingerprints`."""
         if self.lora is not None:
             update = adapter_update(self.version, self.model.state_dict(), self.lora.scale,
                                     with_base=not self._base_sent)
             self._base_sent = True
-            return update.attested()
-        self._published = WeightUpdate.by_reference(
-            self.version, self.model.state_dict()).with_wire_dtype(self._wire_dtype).attested()
+            return update.attested() if self.fingerprints else update
+        update = WeightUpdate.by_reference(
+            self.version, self.model.state_dict()).with_wire_dtype(self._wire_dtype)
+        self._published = update.attested() if self.fingerprints else update
         return self._published
 
     # -- checkpoints ---------------------------------------------------------------------
