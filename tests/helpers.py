@@ -167,9 +167,7 @@ def ray_nodes() -> Any:
     resources (a trainer on the head and an engine on each worker node, or an engine on the
     head and a trainer rank on each). Started on first use; conftest.py shuts it down after
     the last test of Ray's group (:func:`stop_ray_nodes`). One cluster, not one per test file:
-    a driver that had connected to a cluster since shut down crashed the process when a later
-    one was torn down (a general protection fault in Ray 2.60's ``_raylet.so``, in the earlier
-    driver's io thread), and each start costs seconds of CPU."""
+    each start costs seconds of CPU."""
     from ray.cluster_utils import Cluster
 
     global _ray_nodes

@@ -19,16 +19,20 @@ from orchestrator.main import run
 REPO = Path(__file__).resolve().parents[3]
 
 
-def agent_config(program: str, *overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("config", overrides=[
-            "env=agent", f"env.program={program}", "logger=none", "progress=false",
+def agent_overrides(program: str, *overrides: str) -> list[str]:
+    """The command line of a toy agent run: a tiny model, short replies, 16 steps."""
+    return ["env=agent", f"env.program={program}", "logger=none", "progress=false",
             "model.device=cpu", "model.hidden_size=32", "model.num_layers=1",
             "model.intermediate_size=64", "model.max_position_embeddings=1024",
             "warmstart.steps=0", "eval.num_tasks=8", "torch_threads=1",
             "pipeline.batch_size=32", "pipeline.num_workers=4", "pipeline.num_steps=16",
             "rollout.group_size=8", "rollout.max_tokens=8", "rollout.temperature=1.0",
-            "trainer.lr=2e-2", *overrides])
+            "trainer.lr=2e-2", *overrides]
+
+
+def agent_config(program: str, *overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=agent_overrides(program, *overrides))
 
 
 def assert_learns(program: str, tmp_path: Path, *overrides: str) -> dict:

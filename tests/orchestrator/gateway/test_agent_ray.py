@@ -2,11 +2,17 @@
 runs on the driver, beside the pipeline, in front of the Ray router; its calls are served by
 engine actors on the worker nodes; the trainer is an actor on the head. A toy agent program
 (the openai SDK's tool loop) trains a few steps, every call is recorded and no episode is
-lost."""
+lost. The run is a process of its own (``python -m orchestrator``, as a user runs it): twice,
+in the one process of Ray's tests, a thread of this run's Ray driver outlived
+``ray.shutdown()`` and crashed that process (a general protection fault in ``_raylet.so``) when
+a later run's driver was torn down."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -16,26 +22,27 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
 
-from helpers import run_spans, run_step_files
-from test_agent_learning import agent_config
-
-from orchestrator.main import run
+from helpers import REPO, run_spans, run_step_files
+from test_agent_learning import agent_overrides
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 
 def test_agent_episodes_train_under_launcher_ray(ray_nodes: Any, tmp_path: Path) -> None:
     steps, batch = 3, 8
-    config = agent_config(
+    command = agent_overrides(
         "toy_agents:calculator", f"pipeline.num_steps={steps}", f"pipeline.batch_size={batch}",
         "rollout.group_size=4", "eval.num_tasks=4", "launcher=ray",
         f"launcher.address='{ray_nodes.address}'", f"launcher.namespace=agent-{uuid.uuid4().hex[:6]}",
         "launcher.num_engines=2", "launcher.placement=spread",
         "launcher.engine.resources={engine_node: 1}", "launcher.trainer.resources={head_node: 1}",
-        "launcher.span_flush_s=1")
-    result = run(config, tmp_path)
+        "launcher.span_flush_s=1", f"hydra.run.dir={tmp_path}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "orchestrator", *command], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=200, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
     engine_nodes = {node.node_id for node in ray_nodes.worker_nodes}
-    assert len(result.reports) == steps
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     metrics = [r for r in records if "reward/mean" in r]
@@ -43,7 +50,7 @@ def test_agent_episodes_train_under_launcher_ray(ray_nodes: Any, tmp_path: Path)
     assert all("train/loss" in m for m in metrics)
     # every call recorded: each trained sample is one segment of at least one call
     assert all(m["agent/calls"] >= 1 and m["agent/segments"] == 1 for m in metrics)
-    last = result.reports[-1].metrics
+    last = metrics[-1]
     assert last["agent/episodes"] >= steps * batch
     assert last.get("agent/errors", 0) == last.get("agent/timeouts", 0) == 0
     # no episode lost or trained twice: each trained sample is one episode's one segment
