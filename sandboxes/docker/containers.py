@@ -48,6 +48,10 @@ class Container:
         self.outages = outages  # the engine's outages before its runner stream was attached
         self.uses = 0
         self.broken = False
+        # whether its end is accounted for: counted as lost (``faults/sandbox_lost``) or the
+        # code's doing. A box that goes unaccounted (an episode cancelled mid-call) is looked
+        # at once more as it goes, so a kill from outside is counted however it was found.
+        self.accounted = False
 
 
 def cgroup_oom_kills(container_id: str) -> int | None:

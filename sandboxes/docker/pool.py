@@ -229,7 +229,7 @@ class DockerSandboxPool(SandboxPool):
                 self._ready.remove(box)
                 self.stats["lost"] += 1
                 log.warning("sandbox pool: a warm container was killed from outside; replacing it")
-                box.broken = True
+                box.broken = box.accounted = True
                 self._release_soon(box)  # broken: destroyed, and the pool filled again
 
     def metrics(self) -> dict[str, float]:
@@ -325,14 +325,16 @@ class DockerSandboxPool(SandboxPool):
                 except RunnerGone:
                     if await self._lost_box(box):  # killed from outside between two calls
                         self.stats["lost"] += 1
-                    box.broken = True  # counted (or the code's doing): not looked at again
+                    box.broken = box.accounted = True  # counted, or the code's doing
             if frame is not None and protocol.parse_response(frame)[0] == 0:
                 self.stats["reused"] += 1
                 self._ready.append(box)
                 self._notify()
                 return
-        if not box.broken and await self._killed_after_use(box):
-            self.stats["lost"] += 1  # killed after its episode's last call: nothing ran again
+        if not box.accounted and await self._killed_after_use(box):
+            # killed after its episode's last call, or under a call its episode was cancelled
+            # in before the kill was found: nothing ran again
+            self.stats["lost"] += 1
         await self._destroy(box)
 
     async def _killed_after_use(self, box: Container) -> bool:

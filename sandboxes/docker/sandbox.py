@@ -80,7 +80,8 @@ class DockerSandbox(Sandbox):
             gone = e
         except BaseException:
             # cancelled mid-call: the stream is out of step, so the container goes and
-            # the session's next call starts in a fresh one
+            # the session's next call starts in a fresh one (unaccounted: if it was killed
+            # from outside, its release counts it)
             box.broken = True
             self._container = None
             self._pool._release_soon(box)
@@ -94,7 +95,9 @@ class DockerSandbox(Sandbox):
         try:  # ... unless the engine itself went away: then it is not the code's doing
             await self._pool.link.require(gone)
             if retry and gone is not None and await self._pool._lost_box(box):
+                box.accounted = True  # counted by exec, which runs the call again
                 return None  # killed from outside or cut: not the code's doing either
+            box.accounted = True  # the code's doing (its deadline, its memory, its runner)
         finally:
             self._pool._release_soon(box)
         if scope.cancelled_caught:

@@ -276,6 +276,29 @@ async def test_a_container_killed_under_a_call_runs_the_call_again_in_a_fresh_on
 
 
 @pytest.mark.anyio
+async def test_a_container_killed_under_a_call_its_episode_then_ends_is_counted_as_it_goes(
+        docker_client) -> None:
+    """The kill and the episode's end in one moment (bench.chaos killed a container and, a
+    second later, the inference engine its episode waited on): the call is cancelled before
+    it has judged the kill, and the pool still counts it, as the container goes."""
+    pool = DockerSandboxPool(small_config(timeout_s=10.0, max_timeout_s=10.0))
+    with anyio.fail_after(60):
+        async with pool:
+            async with pool.session() as sb:
+                assert (await sb.exec("x = 1")).ok
+                container = sb._container
+                assert container is not None
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(sb.exec, "import time\ntime.sleep(5)")
+                    await anyio.sleep(0.5)
+                    await anyio.to_thread.run_sync(docker_client.api.kill, container.id)
+                    tg.cancel_scope.cancel()  # the episode ends: its call with it
+            while pool.stats["destroyed"] < 1:
+                await anyio.sleep(0.05)
+            assert pool.metrics()["faults/sandbox_lost"] == 1.0
+
+
+@pytest.mark.anyio
 async def test_a_container_killed_after_its_last_call_is_counted_when_it_goes(
         docker_client) -> None:
     """Not kept (reuse off), so no reset would meet the kill: the pool looks once as the
