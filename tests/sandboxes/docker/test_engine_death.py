@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -275,6 +276,19 @@ async def test_a_container_killed_under_a_call_runs_the_call_again_in_a_fresh_on
             assert pool.metrics()["faults/sandbox_lost"] == 1.0
 
 
+async def used_container(sb: Any) -> Any:
+    """The session's container, once code has run in it."""
+    assert (await sb.exec("x = 1")).ok
+    assert sb._container is not None
+    return sb._container
+
+
+async def destroyed(pool: DockerSandboxPool, count: int) -> None:
+    """Until the pool has destroyed ``count`` containers (bounded by the test's fail_after)."""
+    while pool.stats["destroyed"] < count:
+        await anyio.sleep(0.05)
+
+
 @pytest.mark.anyio
 async def test_a_container_killed_under_a_call_its_episode_then_ends_is_counted_as_it_goes(
         docker_client) -> None:
@@ -285,16 +299,13 @@ async def test_a_container_killed_under_a_call_its_episode_then_ends_is_counted_
     with anyio.fail_after(60):
         async with pool:
             async with pool.session() as sb:
-                assert (await sb.exec("x = 1")).ok
-                container = sb._container
-                assert container is not None
+                container = await used_container(sb)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(sb.exec, "import time\ntime.sleep(5)")
                     await anyio.sleep(0.5)
                     await anyio.to_thread.run_sync(docker_client.api.kill, container.id)
                     tg.cancel_scope.cancel()  # the episode ends: its call with it
-            while pool.stats["destroyed"] < 1:
-                await anyio.sleep(0.05)
+            await destroyed(pool, 1)
             assert pool.metrics()["faults/sandbox_lost"] == 1.0
 
 
@@ -308,17 +319,13 @@ async def test_a_container_killed_after_its_last_call_is_counted_when_it_goes(
     with anyio.fail_after(60):
         async with pool:
             async with pool.session() as sb:
-                assert (await sb.exec("x = 1")).ok
-                container = sb._container
-                assert container is not None
+                container = await used_container(sb)
                 await anyio.to_thread.run_sync(docker_client.api.kill, container.id)
-            while pool.stats["destroyed"] < 1:
-                await anyio.sleep(0.05)
+            await destroyed(pool, 1)
             assert pool.metrics()["faults/sandbox_lost"] == 1.0
             async with pool.session() as sb:  # a clean one that goes is not counted
                 assert (await sb.exec("x = 1")).ok
-            while pool.stats["destroyed"] < 2:
-                await anyio.sleep(0.05)
+            await destroyed(pool, 2)
             assert pool.metrics()["faults/sandbox_lost"] == 1.0
 
 
