@@ -176,6 +176,7 @@ class Pipeline:
         self.faults: dict[str, float] = {}  # the whole run's, as of the last report
         # engine.attest: each batch's segments checked against the published fingerprints
         self.attestor = Attestor() if attest else None
+        self._unpublished: list[WeightUpdate] = []  # sent, their fingerprints not yet published
 
     async def run(self) -> list[StepReport]:
         groups_per_batch = self.config.batch_size // self.rollout.group_size
@@ -183,7 +184,7 @@ class Pipeline:
             # before the first step's count starts: this gather is no step's
             current = await self.trainer.weights()
             current.release()
-            self.attestor.publish(current.version, current.fingerprint)
+            self.attestor.publish(current.version, await current.known_fingerprint())
         self._reported_seconds = self.recorder.totals()  # not the warm start's or an evaluation's
         # Room for every group admission allows, so workers never block on a full stream
         # while holding finished work; admission is the real bound.
@@ -367,8 +368,8 @@ class Pipeline:
                     metrics = await self.trainer.step(groups)
                     attrs["samples"] = sum(len(g) for g in groups)
                 update = await self.trainer.weights()
-                if self.attestor is not None:
-                    self.attestor.publish(update.version, update.fingerprint)
+                if self.attestor is not None:  # its fingerprint may still be being computed
+                    self._unpublished.append(update)
                 periodic = self.evaluation
                 due = (periodic is not None and (step + 1) % periodic.every == 0
                        and not self._evaluating)
@@ -401,6 +402,13 @@ class Pipeline:
         engines reload the last update (the trainer's weights, sent again through weight sync)."""
         if self.attestor is None:
             return batch
+        # The fingerprints this batch is checked against: the last update's is still being
+        # computed beside this step unless the batch has tokens of its version already.
+        versions = {a.version for g in batch for t in g.group.trajectories for a in t.attestations}
+        for update in list(self._unpublished):
+            if update.version in versions or update.fingerprint_known:
+                self.attestor.publish(update.version, await update.known_fingerprint())
+                self._unpublished.remove(update)
         groups, failed = self.attestor.check([g.group for g in batch])
         if failed:
             await send_weights.send(await self.trainer.weights())

@@ -31,6 +31,12 @@ the bitwise difference from the version before: an engine that holds that versio
 the delta instead of pulling the full tensors, which the update still offers for every other
 engine and for a delta that fails its attestation.
 
+:attr:`fingerprint` (``engine.attest``; :mod:`orchestrator.fingerprint`) is that of the weights an
+engine serves once it has loaded the update. :meth:`attested` computes it at once;
+:meth:`attested_in` has an executor's thread compute it while the update travels (reading
+:attr:`fingerprint` waits for it; :meth:`known_fingerprint` awaits it), so a trainer that does
+so must not change its tensors before it is done (:meth:`wait_fingerprinted`).
+
 A LoRA trainer's update carries :class:`Adapters`: its tensors are ``<weight>::lora_A`` and
 ``<weight>::lora_B`` pairs (plus, in the first update, the base weights) and an engine applies
 them with an :class:`AdapterMerger`.
@@ -39,6 +45,7 @@ them with an :class:`AdapterMerger`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -74,7 +81,8 @@ class WeightUpdate:
     adapters: Adapters | None = None  # LoRA: the tensors are adapters (see AdapterMerger)
     stats: Mapping[str, float] = field(default_factory=dict)  # e.g. gather_seconds
     wire_dtype: torch.dtype | None = None  # floating tensors' dtype once copied (module doc)
-    fingerprint: str | None = None  # of the weights an engine serves once loaded (served_tensors)
+    # of the weights an engine serves once loaded (served_tensors): :attr:`fingerprint`
+    _fingerprint: str | Future[str] | None = field(default=None, repr=False)
     delta: Delta | None = None  # the same weights as a difference from the last ones (module doc)
 
     # -- making one --------------------------------------------------------------------------
@@ -119,9 +127,46 @@ class WeightUpdate:
     def attested(self) -> WeightUpdate:
         """This update with its :attr:`fingerprint`, computed where its tensors are (the
         trainer's device) from :meth:`served_tensors`: what an engine must report once loaded."""
+        return replace(self, _fingerprint=self._served_fingerprint())
+
+    def attested_in(self, executor: Executor) -> WeightUpdate:
+        """This update with its :attr:`fingerprint` being computed by ``executor`` (a thread
+        beside the caller's): the update can travel meanwhile. Its tensors must not change
+        until :meth:`wait_fingerprinted`."""
+        return replace(self, _fingerprint=executor.submit(self._served_fingerprint))
+
+    def _served_fingerprint(self) -> str:
         from orchestrator.fingerprint import fingerprint
 
-        return replace(self, fingerprint=fingerprint(self.served_tensors()))
+        return fingerprint(self.served_tensors())
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The fingerprint of the weights an engine serves once it has loaded this update (None
+        unless attested); one still being computed (:meth:`attested_in`) is waited for."""
+        print_ = self._fingerprint
+        return print_.result() if isinstance(print_, Future) else print_
+
+    def wait_fingerprinted(self) -> None:
+        """Return once a fingerprint being computed is done: the tensors may change then.
+        Blocks (call it off the event loop)."""
+        _ = self.fingerprint
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (for another process) with its fingerprint computed."""
+        return {**self.__dict__, "_fingerprint": self.fingerprint}
+
+    @property
+    def fingerprint_known(self) -> bool:
+        """Whether :attr:`fingerprint` can be read without waiting."""
+        return not isinstance(self._fingerprint, Future) or self._fingerprint.done()
+
+    async def known_fingerprint(self) -> str | None:
+        """:attr:`fingerprint`, awaited without blocking the event loop."""
+        print_ = self._fingerprint
+        if isinstance(print_, Future) and not print_.done():
+            await anyio.to_thread.run_sync(print_.result)
+        return self.fingerprint
 
     def served_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors the fingerprint covers, as an engine holds them: floating ones in the
@@ -136,7 +181,7 @@ class WeightUpdate:
         """``other`` (the same weights over another transport) with this one's adapters, stats,
         wire dtype, fingerprint and delta."""
         return replace(other, adapters=self.adapters, stats=self.stats, wire_dtype=self.wire_dtype,
-                       fingerprint=self.fingerprint, delta=self.delta)
+                       _fingerprint=self._fingerprint, delta=self.delta)
 
     # -- other transports ---------------------------------------------------------------------
 

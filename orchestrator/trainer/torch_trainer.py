@@ -30,6 +30,7 @@ import copy
 import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -299,6 +300,8 @@ class TorchTrainer(Trainer):
         )
         self.version = 0
         self._published: WeightUpdate | None = None  # by reference, until the engines release it
+        self._fingerprinting: WeightUpdate | None = None  # its fingerprint still being computed
+        self._fingerprinter: ThreadPoolExecutor | None = None  # the thread computing it
         self._warm_optimizer: torch.optim.Optimizer | None = None
         self._base_sent = False  # LoRA: the engines have the base weights
 
@@ -571,6 +574,7 @@ class TorchTrainer(Trainer):
                         sums[k] = sums.get(k, 0.0) + v
             grad_norm = self._clip_gradients()
             kill_point("train_step", self.version)
+            self._weights_may_change()
             self.optimizer.step()
             updated = True
         if updated:  # the schedule counts updates: a step with nothing to train is none
@@ -788,6 +792,7 @@ class TorchTrainer(Trainer):
                 loss.backward()
                 total += float(loss.detach())
         self._clip_gradients()
+        self._weights_may_change()
         optimizer.step()
         return self._all_sum([total])[0]
 
@@ -796,17 +801,31 @@ class TorchTrainer(Trainer):
     async def weights(self) -> WeightUpdate:
         """The model's tensors by reference; :meth:`step` waits for their release. With LoRA,
         copies of the adapters (the first time, with the base weights the engines start from).
-        Either carries its fingerprint, computed here on the trainer's device, if
-        :attr:`fingerprints`."""
+        Either carries its fingerprint, computed on the trainer's device, if
+        :attr:`fingerprints`, by a thread of its own while the update travels to the engines
+        and the next step's forward and backward passes run (the optimiser step waits for it);
+        at the default experiment's size that hides it from the step's time
+        (docs/attestation.md)."""
         if self.lora is not None:
             update = adapter_update(self.version, self.model.state_dict(), self.lora.scale,
                                     with_base=not self._base_sent)
             self._base_sent = True
-            return update.attested() if self.fingerprints else update
-        update = WeightUpdate.by_reference(
-            self.version, self.model.state_dict()).with_wire_dtype(self._wire_dtype)
-        self._published = update.attested() if self.fingerprints else update
-        return self._published
+        else:
+            update = self._published = WeightUpdate.by_reference(
+                self.version, self.model.state_dict()).with_wire_dtype(self._wire_dtype)
+        if self.fingerprints:
+            # computed while the update travels and the next step's forward and backward run
+            if self._fingerprinter is None:
+                self._fingerprinter = ThreadPoolExecutor(1, thread_name_prefix="fingerprint")
+            update = self._fingerprinting = update.attested_in(self._fingerprinter)
+        return update
+
+    def _weights_may_change(self) -> None:
+        """Wait until the fingerprint of the last update published is computed: it reads the
+        tensors an optimiser step or a load changes (called in a worker thread)."""
+        if self._fingerprinting is not None:
+            self._fingerprinting.wait_fingerprinted()
+            self._fingerprinting = None
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -825,6 +844,7 @@ class TorchTrainer(Trainer):
 
     def restore(self, snapshot: TrainerSnapshot) -> None:
         """Load a snapshot (read from a checkpoint, or shipped to a trainer actor)."""
+        self._weights_may_change()  # (before loading the weights; load_state_dict loads again)
         self.model.load_state_dict(snapshot.weights, strict=False)  # tied weights are saved once
         self.load_state_dict({**snapshot.owned_state(), "model": self.model.state_dict()})
 
@@ -836,6 +856,7 @@ class TorchTrainer(Trainer):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._weights_may_change()
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:

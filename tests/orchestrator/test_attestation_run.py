@@ -8,16 +8,18 @@ ends the run in one line; an engine that cannot attest is refused at start."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
-from helpers import quick_config, run_step_files
+from helpers import make_groups, quick_config, run_step_files
 
 from orchestrator.attest import AttestationFailed
 from orchestrator.config import explain
 from orchestrator.errors import ConfigError, chain
 from orchestrator.fingerprint import fingerprint
 from orchestrator.main import run, training_parts
+from orchestrator.weights import WeightUpdate
 
 # weight decay: every step changes the weights, whatever the rewards (all 0 would leave them)
 RUN = ("pipeline.num_steps=4", "warmstart.steps=0", "eval.num_tasks=0", "rollout.max_tokens=8",
@@ -108,3 +110,26 @@ async def test_the_trainer_fingerprints_what_it_publishes_only_for_engines_that_
     assert (update.fingerprint is not None) == attest
     if attest:
         assert update.fingerprint == fingerprint(update.served_tensors())
+
+
+@pytest.mark.anyio
+async def test_the_next_steps_update_waits_for_the_fingerprint_of_the_weights_published(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's fingerprint is computed in a thread of its own while the update travels and
+    the next step's passes run; that step's optimiser update waits for it, so the fingerprint
+    is of the weights published even when it takes longer than the step's passes."""
+    slow = WeightUpdate._served_fingerprint
+
+    def slower(update: WeightUpdate) -> str:
+        time.sleep(0.5)  # longer than the toy model's forward and backward passes
+        return slow(update)
+
+    monkeypatch.setattr(WeightUpdate, "_served_fingerprint", slower)
+    trainer = training_parts(quick_config("smoke")).trainer
+    update = await trainer.weights()
+    published = {k: v.clone() for k, v in update.served_tensors().items()}
+    update.release()  # the engines' copy is made
+    await trainer.step(make_groups())
+    assert update.fingerprint == fingerprint(published)
+    changed = await trainer.weights()
+    assert await changed.known_fingerprint() != update.fingerprint  # the step changed them
