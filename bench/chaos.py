@@ -692,6 +692,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep the run directories under this folder")
+    parser.add_argument("--address", default=None,
+                        help="run on this running Ray cluster (3 CPUs free) instead of "
+                             "starting one")
     add_smoke(parser)
     args = parser.parse_args(argv)
     if why := cannot_measure():
@@ -701,7 +704,8 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     started = time.monotonic()
     results = soak(args.minutes, args.quick, args.seed, args.keep,
-                   phases=(CODE,) if args.smoke else PHASES, smoke=args.smoke)
+                   phases=(CODE,) if args.smoke else PHASES, smoke=args.smoke,
+                   address=args.address)
     total = missed = false = clean = 0
     for name, result in results.items():
         print(f"{name}: steps {result['steps']} (missing {result['steps_missing']}, trace files "

@@ -83,10 +83,12 @@ def median(values: Sequence[float]) -> float:
 
 
 def run(name: str, overrides: Sequence[str], lr: float, steps: int, delta: bool,
-        folder: Path) -> Figures:
-    """``python -m orchestrator`` with the experiment ``name`` under Ray; its figures."""
+        folder: Path, address: str | None = None) -> Figures:
+    """``python -m orchestrator`` with the experiment ``name`` under Ray (a local one it
+    starts, or the running cluster at ``address``); its figures."""
     run_dir = folder / f"{name}-{lr:g}-{'delta' if delta else 'full'}"
-    args = [*base_args(name), *overrides, *RAY, f"engine.delta={str(delta).lower()}",
+    on = [f"launcher.address='{address}'"] if address else []
+    args = [*base_args(name), *overrides, *RAY, *on, f"engine.delta={str(delta).lower()}",
             f"trainer.lr={lr}", f"pipeline.num_steps={steps}", f"hydra.run.dir={run_dir}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
     done = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
@@ -160,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="6 steps each")
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep the runs' directories under this folder")
+    parser.add_argument("--address", default=None,
+                        help="run on this running Ray cluster (2 CPUs free) instead of a "
+                             "local one started for each run")
     add_smoke(parser)
     args = parser.parse_args(argv)
     steps = 4 if args.smoke else 6 if args.quick else args.steps
@@ -178,8 +183,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
         folder = args.keep or Path(tmp)
         for label, name, overrides, lr, with_full in workloads(args):
-            delta = run(name, overrides, lr, steps, True, folder)
-            full = run(name, overrides, lr, steps, False, folder) if with_full else None
+            delta = run(name, overrides, lr, steps, True, folder, args.address)
+            full = (run(name, overrides, lr, steps, False, folder, args.address)
+                    if with_full else None)
             ratio = report(label, lr, delta, full)
             if "SmolLM2" in label and lr == LOW_LR:
                 headline_ratio = ratio

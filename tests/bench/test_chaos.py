@@ -11,6 +11,7 @@ import random
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from bench_smoke import run_bench
@@ -28,10 +29,11 @@ def docker_engine() -> None:
         pytest.skip(why)
 
 
-def test_a_short_chaos_loses_nothing_and_the_audit_can_tell(docker_engine: None,
+def test_a_short_chaos_loses_nothing_and_the_audit_can_tell(docker_engine: None, ray_nodes: Any,
                                                             tmp_path: Path) -> None:
-    _, lost_total, out = run_bench("chaos", "--keep", str(tmp_path), timeout=540,
-                                   expect="chaos_lost")
+    # on the test process's Ray cluster (--address), as test_chaos_attestation.py's soak
+    _, lost_total, out = run_bench("chaos", "--keep", str(tmp_path), "--address",
+                                   ray_nodes.address, timeout=540, expect="chaos_lost")
     assert lost_total == 0, out
     found = re.search(r"^code_tool: steps (\d+) .*; samples (\d+) ", out, re.MULTILINE)
     assert found, out
