@@ -87,8 +87,8 @@ def run(name: str, overrides: Sequence[str], lr: float, steps: int, delta: bool,
     """``python -m orchestrator`` with the experiment ``name`` under Ray (a local one it
     starts, or the running cluster at ``address``); its figures."""
     run_dir = folder / f"{name}-{lr:g}-{'delta' if delta else 'full'}"
-    on = [f"launcher.address='{address}'"] if address else []
-    args = [*base_args(name), *overrides, *RAY, *on, f"engine.delta={str(delta).lower()}",
+    on_cluster = [f"launcher.address='{address}'"] if address else []
+    args = [*base_args(name), *overrides, *RAY, *on_cluster, f"engine.delta={str(delta).lower()}",
             f"trainer.lr={lr}", f"pipeline.num_steps={steps}", f"hydra.run.dir={run_dir}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
     done = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
