@@ -104,6 +104,26 @@ def others(scope, keep, roots):
     return [p for p in victims if p != me and p not in keep]
 
 
+FORK_WAIT_S = 5.0  # the longest a fork waits for the processes a request left to be reaped
+NO_ROOM = b"the sandbox's process limit is full: nothing could be started"
+
+
+def fork(deadline=None):
+    """``os.fork``, waiting while the pids limit is full. The processes a request left behind
+    are killed, but each still counts against the container's limit until init reaps it, so a
+    fork just after a fork bomb can be refused (EAGAIN) for a few milliseconds. Raises
+    BlockingIOError once ``deadline`` (default: FORK_WAIT_S from now) has passed."""
+    if deadline is None:
+        deadline = time.monotonic() + FORK_WAIT_S
+    while True:
+        try:
+            return os.fork()
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.002)
+
+
 def set_oom_first():
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
@@ -115,13 +135,19 @@ def set_oom_first():
 class Kernel:
     """A forked child holding the namespace; it runs one code string per request."""
 
-    def __init__(self):
+    def __init__(self, deadline=None):
         self.pid_reaped = False
         ctl_r, self.ctl_w = os.pipe()
         self.res_r, res_w = os.pipe()
         self.out_r, out_w = os.pipe()
         self.err_r, err_w = os.pipe()
-        self.pid = os.fork()
+        try:
+            self.pid = fork(deadline)
+        except BlockingIOError:
+            for fd in (ctl_r, res_w, out_w, err_w):
+                os.close(fd)
+            self.close()
+            raise
         if self.pid == 0:
             try:
                 child_setup(out_w, err_w, keep=(ctl_r, res_w))
@@ -264,8 +290,11 @@ class Supervisor:
             write_all(self.proto_out, LEN.pack(len(frame)) + frame)
 
     def run_python(self, body, deadline, max_out):
-        if self.kernel is None:
-            self.kernel = Kernel()
+        try:
+            if self.kernel is None:
+                self.kernel = Kernel(deadline)
+        except BlockingIOError:
+            return ERROR, NO_EXIT, 1, b"", NO_ROOM
         kernel = self.kernel
         try:
             while os.read(kernel.res_r, 4096):  # stale answers (from a cell's forked child)
@@ -277,7 +306,10 @@ class Supervisor:
             write_all(kernel.ctl_w, LEN.pack(len(body)) + body)
         except OSError:
             self.reset(wipe=False)
-            kernel = self.kernel = Kernel()
+            try:
+                kernel = self.kernel = Kernel(deadline)
+            except BlockingIOError:
+                return ERROR, NO_EXIT, 1, b"", NO_ROOM
             write_all(kernel.ctl_w, LEN.pack(len(body)) + body)
         done = []
 
@@ -315,7 +347,12 @@ class Supervisor:
         oom_before = oom_kills()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        pid = os.fork()
+        try:
+            pid = fork(deadline)
+        except BlockingIOError:
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            return ERROR, NO_EXIT, 0, b"", NO_ROOM
         if pid == 0:
             try:
                 child_setup(out_w, err_w, keep=())
@@ -449,7 +486,10 @@ class Supervisor:
         if wipe:
             for path in self.wipe_dirs:
                 failures += wipe_dir(path)
-            self.kernel = Kernel()
+            try:
+                self.kernel = Kernel()
+            except BlockingIOError:
+                failures += 1  # the next Python request starts one
         return failures
 
 
