@@ -2,7 +2,9 @@
 user runs it (vLLM's engine processes are spawned from the command line's main module, or
 from a Ray actor with ``launcher=ray``): the
 run trains, the engine's log-probs agree with the trainer's, and the run directory holds
-complete metrics, spans (weight syncs with their bytes) and PolyTrace files."""
+complete metrics, spans (weight syncs with their bytes) and PolyTrace files; and with
+``engine.attest=true`` every version's tokens carry one fingerprint, a new one each version, and
+no step finds an attestation failure."""
 
 from __future__ import annotations
 
@@ -37,12 +39,12 @@ def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: 
                                      intermediate_size=128)
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
-    result = subprocess.run(
+    result = subprocess.run(  # weight decay: every version's weights differ from the last
         [sys.executable, "-m", "orchestrator", "experiment=smoke", "engine=vllm", "model=hf",
          f"launcher={launcher}",
          f"model.path={checkpoint}", "model.dtype=float32", "model.device=cpu", "logger=none",
          "progress=false", "engine.kv_cache_bytes=256MiB", "engine.enforce_eager=true",
-         f"hydra.run.dir={run_dir}"],
+         "engine.attest=true", "trainer.weight_decay=0.1", f"hydra.run.dir={run_dir}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=280, check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -53,6 +55,7 @@ def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: 
     assert [m["policy/version"] for m in metrics] == [0, 1, 2, 3]
     for m in metrics:
         assert m["reward/mean"] >= 0.0 and m["train/loss"] == m["train/loss"]
+        assert m["faults/attestation"] == 0
     diffs = [m["engine/logprob_diff"] for m in metrics if "engine/logprob_diff" in m]
     assert diffs and max(diffs) < 1e-3, diffs
     print(f"engine/logprob_diff over the run: {diffs}")
@@ -69,3 +72,10 @@ def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: 
     for step in trace.steps():
         assert len(list(trace.workload(step))) == 16  # experiment=smoke's batch
         assert list(trace.packed_lengths(step)) and list(trace.reward_timings(step))
+
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    by_version: dict[int, set[str]] = {}
+    for segment in (s for sample in samples for s in sample["segments"]):
+        by_version.setdefault(segment["version"], set()).add(segment["fingerprint"])
+    assert all(len(f) == 1 for f in by_version.values()), by_version  # one per version
+    assert len(set.union(*by_version.values())) == len(by_version) > 1
