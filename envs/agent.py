@@ -146,6 +146,7 @@ class AgentProgram:
 
 class AgentSpec(EnvSpec):
     name = "agent"  # its registry name, also its tasks' data source in evaluations
+    runs_programs = True
 
     def __init__(
         self,

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, ClassVar, Protocol, Self
 
 from envs.answers import extract_math, normalise
 
@@ -237,6 +237,11 @@ class EnvSpec(ABC):
 
     def use_clock(self, clock: Clock) -> None:
         self.clock = clock
+
+    # Its episodes are programs of their own (envs.agent.AgentSpec.run_episode) that call the
+    # model through the run's gateway, not turns the run drives through make_env()'s Env: the
+    # run opens a gateway for it, and its training and evaluation episodes run that way.
+    runs_programs: ClassVar[bool] = False
 
     # The tasks of each split, set by the constructor ({"train": ..., "eval": ...}); a spec that
     # makes its tasks some other way overrides tasks() instead.

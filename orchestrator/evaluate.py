@@ -52,7 +52,6 @@ from dataclasses import replace
 import anyio
 import numpy as np
 
-from envs.agent import AgentSpec
 from envs.base import Task
 from envs.votes import Votes, votes_of
 from orchestrator.gateway import agent_gateway, evaluate_agents
@@ -74,7 +73,7 @@ async def evaluate(runner: EpisodeRunner, tasks: Sequence[Task],
     config = config if config is not None else EvalConfig()
     runner.spec.use_clock(runner.recorder.clock)  # tools report times on the recorder's clock
     sampler = runner.for_eval(config)
-    if isinstance(runner.spec, AgentSpec):
+    if runner.spec.runs_programs:
         async with agent_gateway(sampler) as gateway:
             assert gateway is not None
             samples = await evaluate_agents(gateway, sampler, tasks, config.n)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
+from typing import cast
 
 import anyio
 
@@ -31,7 +32,7 @@ Segments = list[tuple[Trajectory, EpisodeTiming]]
 async def agent_gateway(runner: EpisodeRunner) -> AsyncIterator[Gateway | None]:
     """The gateway of ``runner``'s engine when its env is an agent env (None otherwise), open
     for the block."""
-    if not isinstance(runner.spec, AgentSpec):
+    if not runner.spec.runs_programs:
         yield None
         return
     async with Gateway(runner.engine, runner.tokenizer, runner.recorder,
@@ -68,8 +69,7 @@ async def run_agent_group(gateway: Gateway, runner: EpisodeRunner, task: Task, w
                           queue_wait: float = 0.0) -> TimedGroup:
     """``group_size`` episodes of ``task``; every segment of them a sample of the group, in the
     order they finished."""
-    spec = runner.spec
-    assert isinstance(spec, AgentSpec)
+    spec = cast(AgentSpec, runner.spec)  # it runs programs: the pipeline opened a gateway
     numbers = itertools.count()  # the group's sample indices, taken as episodes finish
 
     async def one(index: int) -> Segments:
@@ -86,8 +86,7 @@ async def evaluate_agents(gateway: Gateway, runner: EpisodeRunner, tasks: Sequen
     an evaluation sample with the episode's reward, its segments' tokens and the answer in its
     last segment's final reply. An episode whose program never called the model is a sample
     with its reward (0 when it failed), no tokens and no answer."""
-    assert isinstance(runner.spec, AgentSpec)
-    spec, rollout = runner.spec, runner.config
+    spec, rollout = cast(AgentSpec, runner.spec), runner.config  # it runs programs
     samples: list[EvalSample] = []
 
     async def one(task: Task, index: int) -> None:
