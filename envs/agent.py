@@ -44,7 +44,8 @@ import httpx
 from envs.agent_workers import AgentWorkers, ProgramError
 from envs.base import Env, EnvSpec, Reward, Task
 from envs.errors import EnvConfigError, EnvError
-from envs.rewards import Sample, Scorer
+from envs.reward_functions import Sample
+from envs.rewards import Scorer
 
 log = logging.getLogger(__name__)
 

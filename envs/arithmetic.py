@@ -14,7 +14,8 @@ from typing import Any
 
 from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task
 from envs.errors import EnvConfigError
-from envs.rewards import Sample, Scorer
+from envs.reward_functions import Sample
+from envs.rewards import Scorer
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 

@@ -33,7 +33,8 @@ from typing import Any
 from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task, Votes
 from envs.errors import EnvConfigError, EnvNotRunning
 from envs.parsers import HermesParser
-from envs.rewards import Sample, Scorer
+from envs.reward_functions import Sample
+from envs.rewards import Scorer
 from envs.tool_env import Episode, ToolEnv, episode_sample
 from envs.tools import EpisodeContext, ToolError, ToolOutput, tool
 from envs.toolset import ToolSet

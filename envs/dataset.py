@@ -70,7 +70,8 @@ from typing import Any, overload
 
 from envs.base import Env, EnvSpec, Message, Reward, SingleTurnEnv, Task
 from envs.errors import EnvConfigError
-from envs.rewards import Sample, Scorer
+from envs.reward_functions import Sample
+from envs.rewards import Scorer
 
 log = logging.getLogger(__name__)
 

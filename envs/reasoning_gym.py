@@ -46,7 +46,8 @@ from typing import Any
 
 from envs.base import Env, EnvSpec, Reward, SingleTurnEnv, Task, Votes
 from envs.errors import EnvConfigError
-from envs.rewards import Sample, Scorer
+from envs.reward_functions import Sample
+from envs.rewards import Scorer
 
 INSTALL_HINT = "env=reasoning_gym needs the reasoning-gym package: pip install -e .[tasks]"
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

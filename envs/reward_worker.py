@@ -3,8 +3,8 @@
 
 import sys
 
+from envs.reward_functions import prepare_worker
 from envs.reward_pool import zygote_main
-from envs.rewards import prepare_worker
 
 if __name__ == "__main__":
     zygote_main(int(sys.argv[1]), sys.argv[3:], int(sys.argv[2]), prepare_worker)

@@ -9,7 +9,7 @@ env`` — also on cancellation.
 
 The reward is an async function of the finished :class:`Episode` (``score``); an environment
 built from config scores with ``env.reward`` (:mod:`envs.rewards`), the transcript handed to
-the reward as :attr:`envs.rewards.Sample.transcript` (:func:`episode_sample`).
+the reward as :attr:`envs.reward_functions.Sample.transcript` (:func:`episode_sample`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from envs.base import Env, Message, Reward, StepResult, Task, ToolCallRecord
 from envs.parsers import make_parser
-from envs.rewards import Sample
+from envs.reward_functions import Sample
 from envs.tools import EpisodeContext
 from envs.toolset import ToolSet
 

@@ -51,7 +51,8 @@ from typing import Any, Self
 from envs.answers import extract_final, extract_math
 from envs.base import EnvSpec, Votes
 from envs.reward_builtins import BUILTINS, choice_reward, f1_reward, squad_normalise
-from envs.rewards import JUDGE, Routes, Sample, Scorer, parse_reward
+from envs.reward_functions import JUDGE, Routes, Sample, parse_reward
+from envs.rewards import Scorer
 
 __all__ = ["Choice", "Exact", "InCaller", "Routed", "Scored", "Votes", "reading", "votes_for",
            "votes_of", "voting_term"]

@@ -52,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 from envs.base import Message, Reward
 from envs.dataset import BadRows, DatasetSpec, DatasetTask
 from envs.errors import EnvConfigError
-from envs.rewards import Term, parse_reward
+from envs.reward_functions import Term, parse_reward
 from orchestrator.config import CONF, check_target, explain, section, typed
 from orchestrator.models.tokenizer import Tokenizer
 

@@ -15,7 +15,8 @@ import pytest
 from bench.judge_server import Faults, JudgeServer
 from envs.errors import EnvConfigError
 from envs.judge import DEFAULT_TEMPLATE, Judge, JudgeConfig, load_template, parse_score
-from envs.rewards import Sample, Scorer
+from envs.reward_functions import Sample
+from envs.rewards import Scorer
 
 PROMPT = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"})
 

@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 from envs.errors import EnvConfigError
-from envs.rewards import Sample, Scorer
+from envs.reward_functions import Sample
+from envs.rewards import Scorer
 
 pytestmark = pytest.mark.anyio
 PROMPT = ({"role": "user", "content": "1+1="},)

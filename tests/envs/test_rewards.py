@@ -10,7 +10,8 @@ import pytest
 from envs.base import Reward, RewardTerm
 from envs.errors import EnvConfigError
 from envs.reward_builtins import extract_math, math_reward
-from envs.rewards import Sample, Scorer, parse_terms
+from envs.reward_functions import Sample, parse_terms
+from envs.rewards import Scorer
 
 
 @pytest.mark.parametrize(("completion", "answer"), [
