@@ -77,8 +77,6 @@ from envs.errors import EnvConfigError
 from envs.reward_builtins import BUILTINS, set_math_verify_timeout, warm_up
 from envs.reward_pool import Failure, Outcome
 
-log = logging.getLogger(__name__)
-
 RewardValue = float | Reward
 
 

@@ -93,7 +93,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     started, (own, waited) = time.perf_counter(), cpu()
     yield
     own_after, waited_after = cpu()
-    _cpu_rows.append({"test": item.nodeid, "ended": time.time(), "wall_s": time.perf_counter() - started,
+    _cpu_rows.append({"test": item.nodeid, "wall_s": time.perf_counter() - started,
                       "cpu_s": own_after - own, "subprocess_cpu_s": waited_after - waited})
 
 
