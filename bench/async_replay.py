@@ -1,10 +1,10 @@
 """Scheduling policies replayed at cluster scale, against what no scheduler can beat.
 
 Every policy runs through the run loop training uses (:func:`orchestrator.replay.replay`:
-:func:`~orchestrator.runloop.run_session` and the real :class:`~orchestrator.pipeline.Pipeline`,
-its admission, freshness check and weight sync) in virtual time (trio's MockClock), with
-engines replaying the fitted server model (:mod:`orchestrator.replay.model`) and a trainer
-cost model. Two workloads:
+:func:`~orchestrator.run.loop.run_session` and the real
+:class:`~orchestrator.pipeline.pipeline.Pipeline`, its admission, freshness check and weight sync)
+in virtual time (trio's MockClock), with engines replaying the fitted server model
+(:mod:`orchestrator.replay.model`) and a trainer cost model. Two workloads:
 
 * **search_r1** — the shipped sample of the search_r1 trace (``--trace`` for the published
   steps), multi-turn with search calls taking their recorded latencies, on the fitted server
@@ -69,6 +69,7 @@ from pathlib import Path
 
 from bench.cli import add_smoke, headline, refuse
 from envs.replay import EpisodePlan
+from orchestrator.config.schema import PipelineConfig, ReplayConfig
 from orchestrator.replay import (
     EngineFit,
     ReplayResult,
@@ -79,7 +80,6 @@ from orchestrator.replay import (
 )
 from orchestrator.replay.bound import Bound, BoundMeter, mean_tokens, workload_bound
 from orchestrator.replay.run import TrainerModel
-from orchestrator.schema import PipelineConfig, ReplayConfig
 from orchestrator.trace.generate import generate_workload
 from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
 from orchestrator.types import StepReport

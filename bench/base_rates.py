@@ -26,14 +26,14 @@ import torch
 from bench.cli import TOY_MODEL, add_smoke, headline
 from bench.peers_trl import experiment
 from envs.reasoning_gym import ReasoningGymSpec
-from orchestrator.config import section
+from orchestrator.config.read import section
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.torch_engine import TorchEngine
-from orchestrator.evaluate import evaluate
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.policy import build_policy
+from orchestrator.pipeline.evaluation import evaluate
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 NUMBER = "Answer with just the number."
 ONE_DIGIT_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,

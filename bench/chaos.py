@@ -227,7 +227,7 @@ class Chaos:
 
     def wait_checkpoint(self, deadline_s: float = STEP_WAIT_S) -> None:
         """Until the run has a complete checkpoint (a driver killed before one starts over)."""
-        from orchestrator.checkpoint import CheckpointStore
+        from orchestrator.run.checkpoint import CheckpointStore
 
         store = CheckpointStore(self.run_dir / "checkpoints")
         deadline = time.monotonic() + deadline_s

@@ -34,13 +34,13 @@ from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from bench.peers_trl import experiment
 from envs.data import make_arith
 from envs.dataset import DatasetSpec, DatasetTask
-from orchestrator.config import section
+from orchestrator.config.read import section
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.torch_engine import TorchEngine
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.policy import build_policy
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 BOXED = "Put your final answer in \\boxed{}."
 # (label, kinds, phrasing, instruction, max_tokens)

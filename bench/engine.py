@@ -83,7 +83,7 @@ from orchestrator.models.policy import build_policy
 from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
 from orchestrator.trace.records import ToolCallTrace, WorkloadRecord
 from orchestrator.types import SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 from sandboxes.search.latency import TraceFaultModel
 
 TINY = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny.yaml"

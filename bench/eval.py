@@ -5,14 +5,14 @@ rollout, and what periodic evaluation costs a run.
    (``experiment=dataset_smol``: ``model=smollm2``, its shipped arithmetic file, 32 tokens a
    reply, one torch thread) and one engine (``engine.*`` from the command line; the torch engine by default,
    its ``max_batch_size`` 256), built by the run's own builders
-   (:func:`orchestrator.main.environment`, :func:`orchestrator.main.engine_of`), serves, on
+   (:func:`orchestrator.builders.environment`, :func:`orchestrator.builders.engine_of`), serves, on
    the first ``--tasks`` prompts of the file (200; 12 with ``--quick``), at temperature 1:
 
    * **rollout**: groups of ``--n`` (16) episodes through :meth:`EpisodeRunner.group`, as the
      pipeline's rollout workers run them, with enough workers to fill the engine's batch
      (``max_batch_size / n`` groups at a time; no trainer, so nothing throttles them);
-   * **evaluation**: :func:`orchestrator.evaluate.evaluate` with ``eval.n = n``: every sample
-     of every task handed to the engine at once, scored into an ``Evaluation``.
+   * **evaluation**: :func:`orchestrator.pipeline.evaluation.evaluate` with ``eval.n = n``: every
+     sample of every task handed to the engine at once, scored into an ``Evaluation``.
 
    A few samples first warm the engine (its first batches, the allocator); then the passes run
    in the order rollout, evaluation, evaluation, rollout (``--rounds`` times), so that a drift
@@ -60,13 +60,13 @@ from omegaconf import DictConfig
 
 from bench.cli import TOY_MODEL, add_smoke, headline
 from envs.base import Task
-from orchestrator.config import CONF, section, typed
+from orchestrator.builders import engine_of, environment, first_tasks, run, torch_settings
+from orchestrator.config.read import CONF, section, typed
+from orchestrator.config.schema import EvalConfig, RolloutConfig
 from orchestrator.engines.placement import Placement
-from orchestrator.evaluate import evaluate
-from orchestrator.main import engine_of, environment, first_tasks, run, torch_settings
+from orchestrator.episodes.rollout import EpisodeRunner
+from orchestrator.pipeline.evaluation import evaluate
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import EvalConfig, RolloutConfig
 
 EXPERIMENT = ["experiment=dataset_smol", "logger=none", "progress=false"]
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.engines.torch_engine import TorchEngine
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 FAULTS = ("skip", "partial", "restart", "adapter")
 ARMED = "armed.json"

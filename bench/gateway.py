@@ -61,12 +61,12 @@ from envs.parsers import HermesParser
 from envs.tool_env import ToolEnv
 from envs.tools import tool
 from envs.toolset import ToolSet
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.gateway import Gateway, GatewayConfig, run_agent_episode
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
 from orchestrator.types import Generation, SamplingParams
 
 TOK = CharTokenizer()

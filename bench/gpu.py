@@ -42,7 +42,7 @@ import torch
 from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from bench.engine import torch_engine
 from bench.real_model import Budget, _engine_rows, config, print_training, prompts, training
-from orchestrator.config import section
+from orchestrator.config.read import section
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.trainer.torch_trainer import TorchTrainer
 from orchestrator.types import Group, SamplingParams

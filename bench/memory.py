@@ -1,7 +1,7 @@
 """Resident memory of a long run: the default experiment, step 200 against its last step.
 
 The run is the default experiment (``conf/``, ``experiment=arithmetic``) through
-:func:`orchestrator.main.run`, with its own run directory in a temporary folder, no logger, no
+:func:`orchestrator.builders.run`, with its own run directory in a temporary folder, no logger, no
 progress bar, and a warm start cut to ``WARM_START_STEPS`` supervised steps (no accuracy
 target), so the RL steps start within seconds (``--as-configured``: the experiment's own); everything else is the experiment's own
 (evaluations, periodic checkpoints, the run directory's files). A thread beside the run reads
@@ -33,7 +33,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from bench.cli import TOY_MODEL, add_smoke, headline, refuse
-from orchestrator.main import run
+from orchestrator.builders import run
 from orchestrator.recorder import span_files, spans_path
 
 REPO = Path(__file__).resolve().parents[1]

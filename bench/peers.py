@@ -5,7 +5,7 @@ Three runs, one after the other, each in a process of its own, all from the same
 
 1. **The warm start** (once, in this process): the default experiment's supervised warm start
    (``experiment=arithmetic``: until greedy accuracy on 128 train tasks reaches 0.3, checked
-   every 10 steps), through :func:`orchestrator.main.training_parts`, the run loop's own warm
+   every 10 steps), through :func:`orchestrator.builders.training_parts`, the run loop's own warm
    start. Its weights are saved in ``<out>/warmstart/`` as a Hugging Face directory (the tiny
    Llama's ``config.json`` and ``model.safetensors``, plus the character tokenizer wrapped by
    :func:`bench.peers_trl.char_tokenizer_fast`, so ``model=hf model.path=<out>/warmstart
@@ -32,7 +32,7 @@ Three runs, one after the other, each in a process of its own, all from the same
    are copied in memory every ``<every>`` steps with their time.
 
 Then, outside every timed region, each run's saved weights (and the warm start, at time 0) are
-evaluated by the project's greedy evaluation (:func:`orchestrator.evaluate.evaluate`, the
+evaluated by the project's greedy evaluation (:func:`orchestrator.pipeline.evaluation.evaluate`, the
 same engine and the same 200 eval-split tasks for all three): held-out accuracy against RL
 wall time. The time to ``--target`` (0.8) is that of the first evaluated snapshot at or above
 it (a resolution of ``<every>`` steps); a run that never gets there is reported with the best
@@ -106,17 +106,17 @@ from bench.peers_trl import (
     experiment,
     load_weights,
 )
-from orchestrator.config import build_env, scalar, section, typed
+from orchestrator.builders import training_parts
+from orchestrator.config.read import build_env, scalar, section, typed
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.base import sync_weights
-from orchestrator.evaluate import evaluate
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.launch import EngineRecipe, LocalLauncher
-from orchestrator.main import training_parts
 from orchestrator.models.policy import build_policy
 from orchestrator.models.tokenizer import CharTokenizer
+from orchestrator.pipeline.evaluation import evaluate
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 STEPS, QUICK_STEPS, SMOKE_STEPS = 2000, 100, 2
 # --smoke: the toy model, 16 samples a step, a 2-step warm start without a target, 8 eval tasks

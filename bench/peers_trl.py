@@ -82,10 +82,10 @@ from omegaconf import DictConfig
 
 from bench.cli import refuse
 from envs.base import EnvSpec, Task
-from orchestrator.config import build_env, scalar, section, typed
+from orchestrator.config.read import build_env, scalar, section, typed
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.models.policy import Policy, build_policy, checkpoint_dir, tiny_policy
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.schema import RolloutConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -35,7 +35,7 @@ from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from bench.peers_trl import base_args, experiment
 from bench.real_model import EXPERIMENT, prompts
 from orchestrator.algo.grpo import GRPO
-from orchestrator.config import section
+from orchestrator.config.read import section
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import build_policy
 from orchestrator.trainer.torch_trainer import LogprobAgreement, TorchTrainer, pack

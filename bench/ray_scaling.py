@@ -3,7 +3,7 @@
 What runs. A :class:`ray.cluster_utils.Cluster` on this machine: a head node (the driver and
 the trainer; one CPU and the custom resource ``trainer_node``) and four worker nodes (one CPU
 and ``engine_node`` each). For 1, 2 and 4 engines the bench runs the real run loop
-(:func:`orchestrator.runloop.run_session`: admission, rollout workers, the freshness check,
+(:func:`orchestrator.run.loop.run_session`: admission, rollout workers, the freshness check,
 weight sync, the recorder) through ``launcher=ray`` (:class:`~orchestrator.launch.ray.
 RayLauncher`, ``placement=spread``, ``engine.resources={engine_node: 1}``,
 ``trainer.resources={trainer_node: 1}``): one engine actor per worker node behind the
@@ -25,8 +25,8 @@ do not count) over the steps after the first ``WARMUP_STEPS``.
 
 Weight sync. With the same cluster, the driver (on the head, where the trainer runs) puts a
 100 M-parameter weight set (float32, 400 MB) into the object store once, the way
-``launcher=ray`` does (:meth:`~orchestrator.weights.WeightUpdate.to_object_store`: byte views,
-one ``ray.put``), and one actor on each engine node pulls it (``update.tensors()``: its
+``launcher=ray`` does (:meth:`~orchestrator.weights.update.WeightUpdate.to_object_store`: byte
+views, one ``ray.put``), and one actor on each engine node pulls it (``update.tensors()``: its
 ``ray.get``, as an engine actor's weight load does). The bench reports the put, each pull and
 the put to the last pull, with GB/s per engine and in all, as the median of a few broadcasts
 after a first one that warms the stores (pages first touched, connections opened), shown
@@ -77,15 +77,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from bench import fixed_trainer
 from bench.trace_engine import load_shapes, sample_seconds, trace_engine
 from envs.registry import make_spec
+from orchestrator.config.schema import PipelineConfig, RolloutConfig
 from orchestrator.launch.base import EngineRecipe
 from orchestrator.launch.ray import RayLauncher
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import TaskSampler
+from orchestrator.pipeline.pipeline import TaskSampler
 from orchestrator.replay.fit import EngineFit
-from orchestrator.runloop import RunParts, RunResult, run_session
-from orchestrator.schema import PipelineConfig, RolloutConfig
+from orchestrator.run.loop import RunParts, RunResult, run_session
 from orchestrator.staleness import admission_budget
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 GROUP_SIZE = 8
 PER_ENGINE_BATCH = 32

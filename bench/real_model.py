@@ -24,7 +24,7 @@
    ``.venv-vllm/bin/python`` (both engines in it, so the rows compare). Start-up is not
    timed. ``engine_vs_vllm=`` is torch ÷ the faster vLLM layout, decode at 32.
 2. **Training** (``training``): the trainer (``TorchTrainer``, built by the run loop's own
-   :func:`orchestrator.main.training_parts` from ``experiment=rg_smol``: its learning rate,
+   :func:`orchestrator.builders.training_parts` from ``experiment=rg_smol``: its learning rate,
    micro-batch, shared-prefix setting) on realistic batches: 4 prompts x 8 samples of its
    train split sampled by the torch engine at the experiment's temperature and length (made
    before timing, a batch per step), after two untimed steps, with glibc's allocator set as
@@ -103,11 +103,11 @@ from bench.peers import Run, evaluate_runs, report, run_project, run_trl
 from bench.peers_trl import REPO, NotComparable, RLSettings, base_args, experiment
 from envs.base import Task
 from orchestrator.allocator import keep_freed_memory
-from orchestrator.config import build_env, section
+from orchestrator.config.read import build_env, section
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.policy import build_tokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
 from orchestrator.trainer.torch_trainer import TorchTrainer, shared_prefix
 from orchestrator.types import Group, SamplingParams
 
@@ -315,7 +315,7 @@ def training(budget: Budget, threads: int, microbenchmark: bool = True, device: 
     """The training part's figures; ``microbenchmark``: time the CPU matmul microbenchmark
     too (``fraction``; ``bench.gpu`` compares a GPU's rate with its own peak instead);
     ``after(trainer, batches)``: more figures, measured once the timed steps are done."""
-    from orchestrator.main import training_parts
+    from orchestrator.builders import training_parts
 
     keep_freed_memory()  # as python -m orchestrator does (the steps run in this thread)
     base = [a for a in base_args(EXPERIMENT) if not a.startswith("model.device=")]

@@ -4,7 +4,7 @@ was not fitted on through the real pipeline, and compare with what was recorded.
 Fit: :func:`orchestrator.replay.fit.fit` on ``--fit`` steps (closed-loop replays of the
 standalone server model). Evaluation: the ``--eval`` step replayed by
 :func:`orchestrator.replay.replay` — the run loop training uses, with the real
-:class:`~orchestrator.pipeline.Pipeline` at ``k = 0`` and the replay engine, environment,
+:class:`~orchestrator.pipeline.pipeline.Pipeline` at ``k = 0`` and the replay engine, environment,
 trainer cost model and recorder, in virtual time — and three figures against the recorded
 step:
 
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.cli import add_smoke, headline
+from orchestrator.config.schema import ReplayConfig
 from orchestrator.replay import (
     EngineFit,
     fit_trace,
@@ -40,7 +41,6 @@ from orchestrator.replay import (
     run_virtual,
 )
 from orchestrator.replay.fit import episodes_from, ks_statistic, replay_fidelity
-from orchestrator.schema import ReplayConfig
 from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
 
 FULL_STEP = 2048

@@ -68,9 +68,9 @@ import torch
 from bench.cli import add_smoke, refuse
 from bench.machine import machine
 from orchestrator.algo.grpo import GRPO
-from orchestrator.checkpoint import CheckpointStore
 from orchestrator.models.policy import tiny_policy
-from orchestrator.resume import RunState, capture_rng, find_checkpoint
+from orchestrator.run.checkpoint import CheckpointStore
+from orchestrator.run.resume import RunState, capture_rng, find_checkpoint
 from orchestrator.trace.reader import TraceDir
 from orchestrator.trainer import TorchTrainer
 from orchestrator.trainer.snapshot import TrainerSnapshot
@@ -84,7 +84,8 @@ SMOKE = [*SMALL, "checkpoint.every=5", "pipeline.num_steps=30", "model.hidden_si
          "model.num_layers=1", "model.intermediate_size=64"]
 SOAK = ["logger=none", "progress=false", "checkpoint.every=50", "checkpoint.every_s=0"]
 BIG = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "intermediate_size": 3072}
-OUTCOMES_SETTLED = ("trained", "stale", "filtered", "masked", "empty")  # orchestrator/outcomes.py
+# orchestrator/pipeline/outcomes.py
+OUTCOMES_SETTLED = ("trained", "stale", "filtered", "masked", "empty")
 
 
 def start(*args: str) -> subprocess.Popen[str]:
@@ -325,7 +326,7 @@ def train_tasks(run_dir: Path) -> int:
     """The size of the run's train split, from its own config."""
     from omegaconf import OmegaConf
 
-    from orchestrator.config import build_env
+    from orchestrator.config.read import build_env
 
     return len(build_env(OmegaConf.load(run_dir / "config.yaml")).tasks("train"))
 

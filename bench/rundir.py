@@ -1,7 +1,7 @@
 """What a run leaves on disk: bytes of the run directory per 1,000 train steps, by kind.
 
 Runs the default experiment (``conf/``, ``experiment=arithmetic``: its logger, W&B offline,
-included) through :func:`orchestrator.main.run` in a temporary directory, for ``--steps`` RL
+included) through :func:`orchestrator.builders.run` in a temporary directory, for ``--steps`` RL
 steps (2,000, the experiment's own; ``--quick`` 300), with the warm start cut to
 ``WARM_START_STEPS`` supervised steps like :mod:`bench.memory` (the RL steps are what grows
 with a run's length; the warm start is a fixed cost, counted here too). Then it sizes every
@@ -29,7 +29,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from bench.cli import TOY_MODEL, add_smoke, headline
-from orchestrator.main import run
+from orchestrator.builders import run
 
 REPO = Path(__file__).resolve().parents[1]
 WARM_START_STEPS = 20

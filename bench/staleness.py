@@ -20,7 +20,7 @@ tail, so the speed-up is bounded by about ``(tail + train) / train``. The traine
 oldest fresh groups first, yet a group in the far tail can still outlive ``k`` train steps and
 be dropped; here drops cost engine time only, since generation outpaces the trainer.
 
-Every ``k`` runs the same :class:`~orchestrator.pipeline.Pipeline` code with the same
+Every ``k`` runs the same :class:`~orchestrator.pipeline.pipeline.Pipeline` code with the same
 parameters (including ``num_workers``, sized so admission, not workers, bounds ``k = 4``).
 
 Limits. Decoding cost per token does not grow with the number of busy slots, weight sync is
@@ -48,12 +48,12 @@ import anyio
 from bench.cli import add_smoke, headline
 from bench.fixed_trainer import fixed_cost_trainer
 from envs.registry import make_spec
+from orchestrator.config.schema import PipelineConfig, RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import Pipeline, TaskSampler
+from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.staleness import admission_budget
 
 MEDIAN_TOKENS = 64

@@ -1,7 +1,7 @@
 """Where a train step's time goes: the default experiment, sampled thread by thread.
 
 The run is the default experiment (``conf/``, ``experiment=arithmetic``: k = 1, 64 samples a
-step, the engine and trainer one torch thread each) through :func:`orchestrator.main.run`, in a
+step, the engine and trainer one torch thread each) through :func:`orchestrator.builders.run`, in a
 temporary run directory, with a short warm start (``--warm-start`` supervised steps, no
 accuracy target) and no evaluations. A thread beside it samples every thread's Python stack
 (``sys._current_frames``) every ``--interval`` seconds while the run is between RL steps
@@ -44,7 +44,7 @@ from types import FrameType
 from hydra import compose, initialize_config_dir
 
 from bench.cli import TOY_MODEL, add_smoke, headline, refuse
-from orchestrator.main import run
+from orchestrator.builders import run
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -42,7 +42,7 @@ from orchestrator.replay.fit import EngineFit
 from orchestrator.replay.model import ServerParams
 from orchestrator.trace.reader import SHIPPED_SAMPLE, TraceDir
 from orchestrator.types import FinishReason, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 
 @dataclass(frozen=True)

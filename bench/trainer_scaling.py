@@ -62,7 +62,7 @@ from ray.cluster_utils import Cluster
 from orchestrator.launch.base import TrainerRecipe
 from orchestrator.launch.ray import RayLauncher
 from orchestrator.types import FinishReason, Group, Trajectory
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 MODEL = {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 640,
          "num_layers": 10, "num_heads": 10, "intermediate_size": 2048,

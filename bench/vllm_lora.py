@@ -48,7 +48,7 @@ from orchestrator.engines.base import sync_weights
 from orchestrator.engines.vllm_engine import VLLMEngine
 from orchestrator.models.policy import build_policy
 from orchestrator.trainer import TorchTrainer
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 MODELS = {
     "tiny": {"_target_": "orchestrator.models.policy.tiny_policy", "hidden_size": 128,

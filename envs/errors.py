@@ -3,7 +3,7 @@
 This package may not import :mod:`orchestrator` (the layers run orchestrator -> envs ->
 sandboxes), so its errors have a base of their own, :class:`EnvError`, as the sandboxes have
 :class:`sandboxes.api.SandboxError`; the orchestrator turns a constructor's error into its
-``ConfigError`` when it builds an environment from config (``orchestrator.config.build_env``).
+``ConfigError`` when it builds an environment from config (``orchestrator.config.read.build_env``).
 """
 
 

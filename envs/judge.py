@@ -289,7 +289,7 @@ class Judge:
         if not self.config.url:  # serve: the orchestrator starts it and hands in its URL
             raise EnvConfigError(f"{self.key}.serve={self.config.serve}: the run serves this "
                                  f"judge itself (python -m orchestrator, python -m "
-                                 f"orchestrator.eval), which this command does not; set "
+                                 f"orchestrator.commands.eval), which this command does not; set "
                                  f"{self.key}.url to a running server instead")
         self._slots = anyio.Semaphore(self.config.concurrency)
         self._session = aiohttp.ClientSession(

@@ -1,5 +1,5 @@
 """Majority votes by a reward's own reading: which answer a reply gives, and which replies give
-the same answer, for an evaluation's maj@n (:mod:`orchestrator.evaluate`).
+the same answer, for an evaluation's maj@n (:mod:`orchestrator.pipeline.evaluation`).
 
 A :class:`Votes` reads a reply's answer (:meth:`Votes.answer`) and groups a task's samples
 (:meth:`Votes.groups`): sample ``b`` joins the group of an earlier sample ``a`` when ``b``'s

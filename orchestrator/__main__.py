@@ -1,6 +1,6 @@
-"""``python -m orchestrator experiment=<name> key=value …`` runs :func:`orchestrator.main.run`
-(``resume=``: :mod:`orchestrator.resume`). A configuration mistake ends it with one line naming
-what to change (:func:`orchestrator.config.explain`); a bug keeps its traceback."""
+"""``python -m orchestrator experiment=<name> key=value …`` runs :func:`orchestrator.builders.run`
+(``resume=``: :mod:`orchestrator.run.resume`). A configuration mistake ends it with one line naming
+what to change (:func:`orchestrator.config.read.explain`); a bug keeps its traceback."""
 
 from orchestrator.allocator import keep_freed_memory
 
@@ -16,7 +16,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from orchestrator.config import explain, register_plugin_envs  # noqa: E402
+from orchestrator.config.read import explain, register_plugin_envs  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -38,7 +38,7 @@ def _quiet_third_party() -> None:
 
 
 def _run_and_report(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> float | None:
-    from orchestrator.main import run
+    from orchestrator.builders import run
 
     _quiet_third_party()
 
@@ -59,7 +59,7 @@ def _exit_if_explained(error: BaseException) -> NoReturn:
 
 
 def main() -> None:
-    from orchestrator.resume import from_command_line
+    from orchestrator.run.resume import from_command_line
 
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach explain() instead of Hydra's printer
     register_plugin_envs()

@@ -7,7 +7,7 @@ With batch size ``B`` (samples per train step) and ``k = max_staleness``:
   started since the run began at version ``v0``, minus those dropped or lost, and ``budget``
   is how many may be started and not yet trained (:func:`admission_budget`): ``(k + 1) * B``
   by default (AReaL's rule), ``(1 + overprovision) * B`` for partial rollout
-  (:mod:`orchestrator.pipeline`).
+  (:mod:`orchestrator.pipeline.pipeline`).
   ``version`` is the policy version the engines serve, so with ``k = 0`` nothing new starts
   until the weights of the last step are loaded: generation and training alternate.
 * **Freshness** (:func:`is_fresh`). When a batch is formed at trainer version ``v``, a sample

@@ -48,7 +48,7 @@ class Generation:
     start_version: int
     cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache, if it has one
     # (version, fingerprint of the weights the engine held) for each version among ``versions``
-    # whose engine attests (orchestrator/fingerprint.py); empty from an engine that does not
+    # whose engine attests (orchestrator/weights/fingerprint.py); empty from an engine that does not
     fingerprints: tuple[tuple[int, str], ...] = ()
     engine: str = ""  # the replica that produced it, named by the router (empty: a lone engine)
 
@@ -267,7 +267,8 @@ class Scores:
     """The figures of a set of tasks (one data source's, or all), each sampled ``n`` times:
     ``mean`` (mean@n), ``std`` (std@n), ``pass_at`` (k → pass@k), ``maj`` (maj@n; None where
     no sample gave an answer to vote on) and the mean response length in tokens, and each
-    one's standard error over tasks (``se``). :mod:`orchestrator.evaluate` defines them."""
+    one's standard error over tasks (``se``). :mod:`orchestrator.pipeline.evaluation` defines
+    them."""
 
     tasks: int
     samples: int

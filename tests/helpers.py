@@ -21,7 +21,7 @@ from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Span, read_spans, spans_path
 from orchestrator.trainer.torch_trainer import shared_prefix
 from orchestrator.types import FinishReason, Group, Trajectory
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 TOK = CharTokenizer()
 # The tests' tiny model as a conf/model node: engines are built from it, never from a policy.

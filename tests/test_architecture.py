@@ -41,7 +41,7 @@ def test_the_contracts_hold(copy: Path) -> None:
     ("sandboxes/api.py", "import envs.base", "bench -> orchestrator -> envs -> sandboxes"),
     ("envs/base.py", "import orchestrator.types", "bench -> orchestrator -> envs -> sandboxes"),
     ("orchestrator/engines/base.py", "import orchestrator.pipeline", "Inside orchestrator"),
-    ("orchestrator/trace/writer.py", "import orchestrator.main", "Inside orchestrator"),
+    ("orchestrator/trace/writer.py", "import orchestrator.builders", "Inside orchestrator"),
     ("sandboxes/local.py", "import sandboxes.docker.pool", "independent"),
 ])
 def test_a_wrong_way_import_breaks_a_contract(copy: Path, module: str, line: str, contract: str) -> None:

@@ -77,7 +77,8 @@ def test_slug_matches_mkdocs() -> None:
 
 
 def test_the_configuration_reference_is_generated_from_the_schema_and_conf() -> None:
-    from orchestrator.reference import PAGE, page
+    from orchestrator.commands.config_reference import PAGE, page
 
     assert PAGE.read_text() == page(), (
-        "docs/config-reference.md is out of date: run python -m orchestrator.reference")
+        "docs/config-reference.md is out of date: run "
+        "python -m orchestrator.commands.config_reference")

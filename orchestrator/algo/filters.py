@@ -32,8 +32,8 @@ the unfiltered groups carry zero advantage: the cap costs compute, not bias. A s
 it logs ``filter/capped = 1`` and the first one is a warning.
 
 **Under bounded staleness** (``pipeline.max_staleness = k``): a filtered group gives its
-admission slot back (:mod:`orchestrator.outcomes`), which is what starts the replacement, so
-filtering never stalls admission; the freshness check still drops any group older than
+admission slot back (:mod:`orchestrator.pipeline.outcomes`), which is what starts the replacement,
+so filtering never stalls admission; the freshness check still drops any group older than
 ``version - k`` when a batch is formed, so every trained sample stays within ``k``. A filtered
 prompt is settled in the task sampler like a trained one: a run resumed from a checkpoint does
 not roll it out again, and a prompt that was in flight at the checkpoint is rolled out again,
@@ -50,7 +50,7 @@ filter) and ``groups/<outcome>`` for every way a group left the pipeline.
 The key lives in the ``algo`` node, so a preset can choose a filter, but it is the pipeline's:
 the algorithm is built without it (:mod:`orchestrator.algo.build`), :func:`build_filter`
 builds it. The filters here only decide; the pipeline applies them and retires the groups they leave
-out (:mod:`orchestrator.pipeline`).
+out (:mod:`orchestrator.pipeline.pipeline`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from orchestrator.config import CONF, check_accepts
+from orchestrator.config.read import CONF, check_accepts
 from orchestrator.errors import ConfigError
 from orchestrator.types import Group
 

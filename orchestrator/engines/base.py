@@ -9,7 +9,7 @@ flight continue after ``resume`` under the new weights. (Finishing in-flight epi
 the old weights instead is the pipeline's choice: it waits for them before pausing.)
 
 An engine is built from config (``conf/engine/*.yaml`` plus the model's ``conf/model`` node)
-and a :class:`~orchestrator.weights.WeightUpdate` holding its starting weights, never from a
+and a :class:`~orchestrator.weights.update.WeightUpdate` holding its starting weights, never from a
 live policy object, so the same config builds it in this process or in another one. A run
 builds its engine once; warm-start checks and evaluations reuse it.
 
@@ -24,20 +24,20 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import ClassVar, Self
 
-from orchestrator.delta import Loaded
 from orchestrator.faults import kill_point
 from orchestrator.types import Generation, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.delta import Loaded
+from orchestrator.weights.update import WeightUpdate
 
 
 class InferenceEngine(ABC):
     version: int = 0
-    # The fingerprint (orchestrator/fingerprint.py) of the weights the engine holds, computed
-    # from its own tensors after every load and stamped, with the version, on what it generates;
-    # None from an engine that does not attest.
+    # The fingerprint (orchestrator/weights/fingerprint.py) of the weights the engine holds,
+    # computed from its own tensors after every load and stamped, with the version, on what it
+    # generates; None from an engine that does not attest.
     fingerprint: str | None = None
-    # What the last load moved (bytes pulled, whether as a delta: orchestrator/delta.py); None
-    # from an engine that does not say.
+    # What the last load moved (bytes pulled, whether as a delta: orchestrator/weights/delta.py);
+    # None from an engine that does not say.
     last_load: Loaded | None = None
     # Whether a second copy of this engine in the run's process is cheap on the CPU: then
     # ``eval.engine=auto`` gives evaluations during RL one of their own (a model copy in

@@ -46,11 +46,11 @@ from typing import Self
 import anyio
 from anyio import AsyncContextManagerMixin
 
+from orchestrator.config.schema import Routing
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError, RunAborted
-from orchestrator.schema import Routing
 from orchestrator.types import Generation, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 ROUTING: tuple[Routing, ...] = typing.get_args(Routing)
 BLOCK = 16  # tokens per prefix block

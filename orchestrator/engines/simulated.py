@@ -47,7 +47,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.rwlock import ReadWriteLock
 from orchestrator.types import FinishReason, Generation, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ its logits are those of an unpadded forward pass. The model must use ``transform
 attention interface (Llama, Qwen, Mistral, Gemma, GPT-2 and most others do).
 
 Built from config: the model's ``conf/model`` node (the engine makes its own copy of the
-architecture) and a :class:`~orchestrator.weights.WeightUpdate` with the starting weights.
+architecture) and a :class:`~orchestrator.weights.update.WeightUpdate` with the starting weights.
 
 Weight updates: each step holds the :class:`~orchestrator.rwlock.ReadWriteLock` shared and
 :meth:`pause` takes it exclusively, so it returns only at a token boundary (and any task may
@@ -34,14 +34,14 @@ call :meth:`resume`). One controller (the pipeline's weight sync) pauses and res
 the next step finds a newer version it discards the KV cache and re-prefills every resident
 sequence over prompt + tokens generated so far under the new weights; every token carries
 the version that produced it. This is the "continue under new weights" behaviour.
-An update that carries a delta (:mod:`orchestrator.delta`) is applied to the tensors the
+An update that carries a delta (:mod:`orchestrator.weights.delta`) is applied to the tensors the
 engine holds when it holds the delta's base exactly, and kept only if the engine's fingerprint
 afterwards is the published one; otherwise the full update is loaded (``weights/delta_fallbacks``
 counts a delta that failed). In this process updates come by reference and carry no delta:
 nothing travels, so there is nothing to save; the delta matters to an engine in another process
 (``launcher=ray``).
 
-Attestation (``attest``, :mod:`orchestrator.fingerprint`): after every load the engine
+Attestation (``attest``, :mod:`orchestrator.weights.fingerprint`): after every load the engine
 fingerprints the tensors it now holds, at the start of its next decoding step, in the step's
 own thread, before it samples a token of those weights; an engine that generates nothing after
 a load computes it when asked (:meth:`TorchEngine.attested`, or the next load). The sync does
@@ -52,7 +52,7 @@ of its own 3 to 5%, in the step about nothing measurable (``docs/attestation.md`
 Sampling: a request whose ``SamplingParams.seed`` is set draws its uniform variates from a
 stream of its own, seeded by it, so what it samples does not depend on which requests share
 its steps or in what order they came (the pipeline seeds every sample:
-:func:`~orchestrator.rollout.sample_seed`); the others share the engine's generator
+:func:`~orchestrator.episodes.rollout.sample_seed`); the others share the engine's generator
 (``engine.seed``).
 
 Prefix cache (:class:`PrefixCache`): a finished sequence's keys and values are parked; an
@@ -87,11 +87,9 @@ import torch
 from anyio import AsyncContextManagerMixin
 from anyio.abc import TaskGroup
 
-from orchestrator.delta import Delta, DeltaUnusable, LoadCounter, Loaded, apply
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.slot_cache import ATTENTION, SlotCache
 from orchestrator.errors import ConfigError, EngineClosed
-from orchestrator.fingerprint import fingerprint
 from orchestrator.models.policy import (
     PASSTHROUGH_MASK,
     build_policy,
@@ -100,7 +98,9 @@ from orchestrator.models.policy import (
 )
 from orchestrator.rwlock import ReadWriteLock
 from orchestrator.types import FinishReason, Generation, SamplingParams
-from orchestrator.weights import AdapterMerger, WeightUpdate
+from orchestrator.weights.delta import Delta, DeltaUnusable, LoadCounter, Loaded, apply
+from orchestrator.weights.fingerprint import fingerprint
+from orchestrator.weights.update import AdapterMerger, WeightUpdate
 
 log = logging.getLogger(__name__)
 BATCHING = ("continuous", "waves")

@@ -41,7 +41,7 @@ processes. What it does for the pipeline:
   engine_memory_share`), as it does for a trainer on the engine's GPU without colocation;
   alone on its GPU, auto is 0.9.
 * **LoRA updates** (``trainer.lora``) are merged here, ``W0 + scale * B @ A`` from the base
-  weights the first update carried (:class:`~orchestrator.weights.AdapterMerger`), and only
+  weights the first update carried (:class:`~orchestrator.weights.update.AdapterMerger`), and only
   the layers they touch are reloaded, each whole: vLLM fuses ``q_proj``, ``k_proj`` and
   ``v_proj`` into one ``qkv_proj`` (``gate_proj`` and ``up_proj`` into ``gate_up_proj``) and
   reloads a fused layer only from all its parts, so the parts an adapter leaves alone (and
@@ -81,7 +81,6 @@ from typing import Any, Literal, Self
 import anyio
 import torch
 
-from orchestrator.delta import DeltaEncoder, LoadCounter, Loaded
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.placement import (
     Placement,
@@ -93,7 +92,8 @@ from orchestrator.engines.placement import (
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.models.policy import build_policy, checkpoint_dir
 from orchestrator.types import FinishReason, Generation, SamplingParams
-from orchestrator.weights import AdapterMerger, WeightUpdate
+from orchestrator.weights.delta import DeltaEncoder, LoadCounter, Loaded
+from orchestrator.weights.update import AdapterMerger, WeightUpdate
 
 log = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -425,7 +425,7 @@ class VLLMEngine(InferenceEngine):
 
     async def _load_by_delta(self, update: WeightUpdate) -> None:
         """``engine.delta`` on the rpc route: the update as a delta from the last one sent
-        (:mod:`orchestrator.delta`), which each worker applies to the copy it kept and loads
+        (:mod:`orchestrator.weights.delta`), which each worker applies to the copy it kept and loads
         only if the result's fingerprint is the published one; else (no delta, a worker without
         that base, a mismatch) the full update, which the workers keep as the next base. LoRA
         updates and vLLM's GPU weight-transfer engines are not sent as deltas."""

@@ -14,7 +14,7 @@ here moves a byte itself: this module only adapts the two ends to the run.
   trainer side must run off the loop (``anyio.to_thread``): NCCL runs ``update_weights`` on a
   side thread while the calling thread broadcasts, and both must reach the loop.
 * :class:`UpdateSource` is the ``WeightSource`` a round reads: the tensors of the current
-  :class:`~orchestrator.weights.WeightUpdate` (the trainer's own, by reference, when the
+  :class:`~orchestrator.weights.update.WeightUpdate` (the trainer's own, by reference, when the
   trainer runs in this process), moved to the trainer's GPU if they are elsewhere (a
   checkpoint loaded on the CPU, a warm start).
 

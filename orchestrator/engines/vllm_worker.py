@@ -53,7 +53,7 @@ class WeightLoader:
         Returns the tensor count."""
         from safetensors.torch import load, load_file
 
-        from orchestrator.fingerprint import fingerprint
+        from orchestrator.weights.fingerprint import fingerprint
 
         tensors = load(source) if isinstance(source, bytes) else load_file(source)
         self._polyrl_base = (fingerprint(tensors), tensors)
@@ -61,13 +61,14 @@ class WeightLoader:
 
     def polyrl_load_delta(self, payload: bytes, base: str, target: str) -> str:
         """Rebuild the new weights from the kept base and a pickled delta (name ->
-        :class:`~orchestrator.delta.TensorDelta`) and load them, only if the base's fingerprint
-        is ``base`` and the rebuilt weights' is ``target``: ``applied``; else nothing is loaded
-        and the answer says why (``no_base``, ``mismatch``) so the engine sends the full update."""
+        :class:`~orchestrator.weights.delta.TensorDelta`) and load them, only if the base's
+        fingerprint is ``base`` and the rebuilt weights' is ``target``: ``applied``; else nothing is
+        loaded and the answer says why (``no_base``, ``mismatch``) so the engine sends the full
+        update."""
         import pickle
 
-        from orchestrator.delta import DeltaUnusable, rebuild
-        from orchestrator.fingerprint import fingerprint
+        from orchestrator.weights.delta import DeltaUnusable, rebuild
+        from orchestrator.weights.fingerprint import fingerprint
 
         kept = getattr(self, "_polyrl_base", None)
         if kept is None or kept[0] != base:
@@ -113,9 +114,9 @@ class WeightLoader:
         return marked
 
     def polyrl_fingerprint(self, names: list[str]) -> str:
-        """The fingerprint (orchestrator/fingerprint.py) of the tensors this worker holds,
+        """The fingerprint (orchestrator/weights/fingerprint.py) of the tensors this worker holds,
         under the trainer's ``names``."""
-        from orchestrator.fingerprint import fingerprint
+        from orchestrator.weights.fingerprint import fingerprint
 
         held = _trainer_view(self.model_runner.get_model())
         if "lm_head.weight" in names and "lm_head.weight" not in held:  # tied to the embedding

@@ -1,6 +1,6 @@
 """One agent episode as the gateway records it: every call's tokens, in segments.
 
-Token in, token out, as in the episode runner (:mod:`orchestrator.rollout`): a segment's
+Token in, token out, as in the episode runner (:mod:`orchestrator.episodes.rollout`): a segment's
 sequence is the rendered prompt, then exactly the ids the engine sampled (trained, with their
 behaviour log-probs and versions), then the ids the next call's new messages add (masked),
 and so on. Nothing the engine produced is encoded again.
@@ -35,6 +35,7 @@ from envs.agent import AgentEndpoint, AgentOutcome
 from envs.base import Message, StepResult, ToolCallRecord
 from envs.parsers import make_parser
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.episodes.trajectory import TrajectoryBuilder
 from orchestrator.gateway.protocol import (
     BadRequest,
     ChatRequest,
@@ -47,7 +48,6 @@ from orchestrator.gateway.protocol import (
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
 from orchestrator.trace.episode import EpisodeTrace
-from orchestrator.trajectory import TrajectoryBuilder
 from orchestrator.types import EpisodeTiming, FinishReason, Generation, SamplingParams, Trajectory
 
 AGENT_TOOL = "agent"  # the name of the span between two calls of one segment

@@ -20,9 +20,9 @@ import anyio
 
 from envs.agent import AgentOutcome, AgentSpec
 from envs.base import Reward, Task
+from orchestrator.config.schema import RolloutConfig
+from orchestrator.episodes.rollout import EpisodeRunner, data_source, fan_out
 from orchestrator.gateway.server import Gateway, GatewayConfig
-from orchestrator.rollout import EpisodeRunner, data_source, fan_out
-from orchestrator.schema import RolloutConfig
 from orchestrator.types import EpisodeTiming, EvalSample, TimedGroup, Trajectory
 
 Segments = list[tuple[Trajectory, EpisodeTiming]]

@@ -38,6 +38,7 @@ from typing import Any, Self
 from aiohttp import web
 
 from envs.agent import AgentEndpoint, AgentSpec
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.gateway.episode import AgentEpisode, EpisodeLimits, Reply
 from orchestrator.gateway.protocol import (
@@ -53,7 +54,6 @@ from orchestrator.gateway.protocol import (
 )
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.schema import RolloutConfig
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "sk-polyrl-"

@@ -28,7 +28,7 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.placement import Placement
 from orchestrator.recorder import Recorder
 from orchestrator.trainer.base import Trainer
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ class TrainerRecipe:
     # the weights' gather, which the engine's wake would otherwise find taken.
     colocated: bool = False
     # engine.delta: a trainer in another process than its engines sends each update as a delta
-    # from the last one too (orchestrator/delta.py); the trainer actor under launcher=ray does
+    # from the last one too (orchestrator/weights/delta.py); the trainer actor under launcher=ray
+    # does
     weight_delta: bool = False
     # engine.attest: the trainer fingerprints each update it publishes (Trainer.fingerprints)
     fingerprint: bool = True

@@ -23,7 +23,7 @@ from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
 from orchestrator.launch.ranks import RankGroup, process_group, world_size
 from orchestrator.recorder import Recorder
 from orchestrator.trainer.base import Trainer
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 
 class LocalLauncher(Launcher):

@@ -28,13 +28,13 @@ from typing import Any
 
 import anyio
 
-from orchestrator.config import target_of
+from orchestrator.config.read import target_of
 from orchestrator.errors import ConfigError, PolyRLError, RunAborted, first_line
 from orchestrator.launch.base import TrainerRecipe
 from orchestrator.trainer.base import Forwarded, TrainStats
 from orchestrator.trainer.proxy import Answer, TrainerProxy, answer_now
 from orchestrator.types import Group
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 RANK_TRAINER = "orchestrator.trainer.distributed.RankTrainer"
 # After one rank's call failed, how long the others may take to finish theirs; past this they

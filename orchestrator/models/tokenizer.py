@@ -130,10 +130,10 @@ class CharTokenizer(Tokenizer):
         """This tokenizer as a ``transformers`` fast tokenizer (a ``tokenizers`` word-level
         model over single characters): the same ids for the same text, the same chat layout
         from its chat template (tools are described in the system message, as here, by
-        :class:`HFTokenizer`), ``<end>`` as its end of sequence. What ``orchestrator.export``
-        writes beside a tiny model, so ``AutoTokenizer`` and ``model=hf`` load it. One
-        difference: a special's name in text (``"<user>"``) is that special there, its
-        characters here."""
+        :class:`HFTokenizer`), ``<end>`` as its end of sequence. What
+        ``orchestrator.commands.export`` writes beside a tiny model, so ``AutoTokenizer`` and
+        ``model=hf`` load it. One difference: a special's name in text (``"<user>"``) is that
+        special there, its characters here."""
         from tokenizers import Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as Backend
         from transformers import PreTrainedTokenizerFast

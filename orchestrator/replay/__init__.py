@@ -3,7 +3,7 @@
 Layout (imports point down the list, and into :mod:`orchestrator.trace`, never back):
 
 * :mod:`~orchestrator.replay.run` — :func:`replay_parts` (``experiment=replay``) and
-  :func:`replay` (benches), both through :func:`orchestrator.runloop.run_session`;
+  :func:`replay` (benches), both through :func:`orchestrator.run.loop.run_session`;
 * :mod:`~orchestrator.replay.plans` — episode plans from a trace's multi-turn workload;
 * :mod:`~orchestrator.replay.fit` — the server model's fit to trace steps and its fidelity
   (``python -m orchestrator.replay fit``), :class:`EngineFit`;
@@ -19,6 +19,7 @@ Layout (imports point down the list, and into :mod:`orchestrator.trace`, never b
   replay environment's messages (:mod:`envs.replay`).
 """
 
+from orchestrator.config.schema import ReplayConfig
 from orchestrator.replay.bound import Bound, workload_bound
 from orchestrator.replay.engine import FluidServer, PlanReplies, replay_engine
 from orchestrator.replay.fit import SHIPPED_FIT, EngineFit, fit_trace
@@ -26,7 +27,6 @@ from orchestrator.replay.model import ServerParams
 from orchestrator.replay.plans import load_plans, plans_from_records, resample_groups
 from orchestrator.replay.run import ReplayResult, TrainerModel, replay, replay_parts, run_virtual
 from orchestrator.replay.tokenizer import ReplayTokenizer
-from orchestrator.schema import ReplayConfig
 
 __all__ = [
     "SHIPPED_FIT", "Bound", "EngineFit", "FluidServer", "PlanReplies", "ReplayConfig",

@@ -1,8 +1,8 @@
 """Replaying a PolyTrace workload through the run loop, in virtual time.
 
 ``python -m orchestrator experiment=replay trace=<dir>`` (:func:`replay_parts`) and
-:func:`replay` from Python build :class:`~orchestrator.runloop.RunParts` and go through
-:func:`~orchestrator.runloop.run_session`, the loop training runs in — staleness admission,
+:func:`replay` from Python build :class:`~orchestrator.run.loop.RunParts` and go through
+:func:`~orchestrator.run.loop.run_session`, the loop training runs in — staleness admission,
 buffer, weight sync, recorder — with
 
 * the workload's episodes (:mod:`envs.replay`): each trajectory's turns, token counts and
@@ -53,20 +53,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from envs.base import Task
 from envs.replay import EpisodePlan, LatencyModel, ReplaySpec
-from orchestrator.config import scalar, typed
+from orchestrator.config.read import scalar, typed
+from orchestrator.config.schema import PipelineConfig, ReplayConfig, RolloutConfig
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
+from orchestrator.pipeline.sampler import TaskSampler
 from orchestrator.recorder import Recorder
 from orchestrator.replay.engine import busy_seconds, replay_engine, replay_router
 from orchestrator.replay.fit import EngineFit
 from orchestrator.replay.plans import load_plans, open_trace
 from orchestrator.replay.tokenizer import ReplayTokenizer
-from orchestrator.runloop import RunParts, RunResult, run_session
-from orchestrator.sampler import TaskSampler
-from orchestrator.schema import PipelineConfig, ReplayConfig, RolloutConfig
+from orchestrator.run.loop import RunParts, RunResult, run_session
 from orchestrator.trainer.simulated import SimulatedTrainer, TokenCost
 from orchestrator.types import StepReport
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
 ROLLOUT_SHARE_NOTE = (

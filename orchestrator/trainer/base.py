@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 from orchestrator.errors import ConfigError
 from orchestrator.types import Group
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 TrainStats = dict[str, float]  # the step's metrics: loss, grad_norm, lr, …
 F = TypeVar("F", bound=Callable[..., Any])

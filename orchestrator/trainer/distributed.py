@@ -58,7 +58,7 @@ from orchestrator.models.policy import Policy
 from orchestrator.trainer.lora import adapter_update
 from orchestrator.trainer.snapshot import SHARDS, TRAINER_STATE, load_shards
 from orchestrator.trainer.torch_trainer import LogprobAgreement, TorchTrainer
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,11 @@
 
 ``trainer.lora.r > 0`` wraps the model with ``peft``'s LoRA on ``target_modules`` (the
 attention projections by default); the base weights are frozen, so the optimiser holds state
-for the adapters alone and the :class:`~orchestrator.weights.WeightUpdate` a step produces
+for the adapters alone and the :class:`~orchestrator.weights.update.WeightUpdate` a step produces
 carries only the adapter tensors (:func:`adapter_update`): ``<weight>::lora_A`` and
 ``<weight>::lora_B`` for each adapted weight, named as in the plain model, with the scale
-``alpha / r`` in :class:`~orchestrator.weights.Adapters`. An engine applies them to the base
-weights it kept (:class:`~orchestrator.weights.AdapterMerger`: ``W = W0 + scale * B @ A``,
+``alpha / r`` in :class:`~orchestrator.weights.update.Adapters`. An engine applies them to the base
+weights it kept (:class:`~orchestrator.weights.update.AdapterMerger`: ``W = W0 + scale * B @ A``,
 merged weights, not a LoRA kernel at decode time). The first update a trainer hands out
 carries the base weights too, so the engine built from it has them.
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from orchestrator.errors import ConfigError
-from orchestrator.weights import Adapters, WeightUpdate
+from orchestrator.weights.update import Adapters, WeightUpdate
 
 _PREFIX = "base_model.model."
 

@@ -27,7 +27,7 @@ import anyio
 
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.types import Group
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 Cost = Callable[[Sequence[Group]], float]  # seconds one step over the batch takes
 

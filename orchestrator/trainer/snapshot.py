@@ -11,7 +11,7 @@ A checkpoint directory of a :class:`~orchestrator.trainer.TorchTrainer` holds:
 A group of trainer ranks writes shards instead (:mod:`orchestrator.trainer.distributed`),
 which :func:`load_shards` reads at any world size, one process included.
 The run's periodic checkpoints add their own files beside these
-(:mod:`orchestrator.checkpoint`, :mod:`orchestrator.resume`).
+(:mod:`orchestrator.run.checkpoint`, :mod:`orchestrator.run.resume`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.weights import as_bytes_array, from_bytes_array
+from orchestrator.weights.update import as_bytes_array, from_bytes_array
 
 
 class Trained(Protocol):
@@ -114,7 +114,7 @@ class TrainerSnapshot:
 
 
 class _Array(NamedTuple):
-    """A pickled snapshot's tensor (:func:`~orchestrator.weights.as_bytes_array`)."""
+    """A pickled snapshot's tensor (:func:`~orchestrator.weights.update.as_bytes_array`)."""
 
     dtype: str
     shape: tuple[int, ...]

@@ -3,7 +3,7 @@
 :meth:`TorchTrainer.step` awaits the blocking torch work in a worker thread, so the event
 loop stays free. :meth:`TorchTrainer.weights` hands out the model's own tensors by reference
 (no copy); the next step waits until the engines have released them (see
-:mod:`orchestrator.weights`). The version counts optimiser steps: a batch trained at version
+:mod:`orchestrator.weights.update`). The version counts optimiser steps: a batch trained at version
 ``v`` produces version ``v + 1``.
 
 Per step: the algorithm's advantages from each group's rewards (``algo``; GRPO's group
@@ -49,7 +49,7 @@ from orchestrator.trainer.packing import attending_by_group, pack_by_group, pack
 from orchestrator.trainer.precision import Precision
 from orchestrator.trainer.snapshot import SHARDS, TrainerSnapshot, load_shards
 from orchestrator.types import Group
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # torch's fused AdamW kernels
 PER_SEQUENCE = "per_sequence:"  # a step's sums weighted by sequences, not tokens

@@ -76,7 +76,7 @@ def test_trl_gets_the_projects_prompt_ids() -> None:
     from transformers import AutoTokenizer
 
     from bench.real_model import config, model_node
-    from orchestrator.config import build_env
+    from orchestrator.config.read import build_env
     from orchestrator.models.policy import checkpoint_dir
     from orchestrator.models.tokenizer import HFTokenizer
 

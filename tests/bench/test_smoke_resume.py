@@ -14,7 +14,7 @@ import pytest
 from bench_smoke import REPO, run_bench
 
 from bench.resume import Interruption, audit
-from orchestrator.resume import RunState, find_checkpoint
+from orchestrator.run.resume import RunState, find_checkpoint
 
 STEPS = 6
 RUN = ["experiment=smoke", "logger=none", "progress=false", "model.device=cpu",

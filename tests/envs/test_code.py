@@ -19,12 +19,12 @@ from helpers import REPO, TOK, docker_available, quick_config, scripted_engine
 
 from envs.code import CodeSpec, CodeToolSpec, extract_code
 from envs.parsers import HermesParser
+from orchestrator.builders import run
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
-from orchestrator.main import run
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
-from orchestrator.warmstart import demonstration_tokens
+from orchestrator.run.warmstart import demonstration_tokens
 
 LOCAL = {"_target_": "sandboxes.local.LocalSandboxConfig", "timeout_s": 2.0, "max_timeout_s": 2.0}
 DOCKER = "sandboxes.docker.DockerSandboxConfig"

@@ -1,5 +1,5 @@
 """``env=dataset``: a user's files in every format and schema, their bad input, the order a
-resumed run keeps, and a run from a file end to end (envs/dataset.py, orchestrator/main.py)."""
+resumed run keeps, and a run from a file end to end (envs/dataset.py, orchestrator/builders.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from envs.dataset import DatasetSpec, DatasetTask
 from envs.errors import EnvConfigError
-from orchestrator.pipeline import TaskSampler
+from orchestrator.pipeline.pipeline import TaskSampler
 
 
 def verl_rows(n: int, source: str = "arith") -> list[dict]:
@@ -170,8 +170,8 @@ def test_bad_input_is_one_line_naming_file_row_and_key(tmp_path: Path, make, mes
 def test_an_eval_file_alone_is_for_evaluating_a_run_needs_train(tmp_path: Path) -> None:
     """``env.eval`` without ``env.train`` makes an environment to evaluate on (python -m
     orchestrator.eval); training on it is refused in one line before anything is built."""
+    from orchestrator.builders import run
     from orchestrator.errors import ConfigError
-    from orchestrator.main import run
 
     test = write_jsonl(tmp_path / "test.jsonl", [{"question": "12+13=", "answer": "25"}] * 3)
     spec = DatasetSpec(eval=str(test), reward="exact")
@@ -189,7 +189,7 @@ def test_an_eval_file_alone_is_for_evaluating_a_run_needs_train(tmp_path: Path) 
 def test_a_run_from_a_file_end_to_end(tmp_path: Path) -> None:
     """The real config, the tiny model and its warm start, the math reward in workers; one
     prompt too long for the context is left out when the data is loaded."""
-    from orchestrator.main import run
+    from orchestrator.builders import run
 
     rows = [{"question": f"{a:02d}+{b:02d}=", "answer": str(a + b)}
             for a in range(0, 60, 7) for b in range(0, 60, 11)]

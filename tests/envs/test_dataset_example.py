@@ -18,9 +18,9 @@ from hydra import compose, initialize_config_dir
 from envs.data import make_arith
 from envs.dataset import DatasetSpec, DatasetTask
 from envs.reward_builtins import math_reward
-from orchestrator.config import build_env, typed
-from orchestrator.main import check_sizes
-from orchestrator.schema import PipelineConfig, RolloutConfig
+from orchestrator.builders import check_sizes
+from orchestrator.config.read import build_env, typed
+from orchestrator.config.schema import PipelineConfig, RolloutConfig
 
 DATA = REPO / "envs" / "data"
 FILES = {"train": DATA / "arith_train.parquet", "eval": DATA / "arith_eval.parquet"}

@@ -202,8 +202,8 @@ def test_a_run_with_a_judge_that_hangs_finishes_and_counts_them(tmp_path: Path) 
     from hydra import compose, initialize_config_dir
 
     from bench.judge_server import in_thread
-    from orchestrator.config import explain
-    from orchestrator.main import run
+    from orchestrator.builders import run
+    from orchestrator.config.read import explain
     from tests.envs.test_dataset import write_jsonl
 
     repo = Path(__file__).resolve().parents[2]

@@ -142,7 +142,7 @@ def test_an_unknown_dataset_is_one_line_with_close_names() -> None:
 def test_an_unknown_dataset_through_the_config_is_one_line() -> None:
     from hydra import compose, initialize_config_dir
 
-    from orchestrator.config import build_env
+    from orchestrator.config.read import build_env
     from orchestrator.errors import ConfigError
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -17,12 +17,12 @@ from helpers import TOK, quick_config, run_spans, scripted_engine
 from envs.errors import EnvError, EnvNotRunning
 from envs.registry import make_spec
 from envs.search_qa import SearchQASpec, exact_match, f1, normalize, tool_call_text
+from orchestrator.builders import run
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
-from orchestrator.main import run
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
-from orchestrator.warmstart import demonstration_tokens
+from orchestrator.run.warmstart import demonstration_tokens
 from sandboxes.search import SearchClient, SearchError, SearchServer
 
 

@@ -1,8 +1,8 @@
 """Majority votes by the reward's own reading (envs/votes.py, through
-orchestrator.evaluate): on hand-made replies, for ``math``, ``choice``, ``exact`` and a user's
-reward, maj@n is the mean reward of the largest group of replies the reward counts as one
-answer, worked out here by hand; each case is one the vote by ``math``'s reading and raw
-strings got wrong."""
+orchestrator.pipeline.evaluation): on hand-made replies, for ``math``, ``choice``, ``exact`` and a
+user's reward, maj@n is the mean reward of the largest group of replies the reward counts as one
+answer, worked out here by hand; each case is one the vote by ``math``'s reading and raw strings got
+wrong."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from envs.base import Task
 from envs.votes import Choice, Exact, Scored, Votes, votes_for, voting_term
-from orchestrator.evaluate import majority, voted
+from orchestrator.pipeline.evaluation import majority, voted
 from orchestrator.types import EvalSample
 
 pytestmark = pytest.mark.anyio

@@ -14,7 +14,7 @@ from envs.base import EnvSpec, Task
 from envs.code import CodeSpec, CodeToolSpec
 from envs.search_qa import SearchQASpec
 from envs.votes import Routed, votes_for, votes_of
-from orchestrator.evaluate import majority, voted
+from orchestrator.pipeline.evaluation import majority, voted
 from orchestrator.types import EvalSample
 
 pytestmark = pytest.mark.anyio

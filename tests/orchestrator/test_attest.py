@@ -1,5 +1,5 @@
-"""The trainer's attestation check (orchestrator/attest.py) on hand-made batches: a clean batch
-passes untouched; a segment whose fingerprint is not the published one is masked, counted and
+"""The trainer's attestation check (orchestrator/weights/attest.py) on hand-made batches: a clean
+batch passes untouched; a segment whose fingerprint is not the published one is masked, counted and
 its engine named; the same wrong weights' tokens reaching a later batch (generated before the
 reload) are masked but not counted again; new wrong weights in the next batch end the run."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.attest import FAULT, AttestationFailed, Attestor
 from orchestrator.types import Attestation, FinishReason, Group, Trajectory
+from orchestrator.weights.attest import FAULT, AttestationFailed, Attestor
 
 
 def trajectory(*segments: Attestation) -> Trajectory:

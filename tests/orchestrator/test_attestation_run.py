@@ -1,9 +1,9 @@
-"""Weight attestation in whole runs on the toy model (orchestrator/attest.py): a clean run has
-no failure and records each generated segment's engine, version and fingerprint in its samples
-and PolyTrace records; each fault an engine can make (a skipped load, a partial one, a restart
-from the starting weights, an adapter of another version) is detected in the first batch with
-its tokens, which are not trained, and the engines reload; an engine that fails twice in a row
-ends the run in one line; an engine that cannot attest is refused at start."""
+"""Weight attestation in whole runs on the toy model (orchestrator/weights/attest.py): a clean run
+has no failure and records each generated segment's engine, version and fingerprint in its samples
+and PolyTrace records; each fault an engine can make (a skipped load, a partial one, a restart from
+the starting weights, an adapter of another version) is detected in the first batch with its tokens,
+which are not trained, and the engines reload; an engine that fails twice in a row ends the run in
+one line; an engine that cannot attest is refused at start."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from helpers import make_groups, quick_config, run_step_files
 
-from orchestrator.attest import AttestationFailed
-from orchestrator.config import explain
+from orchestrator.builders import run, training_parts
+from orchestrator.config.read import explain
 from orchestrator.errors import ConfigError, chain
-from orchestrator.fingerprint import fingerprint
-from orchestrator.main import run, training_parts
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.attest import AttestationFailed
+from orchestrator.weights.fingerprint import fingerprint
+from orchestrator.weights.update import WeightUpdate
 
 # weight decay: every step changes the weights, whatever the rewards (all 0 would leave them)
 RUN = ("pipeline.num_steps=4", "warmstart.steps=0", "eval.num_tasks=0", "rollout.max_tokens=8",

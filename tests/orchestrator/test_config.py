@@ -1,4 +1,4 @@
-"""Every config group option composes and instantiates (conf/, orchestrator/config.py)."""
+"""Every config group option composes and instantiates (conf/, orchestrator/config/read.py)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ from omegaconf import DictConfig, OmegaConf
 from envs.base import EnvSpec
 from orchestrator.algo.base import Algorithm
 from orchestrator.algo.build import build_algorithm
-from orchestrator.config import build_env, explain, section, typed
+from orchestrator.builders import check_sizes
+from orchestrator.config.read import build_env, explain, section, typed
+from orchestrator.config.schema import PipelineConfig, RolloutConfig, WarmStartConfig
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.launch import EngineRecipe
 from orchestrator.loggers.base import Logger
-from orchestrator.main import check_sizes
 from orchestrator.models.policy import Policy
-from orchestrator.schema import PipelineConfig, RolloutConfig, WarmStartConfig
 from orchestrator.trainer import Trainer
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())

@@ -9,12 +9,12 @@ import pytest
 from helpers import TINY_MODEL, build_hf_checkpoint
 
 from envs.arithmetic import ArithmeticSpec
+from orchestrator.config.schema import RolloutConfig
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.errors import ConfigError
 from orchestrator.models.policy import pretrained_policy, tiny_policy
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 
 @pytest.mark.anyio

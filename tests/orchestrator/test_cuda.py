@@ -15,15 +15,15 @@ from helpers import make_groups
 
 from envs.registry import make_spec
 from orchestrator.algo.grpo import GRPO
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.slot_cache import SlotCache
 from orchestrator.engines.torch_engine import TorchEngine
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.policy import build_policy
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
 from orchestrator.trainer import TorchTrainer, pack
 from orchestrator.types import Group, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,6 +1,6 @@
 """``python -m orchestrator.data check`` and ``score`` on files written here, as a user runs them
 (the module's ``main`` in this process, one real ``python -m`` for the command line itself):
-the figures each prints, and every bad input's one line (orchestrator/data.py)."""
+the figures each prints, and every bad input's one line (orchestrator/commands/data.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 pd = pytest.importorskip("pandas", reason="the data extra (scripts/setup.sh installs it)")
 from helpers import REPO
 
-from orchestrator.data import main
+from orchestrator.commands.data import main
 
 
 def verl_rows(numbers: range, source: str = "arith") -> list[dict]:

@@ -1,5 +1,5 @@
-"""Delta weight updates (orchestrator/delta.py): a delta rebuilds the new weights bit for bit in
-any dtype, special values included; an engine that holds the base loads it, one that missed a
+"""Delta weight updates (orchestrator/weights/delta.py): a delta rebuilds the new weights bit for
+bit in any dtype, special values included; an engine that holds the base loads it, one that missed a
 version loads the full update; a corrupted delta fails its attestation, is never served, and the
 full update replaces it."""
 
@@ -12,12 +12,12 @@ import torch
 import zstandard
 from helpers import TINY_MODEL
 
-from orchestrator.delta import DeltaEncoder, TensorDelta, apply
 from orchestrator.engines.base import sync_weights
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import build_policy
 from orchestrator.types import SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.delta import DeltaEncoder, TensorDelta, apply
+from orchestrator.weights.update import WeightUpdate
 
 SPECIAL = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-45, -3.5]
 

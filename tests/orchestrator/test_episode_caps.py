@@ -1,4 +1,4 @@
-"""Multi-turn episodes in the runner (orchestrator/rollout.py): observation tokens are
+"""Multi-turn episodes in the runner (orchestrator/episodes/rollout.py): observation tokens are
 appended unmasked, per-turn metrics add up, and each cap ends the episode with its reason."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from collections.abc import Sequence
 import pytest
 
 from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
 
 pytestmark = pytest.mark.anyio
 TASK = Task(id=0, messages=({"role": "user", "content": "hi"},), answer="")

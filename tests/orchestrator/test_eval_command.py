@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from helpers import REPO, quick_config
 
-from orchestrator.checkpoint import CheckpointStore
-from orchestrator.eval import evaluate_target, last_line, main, samples_path, table
-from orchestrator.export import export
-from orchestrator.main import run
+from orchestrator.builders import run
+from orchestrator.commands.eval import evaluate_target, last_line, main, samples_path, table
+from orchestrator.commands.export import export
+from orchestrator.run.checkpoint import CheckpointStore
 
 # the run's eval tasks and rollout limits, for a model directory composed from conf/
 AS_THE_RUN = ["experiment=smoke", "model.dtype=float32", "model.device=cpu", "env.train_size=32",

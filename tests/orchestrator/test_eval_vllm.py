@@ -17,10 +17,10 @@ import pytest
 import torch
 from helpers import REPO, quick_config
 
+from orchestrator.builders import run
+from orchestrator.commands.eval import evaluate_target
+from orchestrator.commands.export import export
 from orchestrator.engines.vllm_engine import _close_zmq
-from orchestrator.eval import evaluate_target
-from orchestrator.export import export
-from orchestrator.main import run
 from orchestrator.models.tokenizer import CharTokenizer
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")

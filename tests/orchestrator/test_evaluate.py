@@ -1,6 +1,6 @@
-"""Evaluation as the field reports it (orchestrator/evaluate.py): pass@k against exhaustive
-enumeration, maj@n, per-source figures, ``eval.n`` samples per task, bad ``eval.k`` in one
-line, and the typed record through a checkpoint, a resume and ``summary.json``."""
+"""Evaluation as the field reports it (orchestrator/pipeline/evaluation.py): pass@k against
+exhaustive enumeration, maj@n, per-source figures, ``eval.n`` samples per task, bad ``eval.k`` in
+one line, and the typed record through a checkpoint, a resume and ``summary.json``."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ from omegaconf import OmegaConf
 from envs.arithmetic import ArithmeticSpec
 from envs.base import EnvSpec, Task
 from envs.code import CodeSpec
-from orchestrator.checkpoint import CheckpointStore
-from orchestrator.config import typed
+from orchestrator.builders import run
+from orchestrator.config.read import typed
+from orchestrator.config.schema import EvalConfig, RolloutConfig
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.errors import ConfigError
-from orchestrator.evaluate import evaluate, majority, pass_at_k, score
-from orchestrator.main import run
+from orchestrator.pipeline.evaluation import evaluate, majority, pass_at_k, score
 from orchestrator.recorder import Recorder
-from orchestrator.resume import RunState
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import EvalConfig, RolloutConfig
+from orchestrator.run.checkpoint import CheckpointStore
+from orchestrator.run.resume import RunState
 from orchestrator.types import EvalSample, Evaluation
 
 

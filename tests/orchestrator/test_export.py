@@ -22,14 +22,14 @@ from helpers import REPO, make_groups, quick_config
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from orchestrator.checkpoint import CheckpointStore
-from orchestrator.config import section
-from orchestrator.export import export, locate, main
+from orchestrator.builders import run
+from orchestrator.commands.export import export, locate, main
+from orchestrator.config.read import section
 from orchestrator.launch import TrainerRecipe
 from orchestrator.launch.ranks import process_group
-from orchestrator.main import run
 from orchestrator.models.policy import build_policy
 from orchestrator.models.tokenizer import CharTokenizer, HFTokenizer
+from orchestrator.run.checkpoint import CheckpointStore
 from orchestrator.trainer import TorchTrainer
 
 TOK = CharTokenizer()
@@ -57,7 +57,7 @@ def lora_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     checkpoint store after the same warm-start step and RL step: one by two trainer ranks
     (shards), one by the trainer in this process.
 
-    Not two runs of ``orchestrator.main``: their rollouts differ from run to run, and on
+    Not two runs of ``orchestrator.builders``: their rollouts differ from run to run, and on
     ranks a warm-start step after the engines' first weights changes nothing (so a tiny run's
     weights would stay at their initialisation)."""
     cfg = quick_config("smoke", *LORA, "trainer.world_size=2")

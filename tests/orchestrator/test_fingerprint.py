@@ -1,5 +1,5 @@
-"""The weights' fingerprint (orchestrator/fingerprint.py): its per-tensor digest against a plain
-Python reference of the same formula, and the changes it must catch (one element, one bit, a
+"""The weights' fingerprint (orchestrator/weights/fingerprint.py): its per-tensor digest against a
+plain Python reference of the same formula, and the changes it must catch (one element, one bit, a
 swap of tensors, a permutation, a dtype) or must not see (the same bytes in another layout)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from orchestrator import fingerprint as fingerprint_module
-from orchestrator.fingerprint import fingerprint, tensor_digest, tensor_digests
+from orchestrator.weights import fingerprint as fingerprint_module
+from orchestrator.weights.fingerprint import fingerprint, tensor_digest, tensor_digests
 
 MASK = (1 << 64) - 1
 

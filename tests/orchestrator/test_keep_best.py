@@ -1,6 +1,6 @@
-"""``checkpoint.keep_best`` (orchestrator/best.py): the best checkpoint by an evaluation figure is
-kept besides the latest, named in ``best.json`` and ``summary.json``, known after a resume,
-taken by ``--step best``; an unknown figure stops the run before anything is built."""
+"""``checkpoint.keep_best`` (orchestrator/run/best.py): the best checkpoint by an evaluation figure
+is kept besides the latest, named in ``best.json`` and ``summary.json``, known after a resume, taken
+by ``--step best``; an unknown figure stops the run before anything is built."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 from helpers import quick_config
 
-from orchestrator.best import KeepBest
-from orchestrator.checkpoint import Best, CheckpointStore
-from orchestrator.config import explain
+from orchestrator.builders import run
+from orchestrator.commands.export import export
+from orchestrator.commands.targets import locate
+from orchestrator.config.read import explain
+from orchestrator.config.schema import EvalConfig
 from orchestrator.errors import ConfigError
-from orchestrator.evaluate import score
-from orchestrator.export import export
-from orchestrator.main import run
-from orchestrator.resume import RunState
-from orchestrator.schema import EvalConfig
-from orchestrator.targets import locate
+from orchestrator.pipeline.evaluation import score
+from orchestrator.run.best import KeepBest
+from orchestrator.run.checkpoint import Best, CheckpointStore
+from orchestrator.run.resume import RunState
 from orchestrator.types import EvalSample, Evaluation
 
 METRIC = "eval/pass@1"
@@ -111,7 +111,7 @@ def test_step_best_of_a_run_that_kept_none_is_one_line(tmp_path: Path,
     with pytest.raises(ConfigError, match="has no best checkpoint \\(start the run with "
                                           "checkpoint.keep_best=<metric>"):
         locate(tmp_path, "best")
-    from orchestrator.export import main
+    from orchestrator.commands.export import main
 
     assert main([str(tmp_path), "--step", "best", "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from orchestrator.main import run
+from orchestrator.builders import run
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """End to end: ``run(cfg)`` in process and ``python -m orchestrator experiment=smoke`` as a user
-runs it, with everything a run leaves in its directory (orchestrator/main.py, checkpoint.py)."""
+runs it, with everything a run leaves in its directory (orchestrator/builders.py, checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.algo.grpo import GRPO
-from orchestrator.main import run
+from orchestrator.builders import run
 from orchestrator.models.policy import tiny_policy
 from orchestrator.trainer import TorchTrainer
 
@@ -133,7 +133,7 @@ def test_one_engine_serves_the_warm_start_checks_the_evals_and_rl(tmp_path: Path
     """The engine is built once per run, from config and a WeightUpdate (never a policy), and
     the warm start's greedy checks load the trainer's weights into that same engine."""
     from orchestrator.engines.torch_engine import TorchEngine
-    from orchestrator.weights import WeightUpdate
+    from orchestrator.weights.update import WeightUpdate
 
     built: list[tuple[dict, WeightUpdate | None]] = []
     loads: list[int] = []
@@ -172,8 +172,8 @@ def test_eval_engine_auto_copies_an_engine_that_says_a_copy_is_cheap(engine: str
     # the engine class's capability (cheap_copy_on_cpu), not its name, decides
     from helpers import quick_config
 
+    from orchestrator.builders import eval_config, eval_on_own_engine
     from orchestrator.launch.local import LocalLauncher
-    from orchestrator.main import eval_config, eval_on_own_engine
 
     cfg = quick_config("smoke", f"engine={engine}", "eval.engine=auto")
     assert eval_on_own_engine(eval_config(cfg), cfg, LocalLauncher()) is own

@@ -1,8 +1,8 @@
-"""How groups leave the pipeline (orchestrator/outcomes.py) and the group filters the pipeline
-applies (orchestrator/algo/filters.py), on the simulated engine and trainer in virtual time:
-each outcome's bookkeeping; dynamic sampling at k = 1 refills without stalling admission,
-keeps staleness within k and stops at its cap; zero-variance masking trains less with no
-refill; a crash after a checkpoint and a resume neither repeat nor skip a prompt."""
+"""How groups leave the pipeline (orchestrator/pipeline/outcomes.py) and the group filters the
+pipeline applies (orchestrator/algo/filters.py), on the simulated engine and trainer in virtual
+time: each outcome's bookkeeping; dynamic sampling at k = 1 refills without stalling admission,
+keeps staleness within k and stops at its cap; zero-variance masking trains less with no refill; a
+crash after a checkpoint and a resume neither repeat nor skip a prompt."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from helpers import TOK, virtual_time  # noqa: F401 - anyio_backend: virtual tim
 from envs.arithmetic import ArithmeticSpec
 from envs.base import Task
 from orchestrator.algo.filters import DynamicSampling, GroupFilter, ZeroVarianceMask, equal_rewards
+from orchestrator.config.schema import PipelineConfig, RolloutConfig
 from orchestrator.engines.simulated import ScriptedReplies, SimulatedEngine
-from orchestrator.outcomes import GroupLedger, Outcome
-from orchestrator.pipeline import OnStep, Pipeline
+from orchestrator.episodes.rollout import EpisodeRunner
+from orchestrator.pipeline.outcomes import GroupLedger, Outcome
+from orchestrator.pipeline.pipeline import OnStep, Pipeline
+from orchestrator.pipeline.sampler import TaskSampler
 from orchestrator.recorder import Recorder, Span
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.sampler import TaskSampler
-from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.staleness import StalenessController
 from orchestrator.trainer.simulated import SimulatedTrainer, UniformCost
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from helpers import quick_config
 
+from orchestrator.builders import run
+from orchestrator.config.schema import EvalConfig
 from orchestrator.errors import ConfigError
-from orchestrator.main import run
-from orchestrator.schema import EvalConfig
 
 
 def test_evaluations_during_rl_land_in_the_step_metrics(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""The asynchronous pipeline (orchestrator/pipeline.py) driven by the simulated engine and the
-simulated trainer in virtual time: the staleness invariant, k = 0 alternation, drops, and
+"""The asynchronous pipeline (orchestrator/pipeline/pipeline.py) driven by the simulated engine and
+the simulated trainer in virtual time: the staleness invariant, k = 0 alternation, drops, and
 in-flight update modes."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import pytest
 from helpers import peak_concurrency, virtual_time  # noqa: F401 - anyio_backend: virtual time
 
 from envs.arithmetic import ArithmeticSpec
+from orchestrator.config.schema import PipelineConfig, RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import Pipeline, TaskSampler
+from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
 from orchestrator.recorder import Recorder, Span
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.types import (
     FinishReason,
     Generation,
@@ -31,7 +31,7 @@ from orchestrator.types import (
     TimedGroup,
     Trajectory,
 )
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 pytestmark = pytest.mark.anyio
 

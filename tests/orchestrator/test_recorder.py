@@ -14,13 +14,13 @@ import anyio
 import pytest
 
 from envs.arithmetic import ArithmeticSpec
+from orchestrator.config.schema import PipelineConfig, RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import Pipeline, TaskSampler
+from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
 from orchestrator.recorder import Recorder, read_spans
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.rundir import RunDir
-from orchestrator.schema import PipelineConfig, RolloutConfig
+from orchestrator.run.directory import RunDir
 from orchestrator.trace import timeline
 from orchestrator.trace.timeline import trace_events, write_timeline
 from orchestrator.types import StepReport

@@ -17,12 +17,12 @@ import torch
 from helpers import REPO, run_spans
 
 from envs.base import Task
-from orchestrator.checkpoint import CheckpointStore
 from orchestrator.errors import ConfigError
 from orchestrator.faults import add_faults, resumed_faults
-from orchestrator.pipeline import TaskSampler
-from orchestrator.resume import RunState, find_checkpoint, resumed_config
-from orchestrator.rundir import faults_recorded
+from orchestrator.pipeline.pipeline import TaskSampler
+from orchestrator.run.checkpoint import CheckpointStore
+from orchestrator.run.directory import faults_recorded
+from orchestrator.run.resume import RunState, find_checkpoint, resumed_config
 from orchestrator.trace.reader import TraceDir
 
 STEPS = 6
@@ -119,7 +119,8 @@ def test_a_run_killed_at_any_point_resumes_to_the_end(tmp_path: Path, kill_at: s
     assert not list((run_dir / "checkpoints").glob(".tmp-step-*"))
 
 
-OUTCOMES_SETTLED = ("trained", "stale", "filtered", "masked", "empty")  # orchestrator/outcomes.py
+# orchestrator/pipeline/outcomes.py
+OUTCOMES_SETTLED = ("trained", "stale", "filtered", "masked", "empty")
 
 
 @pytest.mark.slow  # left out of scripts/test.sh --quick
@@ -323,7 +324,7 @@ def test_rng_state_round_trips(tmp_path: Path) -> None:
 
     import numpy as np
 
-    from orchestrator.resume import capture_rng, restore_rng
+    from orchestrator.run.resume import capture_rng, restore_rng
 
     RunState(pipeline={"step": 1, "dropped": 0, "sampler": {}}, version=1).write(tmp_path, capture_rng())
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
@@ -335,7 +336,7 @@ def test_cuda_generators_go_back_onto_the_gpus_this_machine_has(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run saved on 2 GPUs resumes on 1: its first generator goes back, the second has no
     GPU (set_rng_state_all would have asked CUDA for a device 1 and failed)."""
-    from orchestrator.resume import capture_rng, restore_rng
+    from orchestrator.run.resume import capture_rng, restore_rng
 
     state = capture_rng()
     state["cuda"] = [torch.full((16,), 1, dtype=torch.uint8), torch.full((16,), 2, dtype=torch.uint8)]
@@ -466,7 +467,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_and_counts_the_re
     killed attempt's steps are cut, and its fault counters go on with the restart counted."""
     from helpers import quick_config
 
-    from orchestrator.main import run
+    from orchestrator.builders import run
 
     (tmp_path / "metrics.jsonl").write_text(
         json.dumps({"step": 0, "faults/sandbox_lost": 2.0}) + "\n"

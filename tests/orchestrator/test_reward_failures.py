@@ -1,6 +1,6 @@
 """A run whose reward keeps failing stops in one line naming the reward and its first error
-(orchestrator/pipeline.py, envs/rewards.py); before, it trained on zeros with a warning every
-10 s."""
+(orchestrator/pipeline/pipeline.py, envs/rewards.py); before, it trained on zeros with a warning
+every 10 s."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from helpers import REPO, quick_config
 
+from orchestrator.builders import run
 from orchestrator.errors import RunAborted, chain
-from orchestrator.main import run
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +35,7 @@ def test_a_reward_failing_on_most_samples_stops_the_run(tmp_path: Path) -> None:
 
 def test_only_more_than_half_failed_for_that_many_steps_in_a_row_stops() -> None:
     from envs.arithmetic import ArithmeticSpec
-    from orchestrator.pipeline import Pipeline
+    from orchestrator.pipeline.pipeline import Pipeline
 
     spec = ArithmeticSpec(train_size=4, eval_size=0, reward_fail_steps=2)
     pipeline = SimpleNamespace(_reward_failed_steps=0, runner=SimpleNamespace(spec=spec))

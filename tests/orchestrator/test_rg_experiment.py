@@ -15,9 +15,9 @@ from helpers import REPO, quick_config
 from hydra import compose, initialize_config_dir
 
 from envs.reasoning_gym import ReasoningGymSpec
-from orchestrator.config import build_env, typed
-from orchestrator.main import check_sizes, run
-from orchestrator.schema import PipelineConfig, RolloutConfig
+from orchestrator.builders import check_sizes, run
+from orchestrator.config.read import build_env, typed
+from orchestrator.config.schema import PipelineConfig, RolloutConfig
 
 
 def test_the_experiment_composes_and_builds_its_environment() -> None:

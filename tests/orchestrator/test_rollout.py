@@ -1,5 +1,5 @@
-"""The episode runner (orchestrator/rollout.py): token-in/token-out trajectories, rewards,
-multi-turn observations; and greedy evaluation (orchestrator/evaluate.py)."""
+"""The episode runner (orchestrator/episodes/rollout.py): token-in/token-out trajectories, rewards,
+multi-turn observations; and greedy evaluation (orchestrator/pipeline/evaluation.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from helpers import TOK, scripted_engine
 
 from envs.arithmetic import ArithmeticSpec
 from envs.base import Env, EnvSpec, Message, Reward, RewardTerm, StepResult, Task
-from orchestrator.evaluate import evaluate
+from orchestrator.config.schema import RolloutConfig
+from orchestrator.episodes.rollout import EpisodeRunner
+from orchestrator.pipeline.evaluation import evaluate
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
 from orchestrator.types import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.anyio

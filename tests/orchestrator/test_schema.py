@@ -1,4 +1,4 @@
-"""The typed schema (orchestrator/schema.py) is the one source of the plain sections: Hydra
+"""The typed schema (orchestrator/config/schema.py) is the one source of the plain sections: Hydra
 composes its defaults, every shipped experiment's sections validate against it, every key
 is documented, and a mistake is one line naming the key."""
 
@@ -13,8 +13,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from orchestrator import schema
-from orchestrator.config import scalar, typed
+from orchestrator.config import schema
+from orchestrator.config.read import scalar, typed
 from orchestrator.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

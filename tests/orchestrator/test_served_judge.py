@@ -1,4 +1,4 @@
-"""The judge served by the run itself (``env.judge.serve``, orchestrator.main.served_judge):
+"""The judge served by the run itself (``env.judge.serve``, orchestrator.builders.served_judge):
 the run builds that conf/model entry's engine from its own weights, serves it behind an
 OpenAI-compatible URL in its own event loop and judges through it, every sample scored or
 counted; a name that is not a model, or an engine that cannot start, is one line before any
@@ -14,9 +14,9 @@ from helpers import quick_config
 
 from envs.base import Task
 from envs.errors import EnvConfigError
-from orchestrator.config import build_env
+from orchestrator.builders import run, served_judge
+from orchestrator.config.read import build_env
 from orchestrator.errors import ConfigError
-from orchestrator.main import run, served_judge
 
 JUDGED = ("env.reward={strict: 1.0, judge: 0.5}", "env.judge.serve=tiny",
           "env.judge.max_tokens=4", "env.judge.timeout_s=60", "env.judge.retries=0")

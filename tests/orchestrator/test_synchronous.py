@@ -28,15 +28,15 @@ import torch
 from helpers import quick_config
 
 from envs.base import Task
+from orchestrator.builders import training_parts
+from orchestrator.config.schema import WarmStartConfig
 from orchestrator.engines.base import InferenceEngine, sync_weights
-from orchestrator.main import training_parts
+from orchestrator.episodes.rollout import sample_seed
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import sample_seed
-from orchestrator.runloop import RunParts, RunResult, run_session
-from orchestrator.schema import WarmStartConfig
+from orchestrator.run.loop import RunParts, RunResult, run_session
+from orchestrator.run.warmstart import warm_start
 from orchestrator.trainer.torch_trainer import TorchTrainer
 from orchestrator.types import Group, SamplingParams, StepReport, Trajectory
-from orchestrator.warmstart import warm_start
 
 pytestmark = pytest.mark.anyio
 

@@ -1,11 +1,11 @@
-"""The trajectory builder (orchestrator/trajectory.py): token ids, loss mask, behaviour
+"""The trajectory builder (orchestrator/episodes/trajectory.py): token ids, loss mask, behaviour
 log-probs and versions grow together; only generated tokens are trained on."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.trajectory import TrajectoryBuilder
+from orchestrator.episodes.trajectory import TrajectoryBuilder
 from orchestrator.types import Attestation, FinishReason, Generation
 
 

@@ -1,4 +1,4 @@
-"""The supervised warm start (orchestrator/warmstart.py)."""
+"""The supervised warm start (orchestrator/run/warmstart.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import anyio
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
-from orchestrator.schema import WarmStartConfig
+from orchestrator.config.schema import WarmStartConfig
+from orchestrator.run.warmstart import warm_start
 from orchestrator.trainer import TorchTrainer
-from orchestrator.warmstart import warm_start
 
 
 def test_no_steps_no_change(tiny: Any) -> None:

@@ -17,9 +17,9 @@ their result in a :class:`~orchestrator.launch.ray.spans.Reply`, so they count i
 made the call; the driver drains the rest (:mod:`orchestrator.launch.ray.spans`).
 
 With ``engine.delta`` the trainer actor also puts, beside each full update, its delta from the
-update before (:class:`~orchestrator.delta.DeltaEncoder`, which keeps the last one in the wire
-dtype): an engine actor that holds that version pulls only the delta; any other, or one whose
-reconstruction fails its attestation, pulls the full update (:mod:`orchestrator.delta`).
+update before (:class:`~orchestrator.weights.delta.DeltaEncoder`, which keeps the last one in the
+wire dtype): an engine actor that holds that version pulls only the delta; any other, or one whose
+reconstruction fails its attestation, pulls the full update (:mod:`orchestrator.weights.delta`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import ray
 import torch
 from ray.exceptions import ObjectLostError
 
-from orchestrator.delta import DeltaEncoder, Loaded
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import EngineClosed, RunAborted
 from orchestrator.faults import kill_point
@@ -48,7 +47,8 @@ from orchestrator.recorder import Span
 from orchestrator.trainer.base import Trainer, TrainStats, forwarded_methods
 from orchestrator.trainer.proxy import Answer, answer
 from orchestrator.types import Generation, Group, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.delta import DeltaEncoder, Loaded
+from orchestrator.weights.update import WeightUpdate
 
 
 class WeightsLost(RunAborted):

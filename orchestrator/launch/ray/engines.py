@@ -41,7 +41,6 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
-from orchestrator.delta import LoadCounter
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.router import EngineRouter, EnginesLost, Keeper, PrefixAffinity, Replica
 from orchestrator.errors import EngineClosed, RunAborted, first_line
@@ -50,7 +49,8 @@ from orchestrator.launch.ray.remote import RayActorError, result
 from orchestrator.launch.ray.spans import Reply, SpanCollector
 from orchestrator.rwlock import ReadWriteLock
 from orchestrator.types import Generation, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.delta import LoadCounter
+from orchestrator.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
 __all__ = ["EngineActorLost", "EnginesLost", "RayEngine", "RayKeeper", "ray_router"]

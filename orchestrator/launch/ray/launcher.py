@@ -21,7 +21,7 @@ colocated vLLM engine sleeps through each train step. Weights still travel throu
 store (``engine.weight_transfer`` rpc: the trainer actor's tensors are in another process).
 
 Weights: after each step the trainer actor puts the new weights into the object store once and
-every engine actor pulls them (see :mod:`orchestrator.weights`); engine faults are survived
+every engine actor pulls them (see :mod:`orchestrator.weights.update`); engine faults are survived
 (:mod:`~.engines`); a dead trainer actor is replaced and the run goes on from its last
 checkpoint, written by the driver in its own run directory (:meth:`RayLauncher.recover`,
 :mod:`~.trainer`); spans come back from every actor (:mod:`~.spans`).
@@ -62,7 +62,7 @@ from orchestrator.launch.ray.spans import SpanCollector
 from orchestrator.launch.ray.trainer import RayTrainer, TrainerLost
 from orchestrator.recorder import Recorder
 from orchestrator.trainer.base import Trainer
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
 

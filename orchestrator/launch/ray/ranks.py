@@ -39,7 +39,7 @@ from orchestrator.launch.ray.remote import RayActorError, result_now
 from orchestrator.launch.ray.spans import Reply, SpanBuffer, SpanCollector
 from orchestrator.recorder import Span
 from orchestrator.types import Group
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 
 def rank_name(rank: int) -> str:

@@ -2,7 +2,7 @@
 
 Every call goes to the :class:`~.actors.TrainerActor` (placed on its own bundle: a GPU node,
 say); the pipeline awaits them as it awaits an in-process trainer. :meth:`RayTrainer.weights`
-returns an object-store :class:`~orchestrator.weights.WeightUpdate`: the actor put the new
+returns an object-store :class:`~orchestrator.weights.update.WeightUpdate`: the actor put the new
 weights once and every engine actor pulls them from there. ``state_dict`` and
 ``load_state_dict`` are blocking (the interface is synchronous): call them outside the run's
 event loop, as checkpoints do.
@@ -40,7 +40,7 @@ from orchestrator.launch.ray.spans import Reply, SpanCollector
 from orchestrator.trainer.base import Forwarded, TrainStats
 from orchestrator.trainer.proxy import Answer, TrainerProxy
 from orchestrator.types import Group
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 
 class TrainerLost(RunAborted):

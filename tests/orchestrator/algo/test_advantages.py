@@ -18,8 +18,8 @@ from orchestrator.algo.advantages import (
 )
 from orchestrator.algo.composed import PolicyGradient
 from orchestrator.algo.regularizers import KL
+from orchestrator.builders import run
 from orchestrator.errors import ConfigError
-from orchestrator.main import run
 from orchestrator.types import Group
 
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.5]]

@@ -20,9 +20,9 @@ from orchestrator.algo.filters import (
     build_filter,
     filter_options,
 )
-from orchestrator.config import CONF, explain
+from orchestrator.builders import run, training_parts
+from orchestrator.config.read import CONF, explain
 from orchestrator.errors import ConfigError
-from orchestrator.main import run, training_parts
 from orchestrator.trainer.torch_trainer import TorchTrainer
 from orchestrator.types import FinishReason, Group, Trajectory
 

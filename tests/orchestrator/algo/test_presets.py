@@ -12,8 +12,8 @@ import pytest
 from helpers import REPO, quick_config
 from hydra import compose, initialize_config_dir
 
+from orchestrator.builders import run
 from orchestrator.errors import ConfigError
-from orchestrator.main import run
 
 # a metric only the preset's own pieces log
 OWN_METRIC = {

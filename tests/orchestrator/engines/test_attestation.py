@@ -13,7 +13,7 @@ from orchestrator.engines.base import sync_weights
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import build_policy
 from orchestrator.types import SamplingParams
-from orchestrator.weights import Adapters, WeightUpdate
+from orchestrator.weights.update import Adapters, WeightUpdate
 
 pytestmark = pytest.mark.anyio
 

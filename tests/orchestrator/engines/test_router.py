@@ -22,7 +22,7 @@ from orchestrator.engines.router import (
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.errors import ConfigError
 from orchestrator.types import SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 pytestmark = pytest.mark.anyio
 

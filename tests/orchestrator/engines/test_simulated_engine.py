@@ -11,7 +11,7 @@ from helpers import virtual_time  # noqa: F401 - anyio_backend: virtual time
 
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.types import FinishReason, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 pytestmark = pytest.mark.anyio
 

@@ -26,7 +26,7 @@ from orchestrator.engines.torch_engine import (
 )
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.types import FinishReason, Generation, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 pytestmark = pytest.mark.anyio
 

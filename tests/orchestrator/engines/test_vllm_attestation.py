@@ -14,9 +14,9 @@ import pytest
 import torch
 from helpers import VLLM_ENGINE, VLLM_TINY_MODEL
 
-from orchestrator.attest import Attestor
 from orchestrator.types import Attestation, Group, SamplingParams, Trajectory
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.attest import Attestor
+from orchestrator.weights.update import WeightUpdate
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
 

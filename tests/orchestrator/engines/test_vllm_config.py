@@ -11,7 +11,7 @@ from helpers import TINY_MODEL, quick_config
 
 from orchestrator.engines.vllm_engine import VLLMEngine, parse_bytes
 from orchestrator.errors import ConfigError
-from orchestrator.weights import Adapters, WeightUpdate
+from orchestrator.weights.update import Adapters, WeightUpdate
 
 
 @pytest.mark.parametrize(("option", "message"), [

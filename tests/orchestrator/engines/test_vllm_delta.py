@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from orchestrator.types import SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
 
 import zstandard
 from helpers import VLLM_ENGINE, VLLM_TINY_MODEL
 
-from orchestrator.delta import TensorDelta
 from orchestrator.engines.base import sync_weights
 from orchestrator.engines.vllm_engine import VLLMEngine
 from orchestrator.models.policy import build_policy
+from orchestrator.weights.delta import TensorDelta
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.anyio,

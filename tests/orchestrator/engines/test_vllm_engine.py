@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from orchestrator.types import FinishReason, Generation, SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
 

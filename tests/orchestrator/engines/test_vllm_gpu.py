@@ -24,7 +24,7 @@ from orchestrator.engines.placement import Placement
 from orchestrator.engines.vllm_engine import VLLMEngine
 from orchestrator.models.policy import build_policy
 from orchestrator.types import SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 pytestmark = [
     pytest.mark.gpu, pytest.mark.vllm, pytest.mark.anyio,

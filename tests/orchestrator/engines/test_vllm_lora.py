@@ -16,7 +16,7 @@ import torch
 
 from orchestrator.algo.grpo import GRPO
 from orchestrator.types import FinishReason, Generation, Group, SamplingParams, Trajectory
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
 

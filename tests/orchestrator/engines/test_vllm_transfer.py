@@ -26,7 +26,7 @@ from helpers import TINY_MODEL
 from orchestrator.engines.base import sync_weights
 from orchestrator.engines.placement import Placement
 from orchestrator.engines.vllm_engine import VLLMEngine
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.anyio,

@@ -13,7 +13,7 @@ import torch
 from helpers import TINY_MODEL, quick_config
 from omegaconf import OmegaConf
 
-from orchestrator.config import check_target, explain, section
+from orchestrator.config.read import check_target, explain, section
 from orchestrator.engines.placement import (
     Placement,
     check_colocation,
@@ -25,7 +25,7 @@ from orchestrator.engines.placement import (
 from orchestrator.engines.vllm_engine import VLLMEngine
 from orchestrator.errors import ConfigError
 from orchestrator.launch import EngineRecipe, LocalLauncher
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 CPU = Placement()
 SHARED = Placement(cuda=True, engine_gpus=(0,), trainer_gpu=0)  # colocated on cuda:0
@@ -161,7 +161,7 @@ def test_the_trainers_gpu_is_read_from_model_device(device: str, cuda: bool,
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's answer")
 def test_colocate_without_a_gpu_fails_before_anything_starts(tmp_path) -> None:
-    from orchestrator.main import run
+    from orchestrator.builders import run
 
     cfg = quick_config("smoke", "launcher.colocate=true")
     with pytest.raises(Exception) as error:
@@ -176,8 +176,8 @@ def test_colocate_without_a_gpu_fails_before_anything_starts(tmp_path) -> None:
 def test_colocation_refuses_finishing_episodes_before_the_sync() -> None:
     """A colocated engine sleeps through the train step with its requests in flight; the
     sync that wakes it would wait for them to finish first: a deadlock, refused up front."""
+    from orchestrator.builders import training_parts
     from orchestrator.launch.ray import RayLauncher
-    from orchestrator.main import training_parts
 
     launcher = RayLauncher(colocate=True, trainer={"num_gpus": 0.5}, engine={"num_gpus": 0.5})
     with pytest.raises(ConfigError) as error:  # before Ray starts or anything is built

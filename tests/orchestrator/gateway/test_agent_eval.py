@@ -1,6 +1,6 @@
 """An agent program's evaluation (orchestrator.gateway.evaluate_agents through
-orchestrator.evaluate): ``eval.n`` episodes per task at the evaluation's temperature, each a
-sample with the episode's reward, its segments' tokens and the answer in its final reply; a
+orchestrator.pipeline.evaluation): ``eval.n`` episodes per task at the evaluation's temperature,
+each a sample with the episode's reward, its segments' tokens and the answer in its final reply; a
 program that fails before calling the model is a sample with reward 0 and no answer."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import anyio
 import pytest
 
 from envs.agent import AgentSpec
+from orchestrator.config.schema import EvalConfig, RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
-from orchestrator.evaluate import evaluate
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
+from orchestrator.pipeline.evaluation import evaluate
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import EvalConfig, RolloutConfig
 
 pytestmark = pytest.mark.anyio
 

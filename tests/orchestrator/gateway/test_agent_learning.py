@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from orchestrator.main import run
+from orchestrator.builders import run
 
 REPO = Path(__file__).resolve().parents[3]
 

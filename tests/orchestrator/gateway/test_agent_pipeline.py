@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from envs.agent import AgentSpec
+from orchestrator.config.schema import PipelineConfig, RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.pipeline import Pipeline, TaskSampler
+from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.types import StepReport
 
 pytestmark = pytest.mark.anyio

@@ -117,7 +117,7 @@ def test_a_run_with_its_programs_in_worker_processes(tmp_path: Path) -> None:
     workers for its episodes (the evaluations' too) and every trained sample was recorded."""
     from test_agent_learning import agent_config
 
-    from orchestrator.main import run
+    from orchestrator.builders import run
 
     result = run(agent_config("toy_agents:calculator", "env.processes=2", "pipeline.num_steps=3",
                               "pipeline.batch_size=16", "eval.num_tasks=4"), tmp_path)

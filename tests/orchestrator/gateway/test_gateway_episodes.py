@@ -20,9 +20,9 @@ from toy_agents import ADD_TOOL
 from envs.agent import AgentSpec
 from envs.base import Task
 from envs.parsers import HermesParser
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.gateway import Gateway, GatewayConfig, run_agent_episode
 from orchestrator.recorder import Recorder
-from orchestrator.schema import RolloutConfig
 
 pytestmark = pytest.mark.anyio
 

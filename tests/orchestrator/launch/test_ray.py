@@ -2,7 +2,7 @@
 
 One cluster for the test process (``ray_nodes`` in conftest.py): a head with the ``head_node``
 resource, where the trainer goes, and two worker nodes with ``engine_node``, one engine each.
-Every run goes through :func:`orchestrator.main.run` exactly as ``python -m orchestrator
+Every run goes through :func:`orchestrator.builders.run` exactly as ``python -m orchestrator
 launcher=ray launcher.address=…`` would. Nothing is mocked: actors are killed with SIGKILL.
 """
 
@@ -26,13 +26,13 @@ ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip i
 from helpers import quick_config, ray_nodes, run_spans, run_step_files
 from ray.cluster_utils import Cluster
 
-from orchestrator.config import explain
+from orchestrator.builders import run
+from orchestrator.config.read import explain
 from orchestrator.errors import ConfigError
 from orchestrator.faults import ENV
 from orchestrator.launch.ray import TrainerLost, WeightsLost
-from orchestrator.main import run
-from orchestrator.runloop import RunResult
-from orchestrator.weights import WeightUpdate
+from orchestrator.run.loop import RunResult
+from orchestrator.weights.update import WeightUpdate
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

@@ -18,10 +18,10 @@ ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip i
 from helpers import quick_config, run_spans
 from ray.cluster_utils import Cluster
 
-from orchestrator.config import explain
+from orchestrator.builders import run
+from orchestrator.config.read import explain
 from orchestrator.launch.ranks import RankLost
-from orchestrator.main import run
-from orchestrator.resume import RunState
+from orchestrator.run.resume import RunState
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

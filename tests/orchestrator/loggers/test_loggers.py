@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.config.schema import EvalConfig
 from orchestrator.errors import ConfigError
-from orchestrator.evaluate import score
 from orchestrator.loggers.base import JsonlMetrics, NullLogger, step_metrics
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.loggers.wandb_logger import WandbLogger
-from orchestrator.schema import EvalConfig
+from orchestrator.pipeline.evaluation import score
 from orchestrator.types import EvalSample, Evaluation, StepReport
 
 

@@ -10,7 +10,7 @@ import pytest
 from helpers import build_hf_checkpoint
 from hydra import compose, initialize_config_dir
 
-from orchestrator.main import run
+from orchestrator.builders import run
 from orchestrator.models.policy import pretrained_policy
 
 REPO = Path(__file__).resolve().parents[3]

@@ -10,8 +10,8 @@ import pytest
 from helpers import peak_concurrency
 from hydra import compose, initialize_config_dir
 
-from orchestrator.main import training_parts
-from orchestrator.runloop import RunResult, run_session
+from orchestrator.builders import training_parts
+from orchestrator.run.loop import RunResult, run_session
 from orchestrator.types import StepReport, Trajectory
 
 REPO = Path(__file__).resolve().parents[3]

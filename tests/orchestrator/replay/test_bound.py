@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from envs.replay import EpisodePlan
+from orchestrator.config.schema import ReplayConfig
 from orchestrator.replay import EngineFit, load_plans, replay, resample_groups, run_virtual
 from orchestrator.replay.bound import BoundMeter, turn_work
 from orchestrator.replay.model import RequestSpec, ServerModel, ServerParams
-from orchestrator.schema import ReplayConfig
 from orchestrator.trace import SHIPPED_SAMPLE, TraceDir
 from orchestrator.trace.generate import generate_workload
 

@@ -13,9 +13,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from envs.replay import EpisodePlan, ToolPlan, TurnPlan
+from orchestrator.builders import run
+from orchestrator.config.schema import ReplayConfig
 from orchestrator.engines.router import EngineRouter
 from orchestrator.errors import ConfigError
-from orchestrator.main import run
 from orchestrator.replay import replay_parts, run_virtual
 from orchestrator.replay.bound import sample_cost, workload_bound
 from orchestrator.replay.engine import busy_seconds, cache_misses, replay_engine, replay_router
@@ -23,11 +24,10 @@ from orchestrator.replay.fit import EngineFit
 from orchestrator.replay.model import RequestSpec, ServerModel, ServerParams
 from orchestrator.replay.run import ReplayResult, TrainerModel, replay
 from orchestrator.replay.tokenizer import FILL, KEY_BASE, OBS, STOP
-from orchestrator.schema import ReplayConfig
 from orchestrator.trace import SHIPPED_SAMPLE
 from orchestrator.trainer.simulated import SimulatedTrainer, TokenCost
 from orchestrator.types import SamplingParams, Trajectory
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 REPO = Path(__file__).resolve().parents[3]
 PARAMS = ServerParams(step_base=0.01, step_per_seq=0.002, step_per_1k_tokens=0.001,

@@ -8,13 +8,13 @@ import anyio
 import pytest
 
 from envs.replay import EpisodePlan, ReplaySpec, ToolPlan, TurnPlan, observation_message
+from orchestrator.config.schema import ReplayConfig
 from orchestrator.replay.engine import replay_engine
 from orchestrator.replay.fit import EngineFit, TurnShape, simulate
 from orchestrator.replay.model import RequestSpec, ServerModel, ServerParams
 from orchestrator.replay.plans import load_plans, plans_from_records
 from orchestrator.replay.run import replay, run_virtual
 from orchestrator.replay.tokenizer import KEY_BASE, OBS, ReplayTokenizer, plan_key
-from orchestrator.schema import ReplayConfig
 from orchestrator.trace import SHIPPED_SAMPLE, TraceDir
 from orchestrator.types import SamplingParams
 

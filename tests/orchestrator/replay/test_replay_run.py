@@ -13,8 +13,8 @@ from helpers import run_spans
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator.builders import run
 from orchestrator.errors import ConfigError
-from orchestrator.main import run
 from orchestrator.replay import replay_parts, run_virtual
 from orchestrator.replay.fit import EngineFit
 from orchestrator.trace import SHIPPED_SAMPLE, TraceDir

@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 from helpers import TOK, scripted_engine
 
-import orchestrator.rollout
+import orchestrator.episodes.rollout
 from envs.base import Env, EnvSpec, Reward, Task
 from envs.parsers import HermesParser
 from envs.tool_env import Episode, ToolEnv
 from envs.tools import ToolOutput, tool
 from envs.toolset import ToolSet
+from orchestrator.config.schema import PipelineConfig, RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
-from orchestrator.evaluate import evaluate
-from orchestrator.pipeline import Pipeline, TaskSampler
+from orchestrator.episodes.rollout import EpisodeRunner
+from orchestrator.pipeline.evaluation import evaluate
+from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import PipelineConfig, RolloutConfig
 from orchestrator.trace.writer import TraceWriter, workload_record
 from orchestrator.types import (
     EpisodeTiming,
@@ -131,7 +131,7 @@ async def test_tool_metadata_reaches_the_written_record_untouched(tmp_path: Path
     raw = json.loads((tmp_path / "multiturn_workload_step_0.jsonl").read_text())
     assert [c["query_count"] for c in raw["tool_calls"]] == [3]
     # the writer owns the published name; the runner reads no tool's keys
-    assert "query_count" not in inspect.getsource(orchestrator.rollout)
+    assert "query_count" not in inspect.getsource(orchestrator.episodes.rollout)
 
 
 def test_a_call_whose_tool_reported_no_query_count_counts_one() -> None:

@@ -228,7 +228,7 @@ def test_a_generated_dir_reads_back_unchanged(tmp_path: Path, capsys: pytest.Cap
 def test_a_generated_dir_replays(tmp_path: Path) -> None:
     from hydra import compose, initialize_config_dir
 
-    from orchestrator.main import run
+    from orchestrator.builders import run
 
     out = generate_workload("tool_calling", 1, 64, 0, tmp_path / "w")
     repo = Path(__file__).resolve().parents[3]

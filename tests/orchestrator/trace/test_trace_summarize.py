@@ -33,7 +33,7 @@ def test_summarize_the_shipped_sample(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_summarize_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from hydra import compose, initialize_config_dir
 
-    from orchestrator.main import run
+    from orchestrator.builders import run
 
     repo = Path(__file__).resolve().parents[3]
     with initialize_config_dir(config_dir=str(repo / "conf"), version_base="1.3"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from orchestrator.main import run
+from orchestrator.builders import run
 from orchestrator.recorder import Recorder
 from orchestrator.trace import NAMESPACE, TraceDir, iter_records
 from orchestrator.trace.summarize import summarize

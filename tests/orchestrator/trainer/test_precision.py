@@ -16,7 +16,7 @@ from orchestrator.models.policy import Fp32Head, build_policy, tiny_policy
 from orchestrator.trainer import TorchTrainer
 from orchestrator.trainer.precision import Precision
 from orchestrator.types import SamplingParams
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 SMALL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64,
          "seed": 0, "device": "cpu"}

@@ -15,13 +15,13 @@ from helpers import engine_for, group_prefixes, make_groups, threads_held
 
 from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
+from orchestrator.config.schema import RolloutConfig
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.recorder import Recorder
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import RolloutConfig
 from orchestrator.trainer import TorchTrainer, pack
 from orchestrator.trainer.torch_trainer import shared_prefix
 from orchestrator.types import Group
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 SPEC = ArithmeticSpec(digits=2, train_size=16, eval_size=4, seed=0)
 
@@ -313,7 +313,7 @@ def test_a_mixed_trainer_of_a_bf16_model_sends_bf16(tmp_path: Any) -> None:
         assert copy.wire_dtype == torch.bfloat16  # carried: a copy's copy stays small
     assert update.serialised().nbytes < 0.6 * WeightUpdate.by_reference(
         0, own, leased=False).serialised().nbytes
-    from orchestrator.weights import _from_arrays, _to_arrays  # the object store's payload
+    from orchestrator.weights.update import _from_arrays, _to_arrays  # the object store's payload
 
     stored = _from_arrays(_to_arrays(own, update.wire_dtype))
     assert all(torch.equal(stored[k], v.to(torch.bfloat16)) for k, v in own.items())

@@ -1,18 +1,18 @@
 """The trainer's side of weight attestation (``engine.attest``; DESIGN.md "Attested weights").
 
 Every update the trainer publishes carries the fingerprint of its weights
-(:meth:`~orchestrator.weights.WeightUpdate.attested`); every engine reports the fingerprint of
-the weights it holds, and every generated segment of a trajectory carries the engine, version
-and fingerprint that produced it (:class:`~orchestrator.types.Attestation`). :class:`Attestor`
-keeps the published fingerprint of each version and checks each batch before it is trained:
-a segment whose fingerprint is not the one published for its version is an attestation
-failure. Its tokens are loss-masked (kept as context, never trained), the failure is counted
-(``faults/attestation``: one per engine per batch it failed in) and the engine is named in the
-log; the pipeline then has the engines reload the last update. Tokens the same wrong weights
-produced before that reload and that reach a later batch are masked too but not counted again.
-An engine that fails in two batches in a row (wrong weights it served after a reload; a batch
-of only its known wrong tokens in between does not break the row, one of only good ones does)
-ends the run with one line (:class:`AttestationFailed`).
+(:meth:`~orchestrator.weights.update.WeightUpdate.attested`); every engine reports the fingerprint
+of the weights it holds, and every generated segment of a trajectory carries the engine, version and
+fingerprint that produced it (:class:`~orchestrator.types.Attestation`). :class:`Attestor` keeps the
+published fingerprint of each version and checks each batch before it is trained: a segment whose
+fingerprint is not the one published for its version is an attestation failure. Its tokens are
+loss-masked (kept as context, never trained), the failure is counted (``faults/attestation``: one
+per engine per batch it failed in) and the engine is named in the log; the pipeline then has the
+engines reload the last update. Tokens the same wrong weights produced before that reload and that
+reach a later batch are masked too but not counted again. An engine that fails in two batches in a
+row (wrong weights it served after a reload; a batch of only its known wrong tokens in between does
+not break the row, one of only good ones does) ends the run with one line
+(:class:`AttestationFailed`).
 
 A segment with no fingerprint (an engine that does not attest) is a failure too: a run with
 ``engine.attest=true`` refuses such an engine at start, so one here was not expected.

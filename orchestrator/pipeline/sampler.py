@@ -1,11 +1,11 @@
 """The order prompts are rolled out in: endless shuffled passes over the train split.
 
 :class:`TaskSampler` is shared by every rollout worker. A task it hands out is *outstanding*
-until the pipeline retires its group (:mod:`orchestrator.outcomes`: trained, dropped as stale,
-filtered, …), which *settles* it. Its position in the pass and the outstanding tasks are
-pipeline state saved in checkpoints: a resumed run hands the outstanding ones out again first,
-then goes on with the pass where it was, so within a pass no prompt is skipped and none is
-repeated across a crash.
+until the pipeline retires its group (:mod:`orchestrator.pipeline.outcomes`: trained, dropped as
+stale, filtered, …), which *settles* it. Its position in the pass and the outstanding tasks are
+pipeline state saved in checkpoints: a resumed run hands the outstanding ones out again first, then
+goes on with the pass where it was, so within a pass no prompt is skipped and none is repeated
+across a crash.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class TaskSampler:
     """Endless shuffled passes over a task list, shared by every worker.
 
     It remembers the tasks it handed out that have not been settled yet (their group not yet
-    retired: :class:`~orchestrator.outcomes.GroupLedger`): a checkpoint saves them
+    retired: :class:`~orchestrator.pipeline.outcomes.GroupLedger`): a checkpoint saves them
     (:meth:`state_dict`), and a resumed run hands them out again first, so no prompt is skipped
     and none is repeated within a pass.
     """

@@ -5,7 +5,7 @@ One checkpoint directory ``<run_dir>/checkpoints/step-<N>/`` holds:
 * the trainer's files, written by the trainer's own snapshot (:meth:`Trainer.snapshot`; a
   :class:`~orchestrator.trainer.snapshot.TrainerSnapshot`: ``model/`` and ``trainer.pt``, or
   a group of ranks' shards);
-* the run's state, ``run_state.json`` and ``rng.pt`` (see :mod:`orchestrator.resume`);
+* the run's state, ``run_state.json`` and ``rng.pt`` (see :mod:`orchestrator.run.resume`);
 * ``MANIFEST.json``, written last: every other file with its size and SHA-256.
 
 :class:`CheckpointStore` writes such a directory atomically: into a temporary directory,

@@ -15,9 +15,9 @@ compress to almost nothing. XOR of raw bits is exact for any dtype (NaN payloads
   than the full update carries none.
 * **The receiver** (the engine) reconstructs from the tensors it holds itself, never from a copy
   kept for the purpose, and only when it holds the base exactly: its version is the delta's
-  base version and its fingerprint the base's fingerprint (``orchestrator/fingerprint.py``).
+  base version and its fingerprint the base's fingerprint (``orchestrator/weights/fingerprint.py``).
   Otherwise (a missed version, a restart, a reload after an attestation failure) it loads the
-  full update the same :class:`~orchestrator.weights.WeightUpdate` still offers.
+  full update the same :class:`~orchestrator.weights.update.WeightUpdate` still offers.
 * **The proof** is the attestation: after loading a reconstruction the engine fingerprints what
   it holds; if that is not the published fingerprint of the new version, the reconstruction is
   discarded before any token is produced (the engine is paused), the full update is loaded
@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 import zstandard
 
-from orchestrator.fingerprint import fingerprint
+from orchestrator.weights.fingerprint import fingerprint
 
 LEVEL = 1  # zstd's level: the XOR is mostly zero bytes, which its fastest level already packs
 Kind = Literal["xor", "full"]

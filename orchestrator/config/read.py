@@ -1,7 +1,7 @@
 """Turning the composed Hydra config into typed settings, with one-sentence errors.
 
 Hydra's struct mode already rejects unknown keys. :func:`typed` builds a plain section
-(``pipeline``, ``rollout``, …) as its class in :mod:`orchestrator.schema`, which pydantic
+(``pipeline``, ``rollout``, …) as its class in :mod:`orchestrator.config.schema`, which pydantic
 validates; :func:`check_node` checks a ``_target_`` node's keys against the annotated
 constructor it names, before Hydra builds it; each turns a mistake into one line naming the
 key. Sizes that only make sense together (a batch must fit the dataset) are checked where the
@@ -26,11 +26,11 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from envs.base import EnvSpec
 from envs.errors import EnvConfigError
-from orchestrator import schema
+from orchestrator.config import schema
 from orchestrator.errors import ConfigError, RunAborted, chain
 from sandboxes.api import EngineUnavailable, ImageMissing
 
-CONF = Path(__file__).resolve().parent.parent / "conf"  # the shipped config groups
+CONF = Path(__file__).resolve().parents[2] / "conf"  # the shipped config groups
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ def section(cfg: DictConfig, key: str) -> dict[str, Any]:
 
 
 def typed(cls: type[T], cfg: DictConfig, key: str) -> T:
-    """The section ``cfg.<key>`` built as ``cls`` (one of :mod:`orchestrator.schema`'s, which
+    """The section ``cfg.<key>`` built as ``cls`` (one of :mod:`orchestrator.config.schema`'s, which
     checks every value against its field); a mistake is one line naming the key."""
     values = section(cfg, key)
     fields = schema.fields(cls)
@@ -55,7 +55,7 @@ def typed(cls: type[T], cfg: DictConfig, key: str) -> T:
 
 def scalar(cfg: DictConfig, key: str) -> Any:
     """The value of the dotted ``key`` (``seed``, ``pipeline.num_steps``), checked against its
-    type in :mod:`orchestrator.schema`."""
+    type in :mod:`orchestrator.config.schema`."""
     return schema.check(key, OmegaConf.select(cfg, key), schema.annotation(key))
 
 

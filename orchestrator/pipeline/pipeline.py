@@ -15,15 +15,15 @@
 * The trainer forms a batch from the groups that arrived, dropping any too stale to train
   (:mod:`orchestrator.staleness` states the rule), awaits one :meth:`Trainer.step` and hands
   the new weights
-  (:meth:`Trainer.weights`, a :class:`~orchestrator.weights.WeightUpdate`) to weight sync.
+  (:meth:`Trainer.weights`, a :class:`~orchestrator.weights.update.WeightUpdate`) to weight sync.
 * Weight sync pauses the engine at a token boundary, loads the weights, resumes it, releases
   the update (an in-process trainer waits for that before changing its tensors again) and
   only then publishes the new version to admission control. With
   ``inflight_update="finish"`` it first takes a private copy of the weights (so the trainer
   goes on) and waits for in-flight episodes to finish under the old ones.
 * A group leaves the pipeline through one call naming its outcome
-  (:meth:`~orchestrator.outcomes.GroupLedger.retire`: trained, stale, filtered, masked, empty,
-  unfinished), which settles its task in the sampler and gives its admission slot back as
+  (:meth:`~orchestrator.pipeline.outcomes.GroupLedger.retire`: trained, stale, filtered, masked,
+  empty, unfinished), which settles its task in the sampler and gives its admission slot back as
   that outcome requires; each step reports the counts (``groups/<outcome>``).
 * A group filter (``algo.filter``, :mod:`orchestrator.algo.filters`) that refills judges a
   group in its worker as soon as it finishes: left out, its slot goes back and the worker
@@ -35,9 +35,10 @@ exactly one batch start per version, so generation and training alternate, and t
 the synchronous algorithm's, bit for bit (``tests/orchestrator/test_synchronous.py``): a task is
 taken once its group is admitted, so step ``s`` trains the sampler's next ``B / group_size``
 tasks whichever workers run them; every sample is seeded by its task's draw index and its
-index in the group (``sample_seed(seed, draw)``, :func:`~orchestrator.rollout.sample_seed`),
-not by a random stream shared with whatever else the engine runs; a group's samples are in
-episode order and a batch's groups in the sampler's order, not in the order they finished.
+index in the group (``sample_seed(seed, draw)``,
+:func:`~orchestrator.episodes.rollout.sample_seed`), not by a random stream shared with whatever
+else the engine runs; a group's samples are in episode order and a batch's groups in the sampler's
+order, not in the order they finished.
 
 Scheduling policies (``pipeline.overprovision``) differ only in the admission budget, the
 samples that may be started and not yet trained (:class:`~orchestrator.staleness.StalenessController`):
@@ -79,20 +80,20 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup
 
 from envs.base import Task
 from orchestrator.algo.filters import GroupFilter
-from orchestrator.attest import Attestor
+from orchestrator.config.schema import PipelineConfig
 from orchestrator.engines.base import sync_weights
+from orchestrator.episodes.rollout import EpisodeRunner, sample_seed
 from orchestrator.errors import RunAborted
 from orchestrator.faults import add_faults, kill_point
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
-from orchestrator.outcomes import GroupLedger, Outcome
-from orchestrator.rollout import EpisodeRunner, sample_seed
+from orchestrator.pipeline.outcomes import GroupLedger, Outcome
+from orchestrator.pipeline.sampler import TaskSampler
 from orchestrator.rwlock import ReadWriteLock
-from orchestrator.sampler import TaskSampler
-from orchestrator.schema import PipelineConfig
 from orchestrator.staleness import StalenessController
 from orchestrator.trainer.base import Trainer
 from orchestrator.types import Evaluation, FinishReason, StepReport, TimedGroup
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.attest import Attestor
+from orchestrator.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
 

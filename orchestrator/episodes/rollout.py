@@ -8,10 +8,10 @@ An episode reads top to bottom: reset; per turn, generate, step the environment,
 caps, append the observation; then the reward, and the trajectory (what the trainer gets)
 and its timing (what the trace writers get), each built once. Two helpers own the rest:
 
-* :class:`~orchestrator.trajectory.TrajectoryBuilder` holds the token sequence, built only by
-  appending: the prompt, exactly the tokens the engine sampled (trained on, with their
-  behaviour log-probs and versions), the tokens of each observation (not trained on). Nothing
-  earlier is re-tokenised, so what the trainer scores is what the engine saw and produced.
+* :class:`~orchestrator.episodes.trajectory.TrajectoryBuilder` holds the token sequence, built only
+  by appending: the prompt, exactly the tokens the engine sampled (trained on, with their behaviour
+  log-probs and versions), the tokens of each observation (not trained on). Nothing earlier is
+  re-tokenised, so what the trainer scores is what the engine saw and produced.
 * :class:`~orchestrator.trace.episode.EpisodeTrace` records the spans (``generate``,
   ``tool_call``, ``reward``) and the turn and tool-call timings. The runner reads nothing of
   what tools report: their metadata passes through to the trace writers.
@@ -37,13 +37,13 @@ from dataclasses import dataclass, replace
 import anyio
 
 from envs.base import EnvSpec, Task
+from orchestrator.config.schema import EvalConfig, RolloutConfig
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.episodes.trajectory import TrajectoryBuilder
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.recorder import Recorder
-from orchestrator.schema import EvalConfig, RolloutConfig
 from orchestrator.trace.episode import EpisodeTrace
-from orchestrator.trajectory import TrajectoryBuilder
 from orchestrator.types import (
     EpisodeTiming,
     EvalSample,

@@ -6,13 +6,13 @@ string is not a number, a number is not true or false), ranges and choices inclu
 ties keys of one section together is checked in its ``__post_init__``; a mistake, however the
 section is built, is one :class:`ConfigError` line naming the key. :func:`register` gives
 Hydra the defaults (``conf/config.yaml`` composes them as ``schema`` and holds only its
-groups), :func:`orchestrator.config.typed` builds a section from a composed config, and
-``python -m orchestrator.reference`` writes the configuration reference page
+groups), :func:`orchestrator.config.read.typed` builds a section from a composed config, and
+``python -m orchestrator.commands.config_reference`` writes the configuration reference page
 (``docs/config-reference.md``) from the same fields.
 
 The ``_target_`` groups (``model``, ``engine``, ``env``, ``algo``, ``trainer``, ``sandbox``,
 ``launcher``, ``logger``) are not here: each option names the class it builds, whose annotated
-constructor is its schema (:func:`orchestrator.config.check_node`), so a plug-in brings its
+constructor is its schema (:func:`orchestrator.config.read.check_node`), so a plug-in brings its
 own.
 """
 

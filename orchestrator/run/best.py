@@ -9,19 +9,19 @@ weights it began with, which the run loop makes sure is written:
   at the end of that step (a checkpoint is due there whatever ``checkpoint.every`` says) and
   held (:meth:`CheckpointStore.hold`) until its evaluation reports, however many newer ones
   are written meanwhile. It runs alongside rollout, so weights of a step or two later may
-  have answered some of its episodes (the limit of :mod:`orchestrator.evaluate`);
+  have answered some of its episodes (the limit of :mod:`orchestrator.pipeline.evaluation`);
 * after RL: the checkpoint of the last step, written before it.
 
 A checkpoint becomes the best when its figure is higher than the best's so far (a tie keeps
 the earlier). The best is named in ``checkpoints/best.json`` and in ``summary.json``, and
 travels in each checkpoint's ``run_state.json``: a resumed run knows it (and a better one
 ``best.json`` names, scored after that checkpoint was written, unless its step is one the run
-trains again). ``orchestrator.eval`` and ``orchestrator.export`` take
+trains again). ``orchestrator.commands.eval`` and ``orchestrator.commands.export`` take
 ``--step best``.
 
 The figure names are those of :meth:`~orchestrator.types.Evaluation.metrics` where higher is
-better: :meth:`~orchestrator.evaluate.EvalConfig.ranked_figures` lists them, and a run asking
-for another stops at start-up in one line. A figure an evaluation does not give (``maj@n``
+better: :meth:`~orchestrator.pipeline.evaluation.EvalConfig.ranked_figures` lists them, and a run
+asking for another stops at start-up in one line. A figure an evaluation does not give (``maj@n``
 where no sample gave an answer) leaves that checkpoint unranked, with a warning.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 
-from orchestrator.checkpoint import Best, CheckpointStore
+from orchestrator.run.checkpoint import Best, CheckpointStore
 from orchestrator.types import Evaluation
 
 log = logging.getLogger(__name__)

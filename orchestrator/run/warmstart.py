@@ -19,8 +19,8 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 
 from envs.base import Message, Task
+from orchestrator.config.schema import WarmStartConfig
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.schema import WarmStartConfig
 from orchestrator.trainer import Trainer
 
 

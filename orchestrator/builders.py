@@ -3,8 +3,8 @@
 A training run builds the policy, environment, algorithm and trainer the config names
 (:func:`training_parts`); ``experiment=replay`` builds a trace replay in virtual time instead
 (:func:`orchestrator.replay.replay_parts`). Either way the parts go through the one run loop
-(:func:`orchestrator.runloop.run_session`) and the one run-directory writer
-(:class:`orchestrator.rundir.RunDir`): ``config.yaml``, ``metrics.jsonl``, the PolyTrace
+(:func:`orchestrator.run.loop.run_session`) and the one run-directory writer
+(:class:`orchestrator.run.directory.RunDir`): ``config.yaml``, ``metrics.jsonl``, the PolyTrace
 files, ``samples.jsonl``, ``eval_samples.jsonl``, ``spans/``, ``timeline.json``, ``summary.json``, periodic
 checkpoints ``checkpoints/step-<N>/`` to resume from (at the end of the first step a minute,
 ``checkpoint.every_s``, after the last one began, or every ``checkpoint.every`` steps; when a
@@ -13,7 +13,7 @@ and ``checkpoints/final/``. Everything but the final checkpoint is written even 
 the run fails part-way.
 
 ``run(cfg, run_dir, resume_from=<checkpoint>)`` continues a run in its own directory (see
-:mod:`orchestrator.resume`, which also reads the command line's ``resume=``).
+:mod:`orchestrator.run.resume`, which also reads the command line's ``resume=``).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from envs.errors import EnvConfigError
 from orchestrator.algo.build import algorithm_values, build_algorithm
 from orchestrator.algo.filters import FILTER_KEY, build_filter
 from orchestrator.algo.losses import cannot_act
-from orchestrator.checkpoint import CheckpointStore
-from orchestrator.config import (
+from orchestrator.config.read import (
     CONF,
     build_env,
     check_node,
@@ -49,31 +48,32 @@ from orchestrator.config import (
     target_of,
     typed,
 )
-from orchestrator.engines.base import InferenceEngine, sync_weights
-from orchestrator.engines.placement import Placement
-from orchestrator.errors import ConfigError
-from orchestrator.evaluate import evaluate
-from orchestrator.faults import resumed_faults
-from orchestrator.gateway.serve import ModelServer
-from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRecipe
-from orchestrator.loggers.base import Logger
-from orchestrator.models.policy import build_tokenizer, model_context
-from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.recorder import Recorder
-from orchestrator.resume import restore
-from orchestrator.rollout import EpisodeRunner, data_source
-from orchestrator.rundir import RunDir
-from orchestrator.runloop import Checkpointer, RunParts, RunResult, run_session, summarise
-from orchestrator.sampler import TaskSampler
-from orchestrator.schema import (
+from orchestrator.config.schema import (
     CheckpointConfig,
     EvalConfig,
     PipelineConfig,
     RolloutConfig,
     WarmStartConfig,
 )
-from orchestrator.warmstart import warm_start
-from orchestrator.weights import WeightUpdate
+from orchestrator.engines.base import InferenceEngine, sync_weights
+from orchestrator.engines.placement import Placement
+from orchestrator.episodes.rollout import EpisodeRunner, data_source
+from orchestrator.errors import ConfigError
+from orchestrator.faults import resumed_faults
+from orchestrator.gateway.serve import ModelServer
+from orchestrator.launch import EngineRecipe, Launcher, LocalLauncher, TrainerRecipe
+from orchestrator.loggers.base import Logger
+from orchestrator.models.policy import build_tokenizer, model_context
+from orchestrator.models.tokenizer import Tokenizer
+from orchestrator.pipeline.evaluation import evaluate
+from orchestrator.pipeline.sampler import TaskSampler
+from orchestrator.recorder import Recorder
+from orchestrator.run.checkpoint import CheckpointStore
+from orchestrator.run.directory import RunDir
+from orchestrator.run.loop import Checkpointer, RunParts, RunResult, run_session, summarise
+from orchestrator.run.resume import restore
+from orchestrator.run.warmstart import warm_start
+from orchestrator.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
     )
 
 
-# -- builders shared with the standalone evaluation (orchestrator.eval) ----------------------
+# -- builders shared with the standalone evaluation (orchestrator.commands.eval) -------------
 
 
 def torch_settings(cfg: DictConfig) -> tuple[int, int | None]:

@@ -1,6 +1,6 @@
 """The run loop every run goes through, training and replay alike.
 
-A builder (:func:`orchestrator.main.training_parts`, :func:`orchestrator.replay.replay_parts`)
+A builder (:func:`orchestrator.builders.training_parts`, :func:`orchestrator.replay.replay_parts`)
 turns a config into :class:`RunParts`; :func:`run_session` runs them in one event loop:
 
 1. enter the environment's run-long resources (a sandbox pool, a search service);
@@ -12,10 +12,11 @@ turns a config into :class:`RunParts`; :func:`run_session` runs them in one even
 Every trained step goes to ``on_step`` (the run directory's writer) as it is reported, and
 periodically to a checkpoint (:class:`Checkpointer`: the trainer's own snapshot, the
 pipeline's own state), and each evaluation ranks the checkpoint of the weights it began with
-when ``checkpoint.keep_best`` is set (:mod:`orchestrator.best`). A resumed run (``resume``, :func:`orchestrator.resume.restore`) hands
-the pipeline its state back, skips the warm start and the first evaluation, which were done,
-and goes on from the checkpoint's step. SIGTERM or SIGINT ends the run after the step in
-progress, with a checkpoint of it, in :class:`~orchestrator.errors.RunAborted`'s one line.
+when ``checkpoint.keep_best`` is set (:mod:`orchestrator.run.best`). A resumed run (``resume``,
+:func:`orchestrator.run.resume.restore`) hands the pipeline its state back, skips the warm start and
+the first evaluation, which were done, and goes on from the checkpoint's step. SIGTERM or SIGINT
+ends the run after the step in progress, with a checkpoint of it, in
+:class:`~orchestrator.errors.RunAborted`'s one line.
 """
 
 from __future__ import annotations
@@ -35,22 +36,22 @@ from anyio.abc import TaskGroup
 
 from envs.base import Clock, EnvSpec, Task
 from orchestrator.algo.filters import GroupFilter
-from orchestrator.best import KeepBest
-from orchestrator.checkpoint import CheckpointStore
+from orchestrator.config.schema import CheckpointConfig, EvalConfig, PipelineConfig, RolloutConfig
 from orchestrator.engines.base import InferenceEngine, sync_weights
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.errors import ConfigError, RunAborted
-from orchestrator.evaluate import evaluate
 from orchestrator.loggers.progress import StepProgress
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.pipeline import PeriodicEval, Pipeline
+from orchestrator.pipeline.evaluation import evaluate
+from orchestrator.pipeline.pipeline import PeriodicEval, Pipeline
+from orchestrator.pipeline.sampler import TaskSampler
 from orchestrator.recorder import Recorder
-from orchestrator.resume import RunState, capture_rng, link_trainer_files
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.sampler import TaskSampler
-from orchestrator.schema import CheckpointConfig, EvalConfig, PipelineConfig, RolloutConfig
+from orchestrator.run.best import KeepBest
+from orchestrator.run.checkpoint import CheckpointStore
+from orchestrator.run.resume import RunState, capture_rng, link_trainer_files
 from orchestrator.trainer.base import Snapshot, Trainer
 from orchestrator.types import Evaluation, StepReport
-from orchestrator.weights import WeightUpdate
+from orchestrator.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Checkpointer:
     the weights it describes (a step that was cut short leaves them changed: then the previous
     periodic checkpoint is the one to resume from).
 
-    With ``checkpoint.keep_best`` (:mod:`orchestrator.best`) a checkpoint is also due at each
+    With ``checkpoint.keep_best`` (:mod:`orchestrator.run.best`) a checkpoint is also due at each
     step a periodic evaluation (every ``eval_every`` steps) begins at, and :meth:`scored` ranks
     a checkpoint by its evaluation.
     """
@@ -278,9 +279,9 @@ class RunParts:
     group_filter: GroupFilter | None = None  # algo.filter: groups left out of training
     seed: int = 0  # the run's: each sample's sampling seed derives from it (Pipeline)
     # engine.attest: the engine must report its weights' fingerprint (refused at start if it
-    # cannot) and each batch is checked against the published ones (orchestrator/attest.py)
+    # cannot) and each batch is checked against the published ones (orchestrator/weights/attest.py)
     attest: bool = False
-    # env.judge.serve: the judge model the run serves itself (orchestrator.main.served_judge),
+    # env.judge.serve: the judge model the run serves itself (orchestrator.builders.served_judge),
     # entered before the environment, whose judge calls its URL
     judge: Callable[[], AbstractAsyncContextManager[None]] | None = None
 
@@ -485,7 +486,7 @@ def summarise(result: RunResult, earlier: Sequence[Mapping[str, Any]] = (),
               checkpointer: Checkpointer | None = None) -> dict[str, Any]:
     """The run's figures. A resumed run's cover the whole run: ``earlier`` are the
     ``metrics.jsonl`` records of the steps before this process's first (see
-    :func:`orchestrator.resume.steps_before`)."""
+    :func:`orchestrator.run.resume.steps_before`)."""
     steps = [(m["reward/mean"], m["time/step"], m["throughput/samples_per_s"] * m["time/step"])
              for m in earlier]
     steps += [(r.reward_mean, r.elapsed, r.samples) for r in result.reports]

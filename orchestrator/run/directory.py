@@ -152,7 +152,7 @@ class RunDir:
 
 
 def write_json(path: Path, record: Mapping[str, Any]) -> None:
-    """A record a command adds to a finished run's directory (``orchestrator.eval``'s
+    """A record a command adds to a finished run's directory (``orchestrator.commands.eval``'s
     evaluation), or anywhere it is asked to: written beside ``path`` and renamed into
     place, so a reader never sees half of it."""
     path = Path(path)
@@ -163,7 +163,7 @@ def write_json(path: Path, record: Mapping[str, Any]) -> None:
 
 
 def write_jsonl(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
-    """Records a command adds (``orchestrator.eval``'s samples of one evaluation), one JSON
+    """Records a command adds (``orchestrator.commands.eval``'s samples of one evaluation), one JSON
     line each, written beside ``path`` and renamed into place as :func:`write_json` does."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

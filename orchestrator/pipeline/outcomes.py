@@ -1,11 +1,11 @@
 """How a group leaves the pipeline: one call, :meth:`GroupLedger.retire`, that names its outcome.
 
-Every task the sampler hands out (:class:`~orchestrator.sampler.TaskSampler`) is admitted as a
-group of ``rollout.group_size`` samples (:class:`~orchestrator.staleness.StalenessController`)
-and retired exactly once, with one :class:`Outcome`. The outcome alone decides the
-bookkeeping, so a new site that retires a group cannot do half of it (settle the task and keep
-the slot, which starves admission; give the slot back and leave the task outstanding, which
-replays the prompt after a resume):
+Every task the sampler hands out (:class:`~orchestrator.pipeline.sampler.TaskSampler`) is admitted
+as a group of ``rollout.group_size`` samples (:class:`~orchestrator.staleness.StalenessController`)
+and retired exactly once, with one :class:`Outcome`. The outcome alone decides the bookkeeping, so a
+new site that retires a group cannot do half of it (settle the task and keep the slot, which starves
+admission; give the slot back and leave the task outstanding, which replays the prompt after a
+resume):
 
 * ``trained``: in a train step's batch. Task settled; the slot is kept, as the step's.
 * ``stale``: started more than ``k`` versions before the step that would train it. Task
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from orchestrator.sampler import TaskSampler
+from orchestrator.pipeline.sampler import TaskSampler
 from orchestrator.staleness import StalenessController
 
 

@@ -26,13 +26,13 @@ it. By reference they stay as they are (an engine's load casts them).
 :attr:`nbytes` is what a transfer moves (the weight-sync span records it), :attr:`stats` what
 producing it cost (``gather_seconds`` when trainer ranks gathered their shards).
 
-:attr:`delta`, when set (``engine.delta``; :mod:`orchestrator.delta`), is the same weights as
-the bitwise difference from the version before: an engine that holds that version exactly loads
-the delta instead of pulling the full tensors, which the update still offers for every other
-engine and for a delta that fails its attestation.
+:attr:`delta`, when set (``engine.delta``; :mod:`orchestrator.weights.delta`), is the same weights
+as the bitwise difference from the version before: an engine that holds that version exactly loads
+the delta instead of pulling the full tensors, which the update still offers for every other engine
+and for a delta that fails its attestation.
 
-:attr:`fingerprint` (``engine.attest``; :mod:`orchestrator.fingerprint`) is that of the weights an
-engine serves once it has loaded the update. :meth:`attested` computes it at once;
+:attr:`fingerprint` (``engine.attest``; :mod:`orchestrator.weights.fingerprint`) is that of the
+weights an engine serves once it has loaded the update. :meth:`attested` computes it at once;
 :meth:`attested_in` has an executor's thread compute it while the update travels (reading
 :attr:`fingerprint` waits for it; :meth:`known_fingerprint` awaits it), so a trainer that does
 so must not change its tensors before it is done (:meth:`wait_fingerprinted`).
@@ -54,7 +54,7 @@ import anyio
 import torch
 
 if TYPE_CHECKING:
-    from orchestrator.delta import Delta
+    from orchestrator.weights.delta import Delta
 
 Transport = Literal["reference", "bytes", "file", "object_store"]
 
@@ -136,7 +136,7 @@ class WeightUpdate:
         return replace(self, _fingerprint=executor.submit(self._served_fingerprint))
 
     def _served_fingerprint(self) -> str:
-        from orchestrator.fingerprint import fingerprint
+        from orchestrator.weights.fingerprint import fingerprint
 
         return fingerprint(self.served_tensors())
 

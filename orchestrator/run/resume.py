@@ -1,14 +1,14 @@
 """Resuming a run: what its checkpoints hold beyond the trainer's files, and the command line's
 ``resume=``.
 
-A periodic checkpoint (:class:`~orchestrator.checkpoint.CheckpointStore`) taken at the end of
+A periodic checkpoint (:class:`~orchestrator.run.checkpoint.CheckpointStore`) taken at the end of
 train step ``N`` holds the trainer's own files (:meth:`Trainer.snapshot`) plus:
 
 * ``run_state.json`` (:class:`RunState`): the pipeline's own state
   (:meth:`Pipeline.state_dict`: the next step, the count of samples dropped as stale, the task
   sampler with every prompt handed out but not yet trained, which are handed out again
   first), the policy version, the warm start and first evaluation already done, the W&B
-  run id and the best checkpoint so far (``checkpoint.keep_best``, :mod:`orchestrator.best`);
+  run id and the best checkpoint so far (``checkpoint.keep_best``, :mod:`orchestrator.run.best`);
 * ``rng.pt``: the python, numpy and torch random states.
 
 Not saved: episodes in flight and groups generated but not yet trained. Their prompts go back
@@ -18,7 +18,7 @@ than ``k`` versions old after a resume either.
 
 Who restores what: :func:`restore` loads the trainer (wherever it lives) and the random
 states and reads the run state; the run loop hands the pipeline its part, and the run
-directory (:class:`~orchestrator.rundir.RunDir`) cuts its records back to the checkpoint's
+directory (:class:`~orchestrator.run.directory.RunDir`) cuts its records back to the checkpoint's
 step.
 
 On the command line, ``resume=<run_dir>`` continues that run from its latest valid
@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from orchestrator.checkpoint import MANIFEST, Best, CheckpointStore
-from orchestrator.config import CONF
+from orchestrator.config.read import CONF
 from orchestrator.errors import ConfigError
+from orchestrator.run.checkpoint import MANIFEST, Best, CheckpointStore
 from orchestrator.types import Evaluation
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
-"""What a command's TARGET (``orchestrator.eval``) or SOURCE (``orchestrator.export``) names,
-and the model a checkpoint holds.
+"""What a command's TARGET (``orchestrator.commands.eval``) or SOURCE
+(``orchestrator.commands.export``) names, and the model a checkpoint holds.
 
 Three kinds of directory:
 
@@ -9,8 +9,8 @@ Three kinds of directory:
   (``checkpoint.keep_best``, named in ``checkpoints/best.json``);
 * a **checkpoint directory** of a run (``<run_dir>/checkpoints/step-N`` or ``final``), which
   the run's own ``config.yaml`` two levels up describes;
-* a **Hugging Face model directory** (``config.json``: one ``orchestrator.export`` wrote, or
-  any ``save_pretrained`` directory), which only ``orchestrator.eval`` takes.
+* a **Hugging Face model directory** (``config.json``: one ``orchestrator.commands.export`` wrote,
+  or any ``save_pretrained`` directory), which only ``orchestrator.commands.eval`` takes.
 
 :func:`load` builds the run's model from the ``model`` node of its ``config.yaml`` (on the
 CPU), wraps it with the run's LoRA adapters if it had them, and loads the checkpoint into it
@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 import torch
 
-from orchestrator.checkpoint import MANIFEST, CheckpointStore, CorruptCheckpoint, verify
 from orchestrator.errors import ConfigError
 from orchestrator.models.policy import Policy, build_policy
+from orchestrator.run.checkpoint import MANIFEST, CheckpointStore, CorruptCheckpoint, verify
 from orchestrator.trainer.lora import LoraConfig
 from orchestrator.trainer.snapshot import SHARDS, TRAINER_STATE, WEIGHTS
 

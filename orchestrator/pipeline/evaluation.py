@@ -38,7 +38,7 @@ file.
 A task's data source is its ``metadata["data_source"]`` (``env=dataset`` rows), else the
 environment's name. Every task's samples run at once (the engine batches them). Where a
 periodic evaluation during RL runs, and so whether it sees one policy version, is
-``eval.engine`` (:func:`orchestrator.runloop._periodic`).
+``eval.engine`` (:func:`orchestrator.run.loop._periodic`).
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ import numpy as np
 
 from envs.base import Task
 from envs.votes import Votes, votes_of
+from orchestrator.config.schema import EvalConfig
+from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.gateway import agent_gateway, evaluate_agents
-from orchestrator.rollout import EpisodeRunner
-from orchestrator.schema import EvalConfig
 from orchestrator.types import EvalSample, Evaluation, Scores
 
 EXAMPLES_PER_SOURCE = 4  # samples per data source shown as examples (W&B's table)
