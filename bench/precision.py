@@ -38,7 +38,8 @@ from orchestrator.algo.grpo import GRPO
 from orchestrator.config.read import section
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import build_policy
-from orchestrator.trainer.torch_trainer import LogprobAgreement, TorchTrainer, pack
+from orchestrator.trainer.batch import token_batch
+from orchestrator.trainer.torch_trainer import LogprobAgreement, TorchTrainer
 from orchestrator.types import Generation, SamplingParams
 
 PRECISIONS = ("fp32", "mixed", "bf16")
@@ -79,7 +80,7 @@ def agreement(model: dict[str, Any], precision: str,
     sequences = [prompt + list(g.token_ids) for prompt, g in sampled]
     masks = [[False] * len(prompt) + [True] * len(g.token_ids) for prompt, g in sampled]
     behaviour = [[0.0] * len(prompt) + list(g.logprobs) for prompt, g in sampled]
-    batch = pack(sequences, masks, policy.tokenizer.pad_id, behaviour=behaviour,
+    batch = token_batch(sequences, masks, policy.tokenizer.pad_id, behaviour=behaviour,
                  on_policy=masks)
     found = LogprobAgreement()
     with torch.no_grad():

@@ -13,7 +13,7 @@ Each update accumulates gradients over micro-batches, normalised by the trained 
 the whole minibatch so token-level aggregation does not depend on how it is split.
 
 The LM head and the log-softmax over the vocabulary run only at the positions whose target
-is trained (``PackedBatch.mask``; the loss, the entropy metric and the log-prob agreement use
+is trained (``TokenBatch.mask``; the loss, the entropy metric and the log-prob agreement use
 no others), through ``transformers``' ``logits_to_keep``: prompt positions, observations and
 padding go through the decoder layers only. A model whose forward takes no ``logits_to_keep``
 computes every position's logits and the trainer keeps the trained ones (same results).
@@ -32,7 +32,6 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.faults import kill_point
 from orchestrator.models.policy import PASSTHROUGH_MASK, Policy, cache_argument, keeps_logits
 from orchestrator.trainer.base import Trainer, TrainStats
+from orchestrator.trainer.batch import TokenBatch, shared_prefix, token_batch
 from orchestrator.trainer.lora import LoraConfig, adapter_update
 from orchestrator.trainer.packing import attending_by_group, pack_by_group, packing_pays
 from orchestrator.trainer.precision import Precision
@@ -55,88 +55,6 @@ FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # torch's fused A
 PER_SEQUENCE = "per_sequence:"  # a step's sums weighted by sequences, not tokens
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """Right-padded next-token tensors: position ``t`` predicts ``targets[:, t]``."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    attention: torch.Tensor
-    mask: torch.Tensor  # float: 1.0 where the target token is trained
-    behaviour_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    on_policy: torch.Tensor  # float: 1.0 where a trained token was sampled by the current weights
-    group: torch.Tensor  # long, per row: the rows of a group may share a prefix
-    prefix: torch.Tensor  # long, per row: its group's shared, untrained prefix (0: none)
-
-    def __len__(self) -> int:
-        return self.inputs.shape[0]
-
-    def slice(self, rows: slice) -> PackedBatch:
-        """These rows of every field (fields travel by name: a new one needs no edit here)."""
-        return PackedBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
-
-    def with_advantages(self, advantages: Sequence[float],
-                        trained: Sequence[bool] | None = None) -> PackedBatch:
-        """One advantage per row; rows not ``trained`` lose their mask (and are not counted)."""
-        width = self.mask.shape[1]
-        adv = torch.tensor(list(advantages), dtype=torch.float32)[:, None].expand(-1, width)
-        if trained is None:
-            return replace(self, advantages=adv.contiguous())
-        keep = torch.tensor(list(trained), dtype=torch.float32)[:, None]
-        return replace(self, advantages=adv.contiguous(), mask=self.mask * keep,
-                       on_policy=self.on_policy * keep)
-
-
-def shared_prefix(sequences: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]]) -> int:
-    """How many leading tokens every sequence of a group has in common with no trained token
-    among them (the prompt, for samples of one prompt), leaving each at least one to predict."""
-    limit = min(len(s) for s in sequences) - 1
-    for m in masks:
-        limit = min(limit, next((i for i, trained in enumerate(m) if trained), len(m)))
-    first = sequences[0]
-    n = 0
-    while n < limit and all(s[n] == first[n] for s in sequences):
-        n += 1
-    return n
-
-
-def pack(
-    sequences: Sequence[Sequence[int]],
-    masks: Sequence[Sequence[bool]],
-    pad_id: int,
-    behaviour: Sequence[Sequence[float]] | None = None,
-    advantages: Sequence[float] | None = None,
-    on_policy: Sequence[Sequence[bool]] | None = None,
-    group: Sequence[int] | None = None,
-    prefix: Sequence[int] | None = None,
-) -> PackedBatch:
-    width = max(len(s) for s in sequences) - 1
-    n = len(sequences)
-
-    def padded(rows: Sequence[Sequence[Any]], fill: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor([[*r, *[fill] * (width + 1 - len(r))] for r in rows], dtype=dtype)
-
-    ids = padded(sequences, pad_id, torch.long)
-    mask = padded(masks, False, torch.float32)
-    behav = padded(behaviour, 0.0, torch.float32) if behaviour is not None else torch.zeros((n, width + 1))
-    current = padded(on_policy, False, torch.float32) if on_policy is not None else torch.zeros((n, width + 1))
-    lengths = torch.tensor([len(s) for s in sequences])
-    attention = (torch.arange(width) < lengths[:, None] - 1).long()
-    adv = torch.tensor(advantages if advantages is not None else [0.0] * n, dtype=torch.float32)
-    return PackedBatch(
-        inputs=ids[:, :-1],
-        targets=ids[:, 1:],
-        attention=attention,
-        mask=mask[:, 1:],
-        behaviour_logprobs=behav[:, 1:],
-        advantages=adv[:, None].expand(n, width).contiguous(),
-        on_policy=current[:, 1:] * mask[:, 1:],
-        group=torch.tensor(group if group is not None else range(n), dtype=torch.long),
-        prefix=torch.tensor(prefix if prefix is not None else [0] * n, dtype=torch.long),
-    )
 
 
 def _numbers(values: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
@@ -175,7 +93,7 @@ class LogprobAgreement:
         self.max = 0.0
         self._parts: list[torch.Tensor] = []  # per add: (sum, count, max) on the device
 
-    def add(self, trainer_logprobs: torch.Tensor, batch: PackedBatch) -> None:
+    def add(self, trainer_logprobs: torch.Tensor, batch: TokenBatch) -> None:
         """Kept on the device; read once, by :meth:`settle`."""
         device = trainer_logprobs.device
         on_policy = batch.on_policy.to(device, non_blocking=True)
@@ -324,7 +242,7 @@ class TorchTrainer(Trainer):
         """A host tensor on the trainer's device, copied without waiting for the GPU."""
         return t.to(self.device, non_blocking=True)
 
-    def _logprobs(self, batch: PackedBatch, model: torch.nn.Module | None = None,
+    def _logprobs(self, batch: TokenBatch, model: torch.nn.Module | None = None,
                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs of the targets and the entropy at each trained position
         (``[rows, width]``, zero where no target is trained) under ``model`` (default: the
@@ -374,7 +292,7 @@ class TorchTrainer(Trainer):
     def _dtype(self) -> torch.dtype:
         return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
 
-    def _shared_prefix_logprobs(self, batch: PackedBatch, model: torch.nn.Module,
+    def _shared_prefix_logprobs(self, batch: TokenBatch, model: torch.nn.Module,
                                 entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_logprobs` with each group's shared prefix run once, not once per sample:
         the groups packed into one row, a block each, where that computes less
@@ -386,7 +304,7 @@ class TorchTrainer(Trainer):
             return self._packed_logprobs(batch, lengths, group, prefix, model, entropy_grad)
         return self._two_pass_logprobs(batch, model, entropy_grad)
 
-    def _packed_logprobs(self, batch: PackedBatch, lengths: list[int], group: list[int],
+    def _packed_logprobs(self, batch: TokenBatch, lengths: list[int], group: list[int],
                          prefix: list[int], model: torch.nn.Module,
                          entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Every group in one row, each a block of its prefix then its samples' own tokens,
@@ -406,7 +324,7 @@ class TorchTrainer(Trainer):
                                     entropy_grad)
         return _placed(trained, logp), _placed(trained, entropy)
 
-    def _two_pass_logprobs(self, batch: PackedBatch, model: torch.nn.Module,
+    def _two_pass_logprobs(self, batch: TokenBatch, model: torch.nn.Module,
                            entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefixes in one pass, then every row's own tokens on top of their keys and values.
 
@@ -469,7 +387,7 @@ class TorchTrainer(Trainer):
             entropy_full = _placed(rest, entropy, into=entropy_full)
         return logp_full, entropy_full
 
-    def _micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
+    def _micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
         size = self.micro_batch_size
         return [batch.slice(slice(i, i + size)) for i in range(0, len(batch), size)]
 
@@ -501,7 +419,7 @@ class TorchTrainer(Trainer):
         self._warm_optimizer = None
         algorithm = self.algorithm
         mine = self._share(groups)  # all of them here; a rank's part in a group of ranks
-        batch = self._pack_groups([groups[i] for i in mine])
+        batch = self._batch_of([groups[i] for i in mine])
         # Eval mode (no dropout): the engine samples without it, and the importance weight and
         # the clip ratio compare log-probs that must be deterministic. Gradients still flow.
         self.model.eval()
@@ -593,7 +511,7 @@ class TorchTrainer(Trainer):
         metrics.update(self._agreement(agreement).metrics(self.logprob_diff_warn))
         return metrics
 
-    def _before_updates(self, batch: PackedBatch | None,
+    def _before_updates(self, batch: TokenBatch | None,
                         agreement: LogprobAgreement) -> dict[str, torch.Tensor]:
         """What must be computed before the first update, for every row (no gradients): the
         proximal log-probs when a step makes several updates (or the reward needs the current
@@ -617,7 +535,7 @@ class TorchTrainer(Trainer):
                                                   for mb in self._micro_batches(batch)])
         return out
 
-    def _penalties(self, groups: Sequence[Group], mine: Sequence[int], batch: PackedBatch | None,
+    def _penalties(self, groups: Sequence[Group], mine: Sequence[int], batch: TokenBatch | None,
                    before: Mapping[str, torch.Tensor]) -> list[list[float]] | None:
         """Per sample of every group, what the algorithm subtracts from its reward (a KL
         penalty), summed over the ranks (each fills its own groups' samples)."""
@@ -671,12 +589,12 @@ class TorchTrainer(Trainer):
             with self.model.disable_adapter():
                 yield self.model
 
-    def _pack_groups(self, groups: Sequence[Group]) -> PackedBatch | None:
+    def _batch_of(self, groups: Sequence[Group]) -> TokenBatch | None:
         """The groups' samples, one per row (their advantages are set later)."""
         trajectories = [t for g in groups for t in g.trajectories]
         if not trajectories:
             return None
-        return pack(
+        return token_batch(
             [t.token_ids for t in trajectories],
             [t.loss_mask for t in trajectories],
             self.policy.tokenizer.pad_id,
@@ -775,7 +693,7 @@ class TorchTrainer(Trainer):
         optimizer: torch.optim.Optimizer,
     ) -> float:
         mine = self._share_sizes([len(seq) for seq in sequences])
-        batch = pack([sequences[i] for i in mine], [masks[i] for i in mine],
+        batch = token_batch([sequences[i] for i in mine], [masks[i] for i in mine],
                      self.policy.tokenizer.pad_id) if mine else None
         self.model.train()
         optimizer.zero_grad(set_to_none=True)

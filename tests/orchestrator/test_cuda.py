@@ -21,7 +21,7 @@ from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.policy import build_policy
 from orchestrator.recorder import Recorder
-from orchestrator.trainer import TorchTrainer, pack
+from orchestrator.trainer import TorchTrainer, token_batch
 from orchestrator.types import Group, SamplingParams
 from orchestrator.weights.update import WeightUpdate
 
@@ -46,7 +46,7 @@ async def _groups(engine: TorchEngine, node: dict[str, Any], tasks: int = 4,
 def _gap(trainer: TorchTrainer, groups: Sequence[Group]) -> tuple[float, float]:
     """Mean and max |engine - trainer| log-prob over the sampled tokens, same weights."""
     trajectories = [t for g in groups for t in g.trajectories]
-    batch = pack([t.token_ids for t in trajectories], [t.loss_mask for t in trajectories],
+    batch = token_batch([t.token_ids for t in trajectories], [t.loss_mask for t in trajectories],
                  trainer.policy.tokenizer.pad_id, behaviour=[t.logprobs for t in trajectories])
     with torch.no_grad():
         logp, _ = trainer._logprobs(batch)

@@ -18,8 +18,9 @@ from orchestrator.algo.base import LossInputs
 from orchestrator.algo.grpo import GRPO
 from orchestrator.models.policy import Policy, tiny_policy
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.trainer import TorchTrainer, pack, torch_trainer
-from orchestrator.trainer.torch_trainer import PackedBatch, keeps_logits
+from orchestrator.trainer import TorchTrainer, token_batch, torch_trainer
+from orchestrator.trainer.batch import TokenBatch
+from orchestrator.trainer.torch_trainer import keeps_logits
 
 TEMPERATURE = 0.7
 TIGHT = {"atol": 1e-6, "rtol": 1e-6}
@@ -62,7 +63,7 @@ MODELS: dict[str, Callable[[int], torch.nn.Module]] = {"tiny": tiny_model,
                                                        "llama_8k_vocab": large_vocab_model}
 
 
-def batch_for(vocab: int, seed: int = 0) -> PackedBatch:
+def batch_for(vocab: int, seed: int = 0) -> TokenBatch:
     """Three groups sharing prompts of different lengths; one sample has a second turn after
     an untrained observation; rows of different lengths (padding); varied advantages and
     behaviour log-probs."""
@@ -85,11 +86,11 @@ def batch_for(vocab: int, seed: int = 0) -> PackedBatch:
     assert min(prefix) > 1
     behaviour = [[-float(torch.rand((), generator=g)) * 5 for _ in s] for s in sequences]
     advantages = [float(torch.randn((), generator=g)) for _ in sequences]
-    return pack(sequences, masks, 0, behaviour=behaviour, advantages=advantages, group=group,
+    return token_batch(sequences, masks, 0, behaviour=behaviour, advantages=advantages, group=group,
                 prefix=prefix)
 
 
-def run(model: torch.nn.Module, batch: PackedBatch, share: bool, micro: int = 64
+def run(model: torch.nn.Module, batch: TokenBatch, share: bool, micro: int = 64
         ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Masked log-probs, the summed GRPO loss and every weight's gradient."""
     trainer = TorchTrainer(Policy(model, CharTokenizer(), torch.device("cpu")), GRPO(),
@@ -109,7 +110,7 @@ def run(model: torch.nn.Module, batch: PackedBatch, share: bool, micro: int = 64
     return torch.cat(logps), loss, grads
 
 
-def reference_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+def reference_logprobs(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
     """Every position's logits and log-softmax, then the trained targets' log-probs."""
     with torch.no_grad():
         logits = model(input_ids=batch.inputs, attention_mask=batch.attention).logits
@@ -189,7 +190,7 @@ def test_the_supervised_update_scores_the_trained_tokens_alone() -> None:
         losses.append(trainer.supervised_update(batch_ids, masks, optimizer))
         steps.append([b - p.detach() for b, p in zip(before, trainer.model.parameters())])
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
-    batch = pack(batch_ids, masks, 0)  # every position's cross-entropy, the trained ones kept
+    batch = token_batch(batch_ids, masks, 0)  # every position's cross-entropy, the trained ones kept
     with torch.no_grad():
         logits = large_vocab_model(0)(input_ids=batch.inputs, attention_mask=batch.attention).logits
     nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(),
@@ -223,7 +224,7 @@ def test_the_passes_read_nothing_back_from_the_device(share: bool) -> None:
     ``logits_to_keep`` is such an index, one per forward; it is turned off here.)"""
     policy = tiny_policy(**{k: v for k, v in TINY_MODEL.items() if k != "_target_"}, seed=0)
     trainer = TorchTrainer(policy, GRPO(), share_prefix=share)
-    batch = trainer._pack_groups(make_groups())
+    batch = trainer._batch_of(make_groups())
     assert batch is not None and int(batch.prefix.max()) > 1  # the groups share prompts
     trainer.model.to("meta")
     trainer.device, trainer._keeps_logits = torch.device("meta"), False

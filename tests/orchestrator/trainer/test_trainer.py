@@ -18,7 +18,7 @@ from orchestrator.algo.grpo import GRPO
 from orchestrator.config.schema import RolloutConfig
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.recorder import Recorder
-from orchestrator.trainer import TorchTrainer, pack
+from orchestrator.trainer import TorchTrainer, token_batch
 from orchestrator.trainer.torch_trainer import shared_prefix
 from orchestrator.types import Group
 from orchestrator.weights.update import WeightUpdate
@@ -55,11 +55,11 @@ def changed(before: dict[str, torch.Tensor], model: torch.nn.Module) -> list[str
     return [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
 
 
-# -- pack ------------------------------------------------------------------------------------
+# -- token_batch ----------------------------------------------------------------------------
 
 
 def test_pack_aligns_targets_mask_and_behaviour_logprobs() -> None:
-    batch = pack(
+    batch = token_batch(
         sequences=[[1, 2, 3, 4], [5, 6]],
         masks=[[False, False, True, True], [False, True]],
         pad_id=0,
@@ -79,7 +79,7 @@ def test_pack_aligns_targets_mask_and_behaviour_logprobs() -> None:
 
 
 def test_pack_without_behaviour_or_advantages_fills_zeros() -> None:
-    batch = pack([[1, 2, 3]], [[False, True, True]], pad_id=0)
+    batch = token_batch([[1, 2, 3]], [[False, True, True]], pad_id=0)
     assert batch.behaviour_logprobs.tolist() == [[0.0, 0.0]]
     assert batch.advantages.tolist() == [[0.0, 0.0]]
 
@@ -164,7 +164,7 @@ def test_the_better_sample_becomes_more_likely(tiny: Any) -> None:
     trainer = TorchTrainer(tiny, GRPO(), lr=1e-2)
 
     def logprob_of_best() -> float:
-        batch = pack([best.token_ids], [best.loss_mask], tiny.tokenizer.pad_id)
+        batch = token_batch([best.token_ids], [best.loss_mask], tiny.tokenizer.pad_id)
         with torch.no_grad():
             logp, _ = trainer._logprobs(batch)
         return float((logp * batch.mask).sum())
@@ -218,7 +218,7 @@ def test_sharing_prefixes_changes_neither_logprobs_nor_gradients(make_policy: An
             group.append(g)
     prefix = group_prefixes(sequences, masks, group)
     assert min(prefix) > 5
-    batch = pack(sequences, masks, tok.pad_id, advantages=[1.0, -1.0] * 4, group=group,
+    batch = token_batch(sequences, masks, tok.pad_id, advantages=[1.0, -1.0] * 4, group=group,
                  prefix=prefix)
     results = []
     for share, micro in ((False, 64), (True, 64), (True, 4)):  # 4: cuts a group in two
