@@ -32,7 +32,7 @@
 
 ``max_staleness = 0`` is the synchronous baseline through this same code: admission lets
 exactly one batch start per version, so generation and training alternate, and the run is
-the synchronous algorithm's, bit for bit (``tests/orchestrator/test_synchronous.py``): a task is
+the synchronous algorithm's, bit for bit (``tests/orchestrator/pipeline/test_synchronous.py``): a task is
 taken once its group is admitted, so step ``s`` trains the sampler's next ``B / group_size``
 tasks whichever workers run them; every sample is seeded by its task's draw index and its
 index in the group (``sample_seed(seed, draw)``,

@@ -1,7 +1,7 @@
 """Group filters (orchestrator/algo/filters.py): what they keep, and ``algo.filter`` from the
 real ``conf/`` through Hydra: it reaches the pipeline of a real run, the algorithm never sees
 it, and a mistake in it is one line. (The pipeline's side, refills and masking under
-staleness and across a resume, is tests/orchestrator/test_outcomes.py.)"""
+staleness and across a resume, is tests/orchestrator/pipeline/test_outcomes.py.)"""
 
 from __future__ import annotations
 

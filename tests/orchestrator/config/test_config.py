@@ -27,7 +27,7 @@ from orchestrator.models.policy import Policy
 from orchestrator.trainer import Trainer
 from orchestrator.weights.update import WeightUpdate
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(__file__).resolve().parents[3] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 # a small, CPU-only policy so instantiating the rest stays cheap

@@ -162,7 +162,7 @@ def test_a_run_keeps_its_best_across_a_resume(tmp_path: Path) -> None:
     assert again.summary["best_checkpoint"]["step"] == kept.step
     assert (tmp_path / "checkpoints" / f"step-{kept.step}").is_dir()
 
-    # --step best: the export and (tests/orchestrator/test_eval_command.py) the evaluation
+    # --step best: the export and (tests/orchestrator/commands/test_eval_command.py) the evaluation
     assert locate(tmp_path, "best").path == tmp_path / "checkpoints" / f"step-{kept.step}"
     out = export(tmp_path, tmp_path / "hf", step="best")
     assert (out / "model.safetensors").is_file()

@@ -17,7 +17,7 @@ from orchestrator.config import schema
 from orchestrator.config.read import scalar, typed
 from orchestrator.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 ALL = {"": schema.RunSettings, **schema.SECTIONS, "replay": schema.ReplayConfig}
