@@ -42,6 +42,9 @@ class LossInputs:
     num_sequences: float = 0.0
     reference_logprobs: torch.Tensor | None = None  # the frozen reference policy's, no grad
     entropy: torch.Tensor | None = None  # the policy's entropy per token (with grad if asked)
+    # the largest max_tokens the step's samples were generated with (None: not known):
+    # sequence_sum's constant when algo.aggregation_constant is not set
+    generation_cap: float | None = None
 
     @property
     def sequence_tokens(self) -> torch.Tensor:

@@ -77,7 +77,6 @@ class PolicyGradient(Algorithm):
         self.kl = kl if kl is not None and kl.coef > 0 else None
         self.entropy_coef = float(entropy_coef)
         self.shaping: list[Shaping] = _pieces(shaping, "algo.shaping")
-        self._generation_cap: float | None = None
         # what the trainer must compute for this algorithm
         self.needs_proximal = not self.bypass
         self.needs_reference = self.kl is not None
@@ -107,8 +106,6 @@ class PolicyGradient(Algorithm):
                 g_trained.append(keep)
             rewards.append(g_rewards)
             trained.append(g_trained)
-        caps = [t.max_tokens for g in groups for t in g.trajectories if t.max_tokens]
-        self._generation_cap = float(max(caps)) if caps else None
         values = self.advantage(groups, rewards)
         if penalties is not None:
             logged["kl_penalty"] = sum(p for g in penalties for p in g) / max(samples, 1)
@@ -129,7 +126,7 @@ class PolicyGradient(Algorithm):
     # -- per micro-batch: the loss ------------------------------------------------------------
 
     def _aggregate(self, values: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-        constant = self.aggregation_constant or self._generation_cap
+        constant = self.aggregation_constant or inputs.generation_cap
         return agg.aggregate(values, inputs, self.aggregation, constant)
 
     def loss(self, inputs: LossInputs) -> LossOutput:

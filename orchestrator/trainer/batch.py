@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from orchestrator.types import Group
+
 
 @dataclass(frozen=True)
 class TokenBatch:
@@ -28,13 +30,17 @@ class TokenBatch:
     on_policy: torch.Tensor  # float: 1.0 where a trained token was sampled by the current weights
     group: torch.Tensor  # long, per row: the rows of a group may share a prefix
     prefix: torch.Tensor  # long, per row: its group's shared, untrained prefix (0: none)
+    # computed before the step's first update, on the trainer's device (None: not needed):
+    proximal_logprobs: torch.Tensor | None = None  # the policy's at the step's start
+    reference_logprobs: torch.Tensor | None = None  # the frozen reference policy's
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
 
     def slice(self, rows: slice) -> TokenBatch:
         """These rows of every field (fields travel by name: a new one needs no edit here)."""
-        return TokenBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+        return TokenBatch(**{f.name: None if (value := getattr(self, f.name)) is None
+                             else value[rows] for f in fields(self)})
 
     def with_advantages(self, advantages: Sequence[float],
                         trained: Sequence[bool] | None = None) -> TokenBatch:
@@ -99,3 +105,10 @@ def token_batch(
         group=torch.tensor(group if group is not None else range(n), dtype=torch.long),
         prefix=torch.tensor(prefix if prefix is not None else [0] * n, dtype=torch.long),
     )
+
+
+def generation_cap(groups: Sequence[Group]) -> float | None:
+    """The largest ``max_tokens`` these groups' samples were generated with (None: none
+    says), computed over every group of a step so every rank's loss divides alike."""
+    caps = [t.max_tokens for g in groups for t in g.trajectories if t.max_tokens]
+    return float(max(caps)) if caps else None

@@ -32,6 +32,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.faults import kill_point
 from orchestrator.models.policy import PASSTHROUGH_MASK, Policy, cache_argument, keeps_logits
 from orchestrator.trainer.base import Trainer, TrainStats
-from orchestrator.trainer.batch import TokenBatch, shared_prefix, token_batch
+from orchestrator.trainer.batch import TokenBatch, generation_cap, shared_prefix, token_batch
 from orchestrator.trainer.lora import LoraConfig, adapter_update
 from orchestrator.trainer.packing import attending_by_group, pack_by_group, packing_pays
 from orchestrator.trainer.precision import Precision
@@ -425,16 +426,15 @@ class TorchTrainer(Trainer):
         self.model.eval()
         self._start_reference()
         agreement = LogprobAgreement()
-        before = self._before_updates(batch, agreement)
-        advantages = algorithm.advantages(groups, self._penalties(groups, mine, batch, before))
+        cap = generation_cap(groups)  # over every group: each rank's loss divides alike
+        batch = self._before_updates(batch, agreement)
+        advantages = algorithm.advantages(groups, self._penalties(groups, mine, batch, cap))
         if batch is not None:
             rows = [(g, i) for g in mine for i in range(len(groups[g]))]  # (group, sample)
             batch = batch.with_advantages(
                 [advantages.values[g][i] for g, i in rows],
                 None if advantages.trained is None else
                 [advantages.trained[g][i] for g, i in rows])
-        proximal = before.get("proximal")
-        reference = before.get("reference")
 
         sums: dict[str, Any] = {}  # tensors on the device until the step's end
         grad_norm = 0.0
@@ -454,30 +454,15 @@ class TorchTrainer(Trainer):
             if not total_rows:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
-            offset = 0
             with self._accumulating():
                 for mb in self._micro_batches(part) if local_rows else ():
                     logp, entropy = self._logprobs(mb, entropy_grad=algorithm.needs_entropy_grad)
-                    mask = self._on(mb.mask)
-                    rows = slice(start + offset, start + offset + len(mb))
-                    offset += len(mb)
-                    if proximal is None:
-                        prox = logp.detach()
-                        if start == 0:  # before any update: the weights that sampled on-policy tokens
-                            agreement.add(prox, mb)
-                    else:
-                        prox = proximal[rows]
-                    out = algorithm.loss(LossInputs(
-                        logprobs=logp,
-                        proximal_logprobs=prox,
-                        behaviour_logprobs=self._on(mb.behaviour_logprobs),
-                        advantages=self._on(mb.advantages),
-                        mask=mask,
-                        num_tokens=num_tokens,
-                        num_sequences=num_sequences,
-                        reference_logprobs=None if reference is None else reference[rows],
-                        entropy=entropy,
-                    ))
+                    if mb.proximal_logprobs is None and start == 0:
+                        # before any update: the weights that sampled on-policy tokens
+                        agreement.add(logp.detach(), mb)
+                    inputs = self._loss_inputs(mb, logp, num_tokens, num_sequences, entropy, cap)
+                    mask = inputs.mask
+                    out = algorithm.loss(inputs)
                     out.loss.backward()
                     tokens = mask.sum()  # sums stay on the device until the step's end
                     sequences = (mask.sum(1) > 0).sum()
@@ -511,44 +496,62 @@ class TorchTrainer(Trainer):
         metrics.update(self._agreement(agreement).metrics(self.logprob_diff_warn))
         return metrics
 
+    def _loss_inputs(self, batch: TokenBatch, logprobs: torch.Tensor, num_tokens: float,
+                     num_sequences: float = 0.0, entropy: torch.Tensor | None = None,
+                     generation_cap: float | None = None) -> LossInputs:
+        """The algorithm's inputs for these rows (the one place they are built): the batch's
+        per-token fields on the device beside ``logprobs``. The proximal policy's log-probs are
+        the batch's, computed before the first update, or where it has none ``logprobs``
+        detached (one update a step: the current policy is the proximal one)."""
+        proximal = batch.proximal_logprobs
+        return LossInputs(
+            logprobs=logprobs,
+            proximal_logprobs=logprobs.detach() if proximal is None else proximal,
+            behaviour_logprobs=self._on(batch.behaviour_logprobs),
+            advantages=self._on(batch.advantages),
+            mask=self._on(batch.mask),
+            num_tokens=num_tokens,
+            num_sequences=num_sequences,
+            reference_logprobs=batch.reference_logprobs,
+            entropy=entropy,
+            generation_cap=generation_cap,
+        )
+
     def _before_updates(self, batch: TokenBatch | None,
-                        agreement: LogprobAgreement) -> dict[str, torch.Tensor]:
-        """What must be computed before the first update, for every row (no gradients): the
-        proximal log-probs when a step makes several updates (or the reward needs the current
-        policy's), the reference policy's when the algorithm uses them."""
+                        agreement: LogprobAgreement) -> TokenBatch | None:
+        """The batch with what must be computed before the first update, for every row (no
+        gradients): the proximal log-probs when a step makes several updates (or the reward
+        needs the current policy's), the reference policy's when the algorithm uses them."""
         algorithm = self.algorithm
         wants_proximal = (self.num_minibatches > 1 and algorithm.needs_proximal) or \
             algorithm.penalises_reward
         if self.num_minibatches > 1 or wants_proximal:
             self._full_weights()
-        out: dict[str, torch.Tensor] = {}
         if batch is None:
-            return out
+            return None
         with torch.no_grad():
             if wants_proximal:
-                out["proximal"] = torch.cat([self._logprobs(mb)[0]
-                                             for mb in self._micro_batches(batch)])
-                agreement.add(out["proximal"], batch)
+                proximal = torch.cat([self._logprobs(mb)[0] for mb in self._micro_batches(batch)])
+                agreement.add(proximal, batch)
+                batch = replace(batch, proximal_logprobs=proximal)
             if algorithm.needs_reference:
                 with self._reference() as reference:
-                    out["reference"] = torch.cat([self._logprobs(mb, reference)[0]
-                                                  for mb in self._micro_batches(batch)])
-        return out
+                    batch = replace(batch, reference_logprobs=torch.cat(
+                        [self._logprobs(mb, reference)[0] for mb in self._micro_batches(batch)]))
+        return batch
 
     def _penalties(self, groups: Sequence[Group], mine: Sequence[int], batch: TokenBatch | None,
-                   before: Mapping[str, torch.Tensor]) -> list[list[float]] | None:
+                   cap: float | None) -> list[list[float]] | None:
         """Per sample of every group, what the algorithm subtracts from its reward (a KL
         penalty), summed over the ranks (each fills its own groups' samples)."""
         if not self.algorithm.penalises_reward:
             return None
         starts = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
         values = [0.0] * sum(len(g) for g in groups)
-        if batch is not None and "proximal" in before:
-            penalty = self.algorithm.reward_penalty(LossInputs(
-                logprobs=before["proximal"], proximal_logprobs=before["proximal"],
-                behaviour_logprobs=self._on(batch.behaviour_logprobs),
-                advantages=torch.zeros_like(before["proximal"]), mask=self._on(batch.mask),
-                num_tokens=float(batch.mask.sum()), reference_logprobs=before.get("reference")))
+        if batch is not None and batch.proximal_logprobs is not None:
+            # before the advantages are set: the batch's are zeros, which a penalty does not read
+            penalty = self.algorithm.reward_penalty(self._loss_inputs(
+                batch, batch.proximal_logprobs, float(batch.mask.sum()), generation_cap=cap))
             if penalty is not None:
                 at = [starts[g] + i for g in mine for i in range(len(groups[g]))]
                 for index, value in zip(at, penalty.tolist(), strict=True):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -38,6 +38,7 @@ from orchestrator.algo.filters import DynamicSampling, ZeroVarianceMask
 from orchestrator.algo.losses import CISPO, GSPO, SAPO, PPOClip
 from orchestrator.algo.regularizers import KL, kl_estimate
 from orchestrator.algo.shaping import MaskTruncated, OverlongPenalty
+from orchestrator.trainer.batch import generation_cap
 from orchestrator.types import FinishReason, Group, Trajectory
 
 TOL = 1e-6
@@ -617,13 +618,14 @@ def test_aggregation_matches_its_paper(b: Batch, aggregation: str, constant: flo
 
 
 def test_sequence_sum_defaults_to_the_generation_cap() -> None:
-    """Dr.GRPO divides by MAX_TOKENS, the generation budget the group was sampled with."""
+    """Dr.GRPO divides by MAX_TOKENS, the generation budget the samples were drawn with (the
+    largest of the step's groups), an input of the loss: no state left by advantages()."""
     b = Batch([[-1.0, -2.0, 0.0]], [[-1.1, -2.0, 0.0]], [[-1.1, -2.0, 0.0]], [[-1.0] * 3],
               [[0.0] * 3], [1.0], [[1.0, 1.0, 0.0]], 2.0, 0.0)
     algorithm = PolicyGradient(loss=PPOClip(), aggregation="sequence_sum")
-    algorithm.advantages([group([1.0, 0.0], max_tokens=40)])
+    cap = generation_cap([group([1.0, 0.0], max_tokens=40), group([1.0, 0.0], max_tokens=24)])
     inputs, logp, _ = production_inputs(b)
-    out = algorithm.loss(inputs)
+    out = algorithm.loss(replace(inputs, generation_cap=cap))
     out.loss.backward()
     lps = leaves(b.logp)
     expected = aggregate_ref(LOSS_BY_NAME["ppo"].reference(lps, b, b.prox), b, "sequence_sum",

@@ -1,5 +1,5 @@
-"""The torch trainer (orchestrator/trainer/): packing, and RL steps on groups the torch engine
-produced through the episode runner."""
+"""The torch trainer (orchestrator/trainer/): the batch a step works on, and RL steps on groups
+the torch engine produced through the episode runner."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from orchestrator.config.schema import RolloutConfig
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.recorder import Recorder
 from orchestrator.trainer import TorchTrainer, token_batch
-from orchestrator.trainer.torch_trainer import shared_prefix
+from orchestrator.trainer.batch import shared_prefix
 from orchestrator.types import Group
 from orchestrator.weights.update import WeightUpdate
 
@@ -364,3 +364,18 @@ def test_the_warm_starts_optimiser_state_goes_at_the_first_rl_step(tiny: Any) ->
     trainer.train_step(make_groups())
     gc.collect()  # a reference cycle elsewhere (an exception's frames) may hold it until then
     assert trainer._warm_optimizer is None and state() is None  # nothing holds it: freed
+
+
+def test_slicing_a_batch_carries_every_per_token_field_by_name() -> None:
+    """The proximal and reference log-probs travel in the batch: a slice of rows carries them
+    beside the rest, and a field not computed stays None."""
+    batch = token_batch([[1, 2, 3], [1, 4, 5, 6], [1, 7]],
+                        [[False, True, True], [False, True, True, True], [False, True]], pad_id=0)
+    proximal = torch.arange(9, dtype=torch.float32).reshape(3, 3)
+    batch = dataclasses.replace(batch, proximal_logprobs=proximal)
+    part = batch.slice(slice(1, 3))
+    assert part.reference_logprobs is None
+    assert part.proximal_logprobs is not None
+    assert part.proximal_logprobs.tolist() == proximal[1:3].tolist()
+    assert part.inputs.tolist() == batch.inputs[1:3].tolist()
+    assert len(part) == 2
