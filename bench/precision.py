@@ -81,7 +81,7 @@ def agreement(model: dict[str, Any], precision: str,
     masks = [[False] * len(prompt) + [True] * len(g.token_ids) for prompt, g in sampled]
     behaviour = [[0.0] * len(prompt) + list(g.logprobs) for prompt, g in sampled]
     batch = token_batch(sequences, masks, policy.tokenizer.pad_id, behaviour=behaviour,
-                 on_policy=masks)
+                        on_policy=masks)
     found = LogprobAgreement()
     with torch.no_grad():
         for part in trainer._micro_batches(batch):

@@ -31,7 +31,7 @@ import anyio
 from orchestrator.config.read import target_of
 from orchestrator.errors import ConfigError, PolyRLError, RunAborted, first_line
 from orchestrator.launch.base import TrainerRecipe
-from orchestrator.trainer.base import Forwarded, TrainStats
+from orchestrator.trainer.base import Forwarded, TrainStats, combine_ranks
 from orchestrator.trainer.proxy import Answer, TrainerProxy, answer_now
 from orchestrator.types import Group
 from orchestrator.weights.update import WeightUpdate
@@ -217,12 +217,16 @@ class RankGroup(TrainerProxy):
         return update
 
     async def _forward(self, method: Forwarded, args: Sequence[Any]) -> Answer:
-        done: Answer = (await self._all("call", method.name, tuple(args)))[0]
-        return done
+        return self._answer(method, await self._all("call", method.name, tuple(args)))
 
     def _forward_now(self, method: Forwarded, args: Sequence[Any]) -> Answer:
-        done: Answer = self._all_now("call", method.name, tuple(args))[0]
-        return done
+        return self._answer(method, self._all_now("call", method.name, tuple(args)))
+
+    @staticmethod
+    def _answer(method: Forwarded, answers: Sequence[Answer]) -> Answer:
+        """The group's answer, combined as the method declares (``forwarded(ranks=…)``), with
+        rank 0's version."""
+        return combine_ranks(method.ranks, [result for result, _ in answers]), answers[0][1]
 
     def save(self, directory: Path) -> None:
         """Every rank writes its shards into ``directory`` (shared storage across nodes)."""

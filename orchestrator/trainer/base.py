@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from orchestrator.errors import ConfigError
 from orchestrator.types import Group
@@ -38,6 +38,10 @@ from orchestrator.weights.update import WeightUpdate
 
 TrainStats = dict[str, float]  # the step's metrics: loss, grad_norm, lr, …
 F = TypeVar("F", bound=Callable[..., Any])
+# How a group of trainer ranks answers a forwarded call that every rank runs: ``first``, rank
+# 0's result (the ranks agree, or met in a collective inside); ``sum``, the ranks' results
+# added (numbers, or mappings of numbers by key); ``gather``, a list of every rank's, in order.
+RankAnswer = Literal["first", "sum", "gather"]
 
 
 @dataclass(frozen=True)
@@ -48,23 +52,43 @@ class Forwarded:
     function: Callable[..., Any]  # the interface's declaration: its signature binds the call
     doing: str  # what the call is, in an error's words ("a warm-start step")
     span: str | None  # the span a trainer in another process records around it (None: none)
+    ranks: RankAnswer = "first"  # how a group of ranks combines its answers (RankAnswer)
 
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.function)
 
 
-def forwarded(*, doing: str, span: str | None = None) -> Callable[[F], F]:
+def forwarded(*, doing: str, span: str | None = None,
+              ranks: RankAnswer = "first") -> Callable[[F], F]:
     """Mark a :class:`Trainer` method as one a proxy forwards as it is: its arguments to the
     trainer wherever it lives, its result back (both plain, picklable data), the trainer's
     version after it with them. A trainer that lacks it inherits the declaration's body, so
-    give it a default (a no-op, or ``NotImplementedError`` naming the trainer)."""
+    give it a default (a no-op, or ``NotImplementedError`` naming the trainer). ``ranks``: how
+    a group of trainer ranks, each of which runs the call, makes one answer of theirs
+    (:data:`RankAnswer`; :func:`combine_ranks`)."""
+    if ranks not in ("first", "sum", "gather"):
+        raise ValueError(f"forwarded(ranks={ranks!r}): choose first, sum or gather")
 
     def mark(function: F) -> F:
-        function.__forwarded__ = Forwarded(function.__name__, function, doing, span)  # type: ignore[attr-defined]
+        function.__forwarded__ = Forwarded(  # type: ignore[attr-defined]
+            function.__name__, function, doing, span, ranks)
         return function
 
     return mark
+
+
+def combine_ranks(how: RankAnswer, answers: Sequence[Any]) -> Any:
+    """One answer from every rank's, in rank order, as a forwarded method declares
+    (:data:`RankAnswer`)."""
+    if how == "first":
+        return answers[0]
+    if how == "gather":
+        return list(answers)
+    if all(isinstance(a, Mapping) for a in answers):
+        keys = dict.fromkeys(k for a in answers for k in a)
+        return {k: sum(a.get(k, 0) for a in answers) for k in keys}
+    return sum(answers)
 
 
 def forwarded_methods() -> dict[str, Forwarded]:
@@ -99,7 +123,8 @@ class Trainer(ABC):
     async def weights(self) -> WeightUpdate:
         """The current weights, stamped with :attr:`version`, for the engines."""
 
-    @forwarded(doing="a warm-start step", span="supervised_compute")
+    # ranks="first": the ranks sum their losses in a collective, so every rank returns the total
+    @forwarded(doing="a warm-start step", span="supervised_compute", ranks="first")
     async def supervised_step(self, sequences: Sequence[Sequence[int]],
                               masks: Sequence[Sequence[bool]], lr: float) -> float:
         """One cross-entropy step on the masked tokens (the warm start), with an optimiser of

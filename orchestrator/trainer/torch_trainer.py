@@ -697,7 +697,7 @@ class TorchTrainer(Trainer):
     ) -> float:
         mine = self._share_sizes([len(seq) for seq in sequences])
         batch = token_batch([sequences[i] for i in mine], [masks[i] for i in mine],
-                     self.policy.tokenizer.pad_id) if mine else None
+                            self.policy.tokenizer.pad_id) if mine else None
         self.model.train()
         optimizer.zero_grad(set_to_none=True)
         _, num_tokens = self._all_sum([0.0, float(batch.mask.sum()) if batch is not None else 0.0])

@@ -47,7 +47,8 @@ def _gap(trainer: TorchTrainer, groups: Sequence[Group]) -> tuple[float, float]:
     """Mean and max |engine - trainer| log-prob over the sampled tokens, same weights."""
     trajectories = [t for g in groups for t in g.trajectories]
     batch = token_batch([t.token_ids for t in trajectories], [t.loss_mask for t in trajectories],
-                 trainer.policy.tokenizer.pad_id, behaviour=[t.logprobs for t in trajectories])
+                        trainer.policy.tokenizer.pad_id,
+                        behaviour=[t.logprobs for t in trajectories])
     with torch.no_grad():
         logp, _ = trainer._logprobs(batch)
     gap = (logp.float().cpu() - batch.behaviour_logprobs).abs() * batch.mask

@@ -17,7 +17,13 @@ import pytest
 from orchestrator.algo.grpo import GRPO
 from orchestrator.launch.ranks import RankGroup, RankHandle
 from orchestrator.models.policy import Policy
-from orchestrator.trainer.base import Forwarded, Trainer, forwarded_methods
+from orchestrator.trainer.base import (
+    Forwarded,
+    Trainer,
+    combine_ranks,
+    forwarded,
+    forwarded_methods,
+)
 from orchestrator.trainer.proxy import Answer, TrainerProxy, answer, answer_now
 from orchestrator.trainer.simulated import SimulatedTrainer, TokenCost
 from orchestrator.trainer.torch_trainer import TorchTrainer
@@ -148,3 +154,29 @@ def test_world_size_with_a_trainer_that_cannot_is_one_line_naming_the_key(target
     with pytest.raises(ConfigError, match=r"^trainer.world_size=2 needs a trainer that trains "
                                           rf"in ranks .*, not {target}$"):
         world_size(recipe)
+
+
+@pytest.mark.parametrize(("how", "want"), [
+    ("first", {"loss": 1.0, "tokens": 3}),
+    ("sum", {"loss": 6.0, "tokens": 10, "skipped": 1}),
+    ("gather", [{"loss": 1.0, "tokens": 3}, {"loss": 2.0, "tokens": 7},
+                {"loss": 3.0, "skipped": 1}]),
+])
+def test_a_rank_group_combines_its_ranks_answers_as_the_method_declares(how: str,
+                                                                        want: Any) -> None:
+    """Every rank answers a forwarded call; the group's one answer is rank 0's, their sum (by
+    key for mappings) or all of them, as ``forwarded(ranks=…)`` declares, with rank 0's
+    version."""
+    def declared(self: Any) -> Any: ...
+
+    method = Forwarded("declared", declared, "a test call", None, how)  # type: ignore[arg-type]
+    answers = [({"loss": 1.0, "tokens": 3}, 4), ({"loss": 2.0, "tokens": 7}, 4),
+               ({"loss": 3.0, "skipped": 1}, 4)]
+    assert RankGroup._answer(method, answers) == (want, 4)
+    assert combine_ranks("sum", [1.5, 2.5]) == 4.0
+
+
+def test_every_forwarded_method_declares_how_ranks_answer_and_a_wrong_word_is_refused() -> None:
+    assert {m.ranks for m in forwarded_methods().values()} <= {"first", "sum", "gather"}
+    with pytest.raises(ValueError, match="choose first, sum or gather"):
+        forwarded(doing="x", ranks="mean")  # type: ignore[arg-type]

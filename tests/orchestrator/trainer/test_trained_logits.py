@@ -87,7 +87,7 @@ def batch_for(vocab: int, seed: int = 0) -> TokenBatch:
     behaviour = [[-float(torch.rand((), generator=g)) * 5 for _ in s] for s in sequences]
     advantages = [float(torch.randn((), generator=g)) for _ in sequences]
     return token_batch(sequences, masks, 0, behaviour=behaviour, advantages=advantages, group=group,
-                prefix=prefix)
+                       prefix=prefix)
 
 
 def run(model: torch.nn.Module, batch: TokenBatch, share: bool, micro: int = 64

@@ -219,7 +219,7 @@ def test_sharing_prefixes_changes_neither_logprobs_nor_gradients(make_policy: An
     prefix = group_prefixes(sequences, masks, group)
     assert min(prefix) > 5
     batch = token_batch(sequences, masks, tok.pad_id, advantages=[1.0, -1.0] * 4, group=group,
-                 prefix=prefix)
+                        prefix=prefix)
     results = []
     for share, micro in ((False, 64), (True, 64), (True, 4)):  # 4: cuts a group in two
         trainer = TorchTrainer(make_policy(0), GRPO(), share_prefix=share, micro_batch_size=micro)
