@@ -61,8 +61,9 @@ from omegaconf import DictConfig
 from bench.cli import TOY_MODEL, add_smoke, headline
 from envs.base import Task
 from orchestrator.builders import engine_of, environment, first_tasks, run, torch_settings
-from orchestrator.config.read import CONF, section, typed
-from orchestrator.config.schema import EvalConfig, RolloutConfig
+from orchestrator.config.read import CONF
+from orchestrator.config.run import run_config
+from orchestrator.config.schema import EvalConfig
 from orchestrator.engines.placement import Placement
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.pipeline.evaluation import evaluate
@@ -110,15 +111,15 @@ def batch_size(engine: dict[str, Any]) -> int:
 
 
 def throughput(tasks: int, n: int, rounds: int, overrides: Sequence[str]) -> dict[str, float]:
-    cfg = config(overrides)  # the experiment's torch_threads=1: steadier on a shared machine
-    torch_settings(cfg)
-    rollout_cfg = typed(RolloutConfig, cfg, "rollout")
-    spec, tokenizer = environment(cfg, section(cfg, "model"), rollout_cfg)
+    # the experiment's torch_threads=1: steadier on a shared machine
+    settings = run_config(config(overrides))
+    torch_settings(settings)
+    spec, tokenizer = environment(settings)
     prompts = first_tasks(spec.tasks("train"), tasks)
-    recipe = replace(engine_of(cfg), placement=Placement(trainer_here=False))
+    recipe = replace(engine_of(settings), placement=Placement(trainer_here=False))
     temperature = 1.0
-    sampling = replace(rollout_cfg, group_size=n, temperature=temperature)
-    workers = min(max(1, batch_size(section(cfg, "engine")) // n), len(prompts))
+    sampling = replace(settings.rollout, group_size=n, temperature=temperature)
+    workers = min(max(1, batch_size(settings.engine) // n), len(prompts))
 
     async def session() -> dict[str, float]:
         async with spec.running(), recipe.build(None) as engine:

@@ -108,6 +108,7 @@ from bench.peers_trl import (
 )
 from orchestrator.builders import training_parts
 from orchestrator.config.read import build_env, scalar, section, typed
+from orchestrator.config.run import run_config
 from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.base import sync_weights
 from orchestrator.episodes.rollout import EpisodeRunner
@@ -137,7 +138,7 @@ def warm_start(out: Path, base: Sequence[str] = BASE) -> tuple[Path, dict[str, A
     from transformers.utils import logging as hf_logging
 
     cfg = experiment(base=base)
-    parts = training_parts(cfg)
+    parts = training_parts(run_config(cfg))
     assert parts.warm_start is not None
     recorder = Recorder()
     started = time.perf_counter()

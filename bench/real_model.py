@@ -316,12 +316,13 @@ def training(budget: Budget, threads: int, microbenchmark: bool = True, device: 
     too (``fraction``; ``bench.gpu`` compares a GPU's rate with its own peak instead);
     ``after(trainer, batches)``: more figures, measured once the timed steps are done."""
     from orchestrator.builders import training_parts
+    from orchestrator.config.run import run_config
 
     keep_freed_memory()  # as python -m orchestrator does (the steps run in this thread)
     base = [a for a in base_args(EXPERIMENT) if not a.startswith("model.device=")]
     cfg = experiment("torch_threads=null", *budget.model, *budget.shrink,
                      base=[*base, f"model.device={device}"])
-    parts = training_parts(cfg)
+    parts = training_parts(run_config(cfg))
     trainer = cast(TorchTrainer, parts.trainer)  # launcher=local builds the one the config names
     rollout = parts.rollout
     size = budget.groups or parts.pipeline.batch_size // rollout.group_size

@@ -38,23 +38,9 @@ from envs.errors import EnvConfigError
 from orchestrator.algo.build import algorithm_values, build_algorithm
 from orchestrator.algo.filters import FILTER_KEY, build_filter
 from orchestrator.algo.losses import cannot_act
-from orchestrator.config.read import (
-    CONF,
-    build_env,
-    check_node,
-    check_target,
-    scalar,
-    section,
-    target_of,
-    typed,
-)
-from orchestrator.config.schema import (
-    CheckpointConfig,
-    EvalConfig,
-    PipelineConfig,
-    RolloutConfig,
-    WarmStartConfig,
-)
+from orchestrator.config.read import CONF, check_node, env_from, section, target_of
+from orchestrator.config.run import RunConfig, run_config
+from orchestrator.config.schema import EvalConfig, PipelineConfig, RolloutConfig
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.engines.placement import Placement
 from orchestrator.episodes.rollout import EpisodeRunner, data_source
@@ -82,20 +68,25 @@ JudgeServing = Callable[[], AbstractAsyncContextManager[None]]  # served_judge's
 
 def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> RunResult:
     """Run the experiment ``cfg`` describes, or go on from the checkpoint ``resume_from`` of
-    ``run_dir``; raises :class:`ConfigError` on bad input."""
+    ``run_dir``; raises :class:`ConfigError` on bad input. A training run's config is read and
+    checked once, here (:func:`~orchestrator.config.run.run_config`); the builders below take
+    that typed :class:`~orchestrator.config.run.RunConfig`."""
     with ExitStack() as resources:  # the launcher's actors live as long as the run
         if OmegaConf.select(cfg, "replay") is not None:
             if resume_from is not None:
                 raise ConfigError("a replay has nothing to resume: it runs in virtual time")
             from orchestrator.replay import replay_parts
 
-            return _run(cfg, replay_parts(cfg), run_dir)
-        check_target(cfg, "launcher")
-        launcher: Launcher = resources.enter_context(instantiate(cfg.launcher))
+            logger = section(cfg, "logger")
+            check_node(logger, "logger")
+            return _run(replay_parts(cfg), run_dir, logger,
+                        OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+        config = run_config(cfg)
+        launcher: Launcher = resources.enter_context(instantiate(config.launcher))
         while True:
-            parts = training_parts(cfg, launcher)
+            parts = training_parts(config, launcher)
             try:
-                return _run(cfg, parts, run_dir, resume_from)
+                return _run(parts, run_dir, config.logger, config.resolved, resume_from)
             except BaseException as error:
                 # a launcher that replaced what it lost (a dead trainer actor) goes on from the
                 # last checkpoint, as resume= would, without the user
@@ -108,15 +99,16 @@ def run(cfg: DictConfig, run_dir: Path, resume_from: Path | None = None) -> RunR
                 resume_from = checkpoint
 
 
-def _run(cfg: DictConfig, parts: RunParts, run_dir: Path,
+def _run(parts: RunParts, run_dir: Path, logger_node: dict[str, Any], resolved: dict[str, Any],
          resume_from: Path | None = None) -> RunResult:
-    check_target(cfg, "logger")
-    logger: Logger = instantiate(cfg.logger)
+    """``parts`` through the run loop, written to ``run_dir`` (``resolved``: its
+    ``config.yaml``) and the logger ``logger_node`` builds."""
+    logger: Logger = instantiate(logger_node)
     resume = restore(parts.trainer, resume_from) if resume_from is not None else None
     if resume is not None:
         logger.resume_id = resume.logger_run_id
-    out = RunDir(run_dir, OmegaConf.to_container(cfg, resolve=True), [logger],  # type: ignore[arg-type]
-                 parts.rollout.max_total_tokens, resume_step=resume.step if resume else None)
+    out = RunDir(run_dir, resolved, [logger], parts.rollout.max_total_tokens,
+                 resume_step=resume.step if resume else None)
     faults = None  # the fault counters go on from the whole run's, this restart counted
     if resume is not None:
         resume.pipeline["faults"] = resumed_faults(resume.pipeline.get("faults", {}),
@@ -154,12 +146,12 @@ def _run(cfg: DictConfig, parts: RunParts, run_dir: Path,
     return result
 
 
-def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunParts:
+def training_parts(config: RunConfig, launcher: Launcher | None = None) -> RunParts:
     """The parts of a training run: trainer and engine placed by ``launcher`` (in this process
     by default), environment, warm start, evals."""
     launcher = launcher or LocalLauncher()
-    seed, threads = torch_settings(cfg)
-    pipeline_cfg = typed(PipelineConfig, cfg, "pipeline")
+    seed, threads = torch_settings(config)
+    pipeline_cfg = config.pipeline
     if launcher.colocate and pipeline_cfg.inflight_update == "finish":
         # the engine sleeps through each train step with its requests in flight, and the sync
         # that would wake it waits for them to finish first
@@ -167,20 +159,18 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
                           "the engine sleeps through each train step with episodes in flight, "
                           "which could then never finish before the weight sync that wakes it; "
                           "use pipeline.inflight_update=continue or launcher.colocate=false")
-    rollout_cfg = typed(RolloutConfig, cfg, "rollout")
-    warm = typed(WarmStartConfig, cfg, "warmstart")
-    eval_cfg = eval_config(cfg)
-    checkpoint_cfg = typed(CheckpointConfig, cfg, "checkpoint")
+    rollout_cfg = config.rollout
+    warm = config.warmstart
+    eval_cfg = config.eval
+    checkpoint_cfg = config.checkpoint
     # algo.filter is the pipeline's (which groups a step trains), not the algorithm's
-    group_filter = build_filter(section(cfg, "algo").get(FILTER_KEY))
-    for key in ("model", "engine", "trainer"):
-        check_target(cfg, key)
-    check_node(algorithm_values(section(cfg, "algo")), "algo")
-    algorithm = build_algorithm(section(cfg, "algo"))  # its pieces' checks, before anything starts
-    if (idle := cannot_act(algorithm, section(cfg, "trainer").get("num_minibatches", 1))):
+    group_filter = build_filter(config.algo.get(FILTER_KEY))
+    check_node(algorithm_values(config.algo), "algo")
+    algorithm = build_algorithm(config.algo)  # its pieces' checks, before anything starts
+    if (idle := cannot_act(algorithm, config.trainer.get("num_minibatches", 1))):
         log.warning(idle)  # legitimate (GRPO at one update), but not what the loss is for
-    model_cfg = section(cfg, "model")
-    spec, tokenizer = environment(cfg, model_cfg, rollout_cfg)
+    model_cfg = config.model
+    spec, tokenizer = environment(config)
     if len(spec.tasks("train")) == 0:
         raise ConfigError("the environment has no train tasks: a run needs them (env=dataset: "
                           "env.train=data/train.jsonl); python -m orchestrator.eval evaluates "
@@ -197,12 +187,12 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         eval_cfg.check_ranked_figure(checkpoint_cfg.keep_best,
                                      {data_source(t, spec) for t in eval_tasks})
 
-    attest = bool(section(cfg, "engine").get("attest", False))
+    attest = bool(config.engine.get("attest", False))
     trainer = launcher.trainer(TrainerRecipe(
-        trainer=section(cfg, "trainer"), model=model_cfg, algo=section(cfg, "algo"),
+        trainer=config.trainer, model=model_cfg, algo=config.algo,
         temperature=rollout_cfg.temperature, seed=seed, torch_threads=threads,
-        weight_delta=bool(section(cfg, "engine").get("delta", False)), fingerprint=attest))
-    engine_recipe = engine_of(cfg)
+        weight_delta=bool(config.engine.get("delta", False)), fingerprint=attest))
+    engine_recipe = engine_of(config)
 
     def make_engine(weights: WeightUpdate, recorder: Recorder) -> InferenceEngine:
         return launcher.engine(engine_recipe, weights, recorder)
@@ -236,50 +226,38 @@ def training_parts(cfg: DictConfig, launcher: Launcher | None = None) -> RunPart
         rollout=rollout_cfg, warm_start=warm_up if warm.steps > 0 else None,
         eval_tasks=eval_tasks,
         evaluation=eval_cfg,
-        eval_own_engine=eval_on_own_engine(eval_cfg, cfg, launcher),
-        progress=scalar(cfg, "progress"),
-        progress_every=scalar(cfg, "progress_every"),
+        eval_own_engine=eval_on_own_engine(config, launcher),
+        progress=config.progress,
+        progress_every=config.progress_every,
         attest=attest,
-        judge=served_judge(cfg, spec),
+        judge=served_judge(config, spec),
     )
 
 
 # -- builders shared with the standalone evaluation (orchestrator.commands.eval) -------------
 
 
-def torch_settings(cfg: DictConfig) -> tuple[int, int | None]:
-    """``seed`` and ``torch_threads``, checked and applied to this process."""
-    seed: int = scalar(cfg, "seed")
-    threads: int | None = scalar(cfg, "torch_threads")
-    if threads:
-        torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    return seed, threads
+def torch_settings(config: RunConfig) -> tuple[int, int | None]:
+    """``seed`` and ``torch_threads``, applied to this process."""
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    torch.manual_seed(config.seed)
+    return config.seed, config.torch_threads
 
 
-def eval_config(cfg: DictConfig) -> EvalConfig:
-    """The ``eval`` section (one line for a k larger than n, …)."""
-    eval_cfg = typed(EvalConfig, cfg, "eval")
-    if eval_cfg.n > 1 and eval_cfg.temperature == 0:
-        log.warning("eval.n=%d at eval.temperature=0: greedy samples of a task are alike; set "
-                    "eval.temperature for pass@k and maj@n to mean anything", eval_cfg.n)
-    return eval_cfg
-
-
-def environment(cfg: DictConfig, model_cfg: dict[str, Any],
-                rollout_cfg: RolloutConfig) -> tuple[EnvSpec, Tokenizer]:
-    """The environment ``cfg.env`` names and the model's tokenizer (built without the
-    model); a dataset's rows whose prompts do not fit the context are left out."""
-    spec = build_env(cfg)
-    tokenizer = build_tokenizer(model_cfg)
-    _leave_out_long_prompts(spec, tokenizer, rollout_cfg, model_context(model_cfg))
+def environment(config: RunConfig) -> tuple[EnvSpec, Tokenizer]:
+    """The environment ``env`` names and the model's tokenizer (built without the model); a
+    dataset's rows whose prompts do not fit the context are left out."""
+    spec = env_from(config.env)
+    tokenizer = build_tokenizer(config.model)
+    _leave_out_long_prompts(spec, tokenizer, config.rollout, model_context(config.model))
     return spec, tokenizer
 
 
-def served_judge(cfg: DictConfig, spec: EnvSpec) -> JudgeServing | None:
+def served_judge(config: RunConfig, spec: EnvSpec) -> JudgeServing | None:
     """The LLM judge the run serves itself (``env.judge.serve``: a ``conf/model`` entry), or
     None: an async context manager that builds that model's engine from its own weights (no
-    trainer; ``cfg.engine``'s kind and options), serves it behind an OpenAI-compatible URL in
+    trainer; ``engine``'s kind and options), serves it behind an OpenAI-compatible URL in
     the run's event loop and hands the URL to ``spec`` before the environment starts. The
     model's config and tokenizer are read now; an engine that cannot start is one line."""
     name = spec.judge_to_serve()
@@ -296,15 +274,14 @@ def served_judge(cfg: DictConfig, spec: EnvSpec) -> JudgeServing | None:
                            f"({type(e).__name__}: {e}); set env.judge.url to a server instead, "
                            f"or fix conf/model/{name}.yaml")
 
-    judged = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
-    OmegaConf.set_struct(judged, False)
-    judged.model = OmegaConf.load(path)  # its ${seed} and the like resolve against the run's
+    # the model's ${seed} and the like resolve against the run's settings
+    judged = OmegaConf.create({**config.resolved, "model": OmegaConf.load(path)})
     try:
         model_cfg = section(judged, "model")
         tokenizer = build_tokenizer(model_cfg)
     except Exception as e:  # one line naming the key, the cause chained
         raise cannot_start(e) from e
-    recipe = EngineRecipe(engine=section(cfg, "engine"), model=model_cfg,
+    recipe = EngineRecipe(engine=config.engine, model=model_cfg,
                           placement=Placement(trainer_here=False))
 
     @asynccontextmanager
@@ -322,23 +299,23 @@ def served_judge(cfg: DictConfig, spec: EnvSpec) -> JudgeServing | None:
     return serving
 
 
-def eval_on_own_engine(eval_cfg: EvalConfig, cfg: DictConfig, launcher: Launcher) -> bool:
+def eval_on_own_engine(config: RunConfig, launcher: Launcher) -> bool:
     """``eval.engine`` resolved: ``auto`` gives evaluations during RL an engine of their own
     where one is cheap, the in-process torch engine on the CPU (a model copy in memory); on a
     GPU a second copy of the model and its KV cache would take GPU memory, and a vLLM engine
     or remote engines another GPU's worth, so they share."""
-    if eval_cfg.engine != "auto":
-        return eval_cfg.engine == "own"
-    device = str(cfg.model.get("device", "auto"))
+    if config.eval.engine != "auto":
+        return config.eval.engine == "own"
+    device = str(config.model.get("device", "auto"))
     on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     in_process = isinstance(launcher, LocalLauncher) and not launcher.colocate
     return (in_process and not on_gpu
-            and getattr(target_of(section(cfg, "engine")), "cheap_copy_on_cpu", False))
+            and getattr(target_of(config.engine), "cheap_copy_on_cpu", False))
 
 
-def engine_of(cfg: DictConfig) -> EngineRecipe:
-    """The recipe of the engine ``cfg.engine`` names, for the model ``cfg.model`` describes."""
-    return EngineRecipe(engine=section(cfg, "engine"), model=section(cfg, "model"))
+def engine_of(config: RunConfig) -> EngineRecipe:
+    """The recipe of the engine ``engine`` names, for the model ``model`` describes."""
+    return EngineRecipe(engine=config.engine, model=config.model)
 
 
 def eval_tasks_of(spec: EnvSpec, config: EvalConfig) -> list[Task]:

@@ -56,7 +56,6 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrator.builders import (
     engine_of,
     environment,
-    eval_config,
     eval_tasks_of,
     served_judge,
     torch_settings,
@@ -73,17 +72,8 @@ from orchestrator.commands.targets import (
     parse_step,
     step_of,
 )
-from orchestrator.config.read import (
-    CONF,
-    apply_overrides,
-    check_target,
-    register_plugin_envs,
-    report,
-    scalar,
-    section,
-    typed,
-)
-from orchestrator.config.schema import RolloutConfig
+from orchestrator.config.read import CONF, apply_overrides, register_plugin_envs, report, scalar
+from orchestrator.config.run import run_config
 from orchestrator.engines.placement import Placement
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.errors import ConfigError
@@ -195,20 +185,18 @@ class Outcome:
 def run_evaluation(target: Target, cfg: DictConfig, progress: bool = False) -> Outcome:
     """Build the run's parts from ``cfg`` and evaluate ``target``'s weights (``progress``: on
     stderr, :class:`Progress`)."""
-    torch_settings(cfg)
-    rollout_cfg = typed(RolloutConfig, cfg, "rollout")
-    eval_cfg = eval_config(cfg)
-    for key in ("model", "engine"):
-        check_target(cfg, key)
-    spec, tokenizer = environment(cfg, section(cfg, "model"), rollout_cfg)
+    config = run_config(cfg)
+    torch_settings(config)
+    rollout_cfg, eval_cfg = config.rollout, config.eval
+    spec, tokenizer = environment(config)
     tasks = eval_tasks_of(spec, eval_cfg)
     if not tasks:
         raise ConfigError("nothing to evaluate: eval.num_tasks is 0 or the environment has no "
                           "eval tasks; set eval.num_tasks > 0")
     # no trainer beside it: the starting weights go by the byte route, the engine takes its GPU
-    recipe = replace(engine_of(cfg), placement=Placement(trainer_here=False))
+    recipe = replace(engine_of(config), placement=Placement(trainer_here=False))
     weights = checkpoint_weights(target.checkpoint) if target.checkpoint is not None else None
-    judge = served_judge(cfg, spec)  # env.judge.serve: the judge's model, served in this run
+    judge = served_judge(config, spec)  # env.judge.serve: the judge's model, served in this run
 
     async def session(on_sample: Callable[[EvalSample], None] | None) -> Outcome:
         recorder = Recorder()

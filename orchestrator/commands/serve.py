@@ -27,7 +27,8 @@ from dataclasses import replace
 import anyio
 
 from orchestrator.builders import engine_of
-from orchestrator.config.read import CONF, report, section
+from orchestrator.config.read import CONF, report
+from orchestrator.config.run import run_config
 from orchestrator.engines.placement import Placement
 from orchestrator.errors import ConfigError
 from orchestrator.gateway.serve import ModelServer
@@ -40,8 +41,9 @@ async def serve(overrides: list[str], host: str, port: int, name: str, max_token
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
-    recipe = replace(engine_of(cfg), placement=Placement(trainer_here=False))
-    tokenizer = build_tokenizer(section(cfg, "model"))
+    config = run_config(cfg)
+    recipe = replace(engine_of(config), placement=Placement(trainer_here=False))
+    tokenizer = build_tokenizer(config.model)
     async with recipe.build(None) as engine, ModelServer(  # type: ignore[arg-type]
             engine, tokenizer, model=name, max_tokens=max_tokens, host=host, port=port,
             api_key=api_key) as server:

@@ -116,10 +116,15 @@ def check_node(values: dict[str, Any], key: str) -> None:
 
 
 def build_env(cfg: DictConfig) -> EnvSpec:
-    """The environment ``cfg.env`` names by ``_target_`` (its other keys are the keyword
-    arguments; nested nodes such as ``sandbox`` arrive as plain mappings, for the spec to build)."""
+    """The environment ``cfg.env`` names (:func:`env_from`)."""
     check_target(cfg, "env")
-    values = section(cfg, "env")
+    return env_from(section(cfg, "env"))
+
+
+def env_from(values: dict[str, Any]) -> EnvSpec:
+    """The environment the ``env`` node ``values`` names by ``_target_`` (its other keys are the
+    keyword arguments; nested nodes such as ``sandbox`` arrive as plain mappings, for the spec
+    to build)."""
     try:
         spec = instantiate(values, _recursive_=False, _convert_="all")
     except InstantiationException as e:

@@ -172,8 +172,9 @@ def test_eval_engine_auto_copies_an_engine_that_says_a_copy_is_cheap(engine: str
     # the engine class's capability (cheap_copy_on_cpu), not its name, decides
     from helpers import quick_config
 
-    from orchestrator.builders import eval_config, eval_on_own_engine
+    from orchestrator.builders import eval_on_own_engine
+    from orchestrator.config.run import run_config
     from orchestrator.launch.local import LocalLauncher
 
     cfg = quick_config("smoke", f"engine={engine}", "eval.engine=auto")
-    assert eval_on_own_engine(eval_config(cfg), cfg, LocalLauncher()) is own
+    assert eval_on_own_engine(run_config(cfg), LocalLauncher()) is own

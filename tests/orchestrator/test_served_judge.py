@@ -16,6 +16,7 @@ from envs.base import Task
 from envs.errors import EnvConfigError
 from orchestrator.builders import run, served_judge
 from orchestrator.config.read import build_env
+from orchestrator.config.run import run_config
 from orchestrator.errors import ConfigError
 
 JUDGED = ("env.reward={strict: 1.0, judge: 0.5}", "env.judge.serve=tiny",
@@ -46,7 +47,7 @@ def test_a_run_serves_its_judge_and_judges_every_sample(tmp_path: Path) -> None:
 async def test_served_judge_grades_through_the_runs_own_server() -> None:
     cfg = quick_config("arithmetic", *JUDGED)
     spec = build_env(cfg)
-    serving = served_judge(cfg, spec)
+    serving = served_judge(run_config(cfg), spec)
     assert serving is not None and spec.judge_to_serve() == "tiny"
     env = spec.make_env()
     with anyio.fail_after(120):
@@ -59,18 +60,19 @@ async def test_served_judge_grades_through_the_runs_own_server() -> None:
     metrics = spec.metrics()
     assert metrics["judge/calls"] == 1
     assert metrics["judge/scored"] + metrics["judge/unscored"] == 1
-    assert served_judge(quick_config("arithmetic"), build_env(quick_config("arithmetic"))) is None
+    cfg = quick_config("arithmetic")
+    assert served_judge(run_config(cfg), build_env(cfg)) is None
 
 
 def test_a_judge_that_cannot_be_served_is_one_line() -> None:
     cfg = quick_config("arithmetic", "env.reward=judge", "env.judge.serve=no_such_model")
     with pytest.raises(ConfigError, match=r"env.judge.serve=no_such_model names no model in "
                                           r"conf/model/; choose from .*tiny"):
-        served_judge(cfg, build_env(cfg))
+        served_judge(run_config(cfg), build_env(cfg))
     cfg = quick_config("arithmetic", "env.reward=judge", "env.judge.serve=hf")  # no model.path
     with pytest.raises(ConfigError, match=r"env.judge.serve=hf: the judge's engine could not "
                                           r"start"):
-        served_judge(cfg, build_env(cfg))
+        served_judge(run_config(cfg), build_env(cfg))
     both = quick_config("arithmetic", "env.reward=judge", "env.judge.serve=tiny",
                         "env.judge.url=http://127.0.0.1:9/v1")
     with pytest.raises(ConfigError, match="env.judge.url and env.judge.serve are both set"):

@@ -22,6 +22,7 @@ from orchestrator.algo.filters import (
 )
 from orchestrator.builders import run, training_parts
 from orchestrator.config.read import CONF, explain
+from orchestrator.config.run import run_config
 from orchestrator.errors import ConfigError
 from orchestrator.trainer.torch_trainer import TorchTrainer
 from orchestrator.types import FinishReason, Group, Trajectory
@@ -81,13 +82,13 @@ def test_algo_filter_from_the_real_conf_reaches_a_runs_pipeline_and_not_the_algo
     signal) runs to its end: each step replaces groups up to its cap, then trains a full batch
     of what comes, and its metrics say so."""
     cfg = config("algo/filter=zero_variance", "algo.filter.tolerance=0.5")
-    parts = training_parts(cfg)
+    parts = training_parts(run_config(cfg))
     assert isinstance(parts.group_filter, ZeroVarianceMask)
     assert parts.group_filter.tolerance == 0.5
     assert isinstance(parts.trainer, TorchTrainer)
     assert isinstance(parts.trainer.algorithm, PolicyGradient)
     assert not hasattr(parts.trainer.algorithm, "filter")
-    assert training_parts(config()).group_filter is None  # the default: no filter
+    assert training_parts(run_config(config())).group_filter is None  # the default: no filter
 
     cfg = config("algo/filter=dynamic_sampling", "algo.filter.max_refill_batches=1",
                  "warmstart.steps=0", "eval.num_tasks=0", "pipeline.num_steps=2")
@@ -122,7 +123,7 @@ def test_algo_filter_from_the_real_conf_reaches_a_runs_pipeline_and_not_the_algo
         "groups-of-one", "unknown-option", "group-set-to-null"])
 def test_a_bad_filter_config_is_one_line_naming_it(overrides: list[str], words: list[str]) -> None:
     with pytest.raises(Exception) as info:  # compose's error or ours: explain() reads both
-        training_parts(config(*overrides))
+        training_parts(run_config(config(*overrides)))
     line = explain(info.value)
     assert line is not None and "\n" not in line, info.value
     for word in words:

@@ -177,11 +177,13 @@ def test_colocation_refuses_finishing_episodes_before_the_sync() -> None:
     """A colocated engine sleeps through the train step with its requests in flight; the
     sync that wakes it would wait for them to finish first: a deadlock, refused up front."""
     from orchestrator.builders import training_parts
+    from orchestrator.config.run import run_config
     from orchestrator.launch.ray import RayLauncher
 
     launcher = RayLauncher(colocate=True, trainer={"num_gpus": 0.5}, engine={"num_gpus": 0.5})
     with pytest.raises(ConfigError) as error:  # before Ray starts or anything is built
-        training_parts(quick_config("smoke", "pipeline.inflight_update=finish"), launcher)
+        training_parts(run_config(quick_config("smoke", "pipeline.inflight_update=finish")),
+                       launcher)
     assert str(error.value).startswith("pipeline.inflight_update=finish cannot run with "
                                        "launcher.colocate=true")
 

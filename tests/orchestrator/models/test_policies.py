@@ -11,6 +11,7 @@ from helpers import peak_concurrency
 from hydra import compose, initialize_config_dir
 
 from orchestrator.builders import training_parts
+from orchestrator.config.run import run_config
 from orchestrator.run.loop import RunResult, run_session
 from orchestrator.types import StepReport, Trajectory
 
@@ -25,7 +26,7 @@ def test_partial_rollout_trains_only_tokens_within_k_versions(k: int, overprovis
             "warmstart.steps=0", "eval.num_tasks=0", "rollout.max_tokens=24",
             "pipeline.num_workers=8", "pipeline.num_steps=5", f"pipeline.max_staleness={k}",
             f"pipeline.overprovision={overprovision}"])
-    parts = training_parts(cfg)
+    parts = training_parts(run_config(cfg))
     assert parts.pipeline.budget == 16 + round(16 * overprovision)
     trained: list[tuple[int, Trajectory]] = []
 

@@ -29,6 +29,7 @@ from helpers import quick_config
 
 from envs.base import Task
 from orchestrator.builders import training_parts
+from orchestrator.config.run import run_config
 from orchestrator.config.schema import WarmStartConfig
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.episodes.rollout import sample_seed
@@ -52,7 +53,7 @@ async def parts() -> RunParts:
     cfg = quick_config("smoke", "pipeline.max_staleness=0", f"pipeline.num_steps={STEPS}",
                        "pipeline.batch_size=16", "pipeline.num_workers=6", "warmstart.steps=0",
                        "eval.num_tasks=0", "env.digits=1", "torch_threads=1")
-    run = training_parts(cfg)
+    run = training_parts(run_config(cfg))
     await warm_start(run.trainer, run.tokenizer, run.spec.tasks("train"),
                      WarmStartConfig(steps=WARM_STEPS, batch_size=32, lr=3e-3,
                                      target_accuracy=None),

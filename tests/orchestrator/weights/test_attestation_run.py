@@ -16,6 +16,7 @@ from helpers import make_groups, quick_config, run_step_files
 
 from orchestrator.builders import run, training_parts
 from orchestrator.config.read import explain
+from orchestrator.config.run import run_config
 from orchestrator.errors import ConfigError, chain
 from orchestrator.weights.attest import AttestationFailed
 from orchestrator.weights.fingerprint import fingerprint
@@ -105,7 +106,8 @@ async def test_the_trainer_fingerprints_what_it_publishes_only_for_engines_that_
         attest: bool) -> None:
     """engine.attest=false computes no fingerprint on the trainer's side either: a 135M model's
     takes a third of a second of CPU per update."""
-    trainer = training_parts(quick_config("smoke", f"engine.attest={str(attest).lower()}")).trainer
+    cfg = quick_config("smoke", f"engine.attest={str(attest).lower()}")
+    trainer = training_parts(run_config(cfg)).trainer
     update = await trainer.weights()
     assert (update.fingerprint is not None) == attest
     if attest:
@@ -125,7 +127,7 @@ async def test_the_next_steps_update_waits_for_the_fingerprint_of_the_weights_pu
         return slow(update)
 
     monkeypatch.setattr(WeightUpdate, "_served_fingerprint", slower)
-    trainer = training_parts(quick_config("smoke")).trainer
+    trainer = training_parts(run_config(quick_config("smoke"))).trainer
     update = await trainer.weights()
     published = {k: v.clone() for k, v in update.served_tensors().items()}
     update.release()  # the engines' copy is made
