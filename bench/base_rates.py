@@ -32,7 +32,7 @@ from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.policy import build_policy
 from orchestrator.pipeline.evaluation import evaluate
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.weights.update import WeightUpdate
 
 NUMBER = "Answer with just the number."

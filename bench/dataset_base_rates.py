@@ -39,7 +39,7 @@ from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.policy import build_policy
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.weights.update import WeightUpdate
 
 BOXED = "Put your final answer in \\boxed{}."

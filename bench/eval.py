@@ -67,7 +67,7 @@ from orchestrator.config.schema import EvalConfig
 from orchestrator.engines.placement import Placement
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.pipeline.evaluation import evaluate
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 
 EXPERIMENT = ["experiment=dataset_smol", "logger=none", "progress=false"]
 

@@ -66,7 +66,7 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.gateway import Gateway, GatewayConfig, run_agent_episode
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.types import Generation, SamplingParams
 
 TOK = CharTokenizer()

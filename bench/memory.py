@@ -34,7 +34,7 @@ from hydra import compose, initialize_config_dir
 
 from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from orchestrator.builders import run
-from orchestrator.recorder import span_files, spans_path
+from orchestrator.trace.recorder import span_files, spans_path
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST = 200  # the step measured against the last one (after warm-up, caches and pools fill)

@@ -116,7 +116,7 @@ from orchestrator.launch import EngineRecipe, LocalLauncher
 from orchestrator.models.policy import build_policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline.evaluation import evaluate
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.weights.update import WeightUpdate
 
 STEPS, QUICK_STEPS, SMOKE_STEPS = 2000, 100, 2

@@ -107,7 +107,7 @@ from orchestrator.config.read import build_env, section
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.policy import build_tokenizer
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trainer.torch_trainer import TorchTrainer, shared_prefix
 from orchestrator.types import Group, SamplingParams
 

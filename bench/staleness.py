@@ -53,7 +53,7 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.staleness import admission_budget
 
 MEDIAN_TOKENS = 64

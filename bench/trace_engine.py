@@ -17,7 +17,8 @@ token under continuous batching (:class:`BatchedDecode`). All times are multipli
 The engine sleeps (``anyio.sleep``): it costs no CPU while it "generates", so a benchmark
 built on it measures scheduling and transport, not compute. Tokens are placeholder ids; each
 chunk is stamped with the version current when it ran, and pause/resume hold a
-:class:`~orchestrator.rwlock.ReadWriteLock` exclusively. ``model`` and ``weights`` are accepted so an
+:class:`~orchestrator.engines.rwlock.ReadWriteLock` exclusively. ``model`` and ``weights`` are
+accepted so an
 ``EngineRecipe`` can build it like any engine; ``weights`` only sets the starting version. A
 weight update from another process (bytes, a file, the object store) is pulled in a worker
 thread, as a real engine would before loading it, and then dropped. Engines built from one

@@ -45,7 +45,7 @@ from pathlib import Path
 from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from bench.peers_trl import REPO, base_args, experiment
 from orchestrator.errors import ConfigError
-from orchestrator.recorder import read_spans, spans_path
+from orchestrator.trace.recorder import read_spans, spans_path
 
 SMOL = ("rg_smol", ("model.dtype=bfloat16",))
 TOY = ("arithmetic", ())

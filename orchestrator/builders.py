@@ -53,7 +53,7 @@ from orchestrator.models.policy import build_tokenizer, model_context
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline.evaluation import evaluate
 from orchestrator.pipeline.sampler import TaskSampler
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.run.checkpoint import CheckpointStore
 from orchestrator.run.directory import RunDir
 from orchestrator.run.loop import Checkpointer, RunParts, RunResult, run_session, summarise

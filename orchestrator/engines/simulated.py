@@ -22,12 +22,12 @@ version at the chunk's start); behaviour log-probs are the replies' fixed value.
 did not hit its length cap ends with the first stop token.
 
 Pause/resume stop time at a token boundary: :class:`ChunkedDecode` holds a
-:class:`~orchestrator.rwlock.ReadWriteLock` exclusively, so no chunk is mid-flight while weights change
-and in-flight requests continue under the new version. A weight update carries no weights to
-load (``sync_seconds`` stands for the load); one sent from another process (bytes, a file, the
-object store) is pulled in a worker thread, as a real engine would before loading it, and
-dropped. Limits: tokens are placeholders, so rewards mean nothing; the cost models are the
-ones named above (no KV-cache pressure or preemption outside the replay's server model).
+:class:`~orchestrator.engines.rwlock.ReadWriteLock` exclusively, so no chunk is mid-flight while
+weights change and in-flight requests continue under the new version. A weight update carries no
+weights to load (``sync_seconds`` stands for the load); one sent from another process (bytes, a
+file, the object store) is pulled in a worker thread, as a real engine would before loading it, and
+dropped. Limits: tokens are placeholders, so rewards mean nothing; the cost models are the ones
+named above (no KV-cache pressure or preemption outside the replay's server model).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from anyio import AsyncContextManagerMixin
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
-from orchestrator.rwlock import ReadWriteLock
+from orchestrator.engines.rwlock import ReadWriteLock
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights.update import WeightUpdate
 

@@ -28,7 +28,7 @@ attention interface (Llama, Qwen, Mistral, Gemma, GPT-2 and most others do).
 Built from config: the model's ``conf/model`` node (the engine makes its own copy of the
 architecture) and a :class:`~orchestrator.weights.update.WeightUpdate` with the starting weights.
 
-Weight updates: each step holds the :class:`~orchestrator.rwlock.ReadWriteLock` shared and
+Weight updates: each step holds the :class:`~orchestrator.engines.rwlock.ReadWriteLock` shared and
 :meth:`pause` takes it exclusively, so it returns only at a token boundary (and any task may
 call :meth:`resume`). One controller (the pipeline's weight sync) pauses and resumes. When
 the next step finds a newer version it discards the KV cache and re-prefills every resident
@@ -96,7 +96,7 @@ from orchestrator.models.policy import (
     cache_argument,
     forward_parameters,
 )
-from orchestrator.rwlock import ReadWriteLock
+from orchestrator.engines.rwlock import ReadWriteLock
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights.delta import Delta, DeltaUnusable, LoadCounter, Loaded, apply
 from orchestrator.weights.fingerprint import fingerprint

@@ -46,7 +46,7 @@ from orchestrator.gateway.protocol import (
     assistant_message,
 )
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trace.episode import EpisodeTrace
 from orchestrator.types import EpisodeTiming, FinishReason, Generation, SamplingParams, Trajectory
 

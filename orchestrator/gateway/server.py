@@ -53,7 +53,7 @@ from orchestrator.gateway.protocol import (
     usage,
 )
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "sk-polyrl-"

@@ -26,7 +26,7 @@ from typing import Any, Self
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.placement import Placement
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trainer.base import Trainer
 from orchestrator.weights.update import WeightUpdate
 

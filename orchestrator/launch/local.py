@@ -21,7 +21,7 @@ from orchestrator.engines.placement import Placement, device_index
 from orchestrator.errors import ConfigError
 from orchestrator.launch.base import EngineRecipe, Launcher, TrainerRecipe
 from orchestrator.launch.ranks import RankGroup, process_group, world_size
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trainer.base import Trainer
 from orchestrator.weights.update import WeightUpdate
 

@@ -88,7 +88,7 @@ from orchestrator.faults import add_faults, kill_point
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.pipeline.outcomes import GroupLedger, Outcome
 from orchestrator.pipeline.sampler import TaskSampler
-from orchestrator.rwlock import ReadWriteLock
+from orchestrator.engines.rwlock import ReadWriteLock
 from orchestrator.staleness import StalenessController
 from orchestrator.trainer.base import Trainer
 from orchestrator.types import Evaluation, FinishReason, StepReport, TimedGroup

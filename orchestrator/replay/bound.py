@@ -79,7 +79,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from envs.replay import EpisodePlan
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.replay.model import ServerParams
 from orchestrator.types import StepReport
 

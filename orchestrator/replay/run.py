@@ -58,7 +58,7 @@ from orchestrator.config.schema import PipelineConfig, ReplayConfig, RolloutConf
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline.sampler import TaskSampler
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.replay.engine import busy_seconds, replay_engine, replay_router
 from orchestrator.replay.fit import EngineFit
 from orchestrator.replay.plans import load_plans, open_trace

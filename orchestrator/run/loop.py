@@ -45,7 +45,7 @@ from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline.evaluation import evaluate
 from orchestrator.pipeline.pipeline import PeriodicEval, Pipeline
 from orchestrator.pipeline.sampler import TaskSampler
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.run.best import KeepBest
 from orchestrator.run.checkpoint import CheckpointStore
 from orchestrator.run.resume import RunState, capture_rng, link_trainer_files

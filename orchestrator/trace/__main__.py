@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def timeline(run_dir: Path, steps: str | None, output: Path | None) -> None:
-    from orchestrator.recorder import span_files, spans_path
+    from orchestrator.trace.recorder import span_files, spans_path
     from orchestrator.trace.timeline import parse_steps, write_timeline
 
     spans = spans_path(run_dir)

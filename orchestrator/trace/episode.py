@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from envs.base import Reward, StepResult
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.types import EpisodeTiming, FinishReason, Generation, ToolTiming, TurnTiming
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ A trace directory holds any of the published files (see :mod:`orchestrator.trace
     reward_timings_step_N.jsonl       task_distribution_parameters.json
 
 and a run directory holds the same records in its ``trace/`` folder, compressed and rolled
-(:mod:`orchestrator.jsonl`): ``trace/<kind>.<first step>.jsonl.zst``, each file many
+(:mod:`orchestrator.trace.jsonl`): ``trace/<kind>.<first step>.jsonl.zst``, each file many
 steps of one kind (every record names its step). Step files may also be compressed
 (``multiturn_workload_step_N.jsonl.zst`` or ``.gz``). :func:`iter_records` yields typed records one
 line at a time, so a 2,048-trajectory step is never held as raw JSON; a line that is not valid
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from orchestrator.errors import PolyRLError
-from orchestrator.jsonl import compressed, read_lines
+from orchestrator.trace.jsonl import compressed, read_lines
 from orchestrator.trace.records import (
     PackedLengthsRecord,
     Record,

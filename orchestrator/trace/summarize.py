@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.recorder import read_spans, spans_path
+from orchestrator.trace.recorder import read_spans, spans_path
 from orchestrator.trace.reader import TraceDir, find_trace_dirs
 
 

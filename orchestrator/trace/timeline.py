@@ -39,7 +39,7 @@ from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
-from orchestrator.recorder import Span, read_spans, span_line
+from orchestrator.trace.recorder import Span, read_spans, span_line
 
 PID = 1
 SORT_CHUNK = 20_000  # spans write_timeline sorts in memory at once (about 30 MB)

@@ -10,7 +10,7 @@ Per trained step ``N`` a :class:`TraceWriter` writes, into the run directory's `
   contributed (the published file has one record per data-parallel rank);
 * ``packed_lengths`` — per prompt group: prompt length and response lengths.
 
-Stored compressed and rolled (:mod:`orchestrator.jsonl`): each kind's records go to
+Stored compressed and rolled (:mod:`orchestrator.trace.jsonl`): each kind's records go to
 ``trace/<kind>.<first step>.jsonl.zst``, a new file every ``roll_steps`` steps, every record
 naming its step; the reader takes them as it takes the published per-step files, and
 ``python -m orchestrator.trace export <run_dir>`` writes those (``<kind>_step_N.jsonl``, the
@@ -30,7 +30,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from orchestrator.jsonl import (
+from orchestrator.trace.jsonl import (
     CODEC,
     ROLL_STEPS,
     Codec,

@@ -23,7 +23,7 @@ from orchestrator.builders import run
 from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.run.warmstart import demonstration_tokens
 
 LOCAL = {"_target_": "sandboxes.local.LocalSandboxConfig", "timeout_s": 2.0, "max_timeout_s": 2.0}

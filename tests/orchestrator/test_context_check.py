@@ -13,7 +13,7 @@ from orchestrator.config.schema import RolloutConfig
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.errors import ConfigError
 from orchestrator.models.policy import pretrained_policy, tiny_policy
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.weights.update import WeightUpdate
 
 

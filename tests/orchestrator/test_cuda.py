@@ -20,7 +20,7 @@ from orchestrator.engines.slot_cache import SlotCache
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.policy import build_policy
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trainer import TorchTrainer, token_batch
 from orchestrator.types import Group, SamplingParams
 from orchestrator.weights.update import WeightUpdate

@@ -43,7 +43,7 @@ from orchestrator.errors import EngineClosed, RunAborted
 from orchestrator.faults import kill_point
 from orchestrator.launch.base import EngineRecipe, TrainerRecipe
 from orchestrator.launch.ray.spans import Reply, SpanBuffer
-from orchestrator.recorder import Span
+from orchestrator.trace.recorder import Span
 from orchestrator.trainer.base import Trainer, TrainStats, forwarded_methods
 from orchestrator.trainer.proxy import Answer, answer
 from orchestrator.types import Generation, Group, SamplingParams

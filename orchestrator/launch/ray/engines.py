@@ -17,12 +17,13 @@ when the actor cannot be reached. :func:`ray_router` puts any number of them beh
 * **Faults** (:class:`RayKeeper`). A keeper task per engine holds the actor's long ``serve``
   call. When the actor dies that call fails; Ray restarts the process (``max_restarts=-1``);
   the keeper pings until it answers, starts an engine there from the latest weights and only
-  then routes to it again. Engines joining hold the :class:`~orchestrator.rwlock.ReadWriteLock`'s shared
-  side and a weight sync its exclusive side, so an engine never joins with weights older than
-  the others'. A request in flight on a lost engine fails with a Ray actor error and runs
-  again on another engine: its episode goes on from the same tokens and nothing the lost
-  engine generated is kept. Counters (:meth:`RayKeeper.metrics`): ``faults/engine_restarts``
-  (engines lost, each restarted by Ray; counted when the loss is seen) and
+  then routes to it again. Engines joining hold the
+  :class:`~orchestrator.engines.rwlock.ReadWriteLock`'s shared side and a weight sync its exclusive
+  side, so an engine never joins with weights older than the others'. A request in flight on a lost
+  engine fails with a Ray actor error and runs again on another engine: its episode goes on from the
+  same tokens and nothing the lost engine generated is kept. Counters (:meth:`RayKeeper.metrics`):
+  ``faults/engine_restarts`` (engines lost, each restarted by Ray; counted when the loss is seen)
+  and
   ``faults/episodes_rerun`` (requests run again, one turn of an episode each).
 
 Limits: an engine that does not come back within ``restart_timeout_s`` is left out for the rest
@@ -47,7 +48,7 @@ from orchestrator.errors import EngineClosed, RunAborted, first_line
 from orchestrator.launch.ray.actors import ActorInfo, Synced
 from orchestrator.launch.ray.remote import RayActorError, result
 from orchestrator.launch.ray.spans import Reply, SpanCollector
-from orchestrator.rwlock import ReadWriteLock
+from orchestrator.engines.rwlock import ReadWriteLock
 from orchestrator.types import Generation, SamplingParams
 from orchestrator.weights.delta import LoadCounter
 from orchestrator.weights.update import WeightUpdate

@@ -60,7 +60,7 @@ from orchestrator.launch.ray.ranks import RankActor, rank_name, ray_rank_group
 from orchestrator.launch.ray.remote import RayActorError, result_now
 from orchestrator.launch.ray.spans import SpanCollector
 from orchestrator.launch.ray.trainer import RayTrainer, TrainerLost
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trainer.base import Trainer
 from orchestrator.weights.update import WeightUpdate
 

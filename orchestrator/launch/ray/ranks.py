@@ -37,7 +37,7 @@ from orchestrator.launch.ranks import RankGroup, RankHandle, RankLost, RankServe
 from orchestrator.launch.ray.actors import _Reporting
 from orchestrator.launch.ray.remote import RayActorError, result_now
 from orchestrator.launch.ray.spans import Reply, SpanBuffer, SpanCollector
-from orchestrator.recorder import Span
+from orchestrator.trace.recorder import Span
 from orchestrator.types import Group
 from orchestrator.weights.update import WeightUpdate
 

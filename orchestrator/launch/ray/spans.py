@@ -17,7 +17,7 @@ and hands them over two ways:
 On the driver, a :class:`SpanCollector` estimates each actor's clock offset with pings (the
 driver reads ``t0``, the actor its clock, the driver ``t2``: ``offset = t_actor - (t0 + t2) /
 2``, keeping the reading with the shortest round trip of a few) and adds the spans to the run's
-:class:`~orchestrator.recorder.Recorder` shifted onto its timeline. Every such span names its
+:class:`~orchestrator.trace.recorder.Recorder` shifted onto its timeline. Every such span names its
 ``node`` (the Ray node id), its ``actor`` and its ``process`` (``node-<id>/<actor>``), and the
 timeline gives each process a track group of its own.
 
@@ -42,7 +42,7 @@ import anyio
 import ray
 from ray.exceptions import RayActorError
 
-from orchestrator.recorder import Recorder, Span
+from orchestrator.trace.recorder import Recorder, Span
 
 log = logging.getLogger(__name__)
 

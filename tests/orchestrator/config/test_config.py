@@ -182,7 +182,7 @@ def test_a_missing_section_is_a_config_error() -> None:
     ({"_target_": "envs.arithmetic.ArithmeticSpec", "colour": "red"}, ["env.colour"]),
     ({"_target_": "envs.arithmetic.ArithmeticSpec", "digits": 1, "train_size": 100,
       "eval_size": 1}, ["train_size"]),
-    ({"_target_": "orchestrator.recorder.Recorder"}, ["not an environment"]),
+    ({"_target_": "orchestrator.trace.recorder.Recorder"}, ["not an environment"]),
 ])
 def test_build_env_errors_are_config_errors(env: dict[str, Any], words: list[str]) -> None:
     with pytest.raises(ConfigError) as info:

@@ -12,7 +12,7 @@ from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 
 pytestmark = pytest.mark.anyio
 TASK = Task(id=0, messages=({"role": "user", "content": "hi"},), answer="")

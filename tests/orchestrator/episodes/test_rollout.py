@@ -14,7 +14,7 @@ from envs.base import Env, EnvSpec, Message, Reward, RewardTerm, StepResult, Tas
 from orchestrator.config.schema import RolloutConfig
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.pipeline.evaluation import evaluate
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.types import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.anyio

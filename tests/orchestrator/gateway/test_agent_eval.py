@@ -14,7 +14,7 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline.evaluation import evaluate
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,7 @@ from test_gateway_episodes import ROLLOUT, TASK, scripted
 from envs.agent import AgentSpec
 from envs.errors import EnvError
 from orchestrator.gateway import Gateway, GatewayConfig, run_agent_episode
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 
 pytestmark = pytest.mark.anyio
 

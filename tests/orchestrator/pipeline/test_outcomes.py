@@ -26,7 +26,7 @@ from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.pipeline.outcomes import GroupLedger, Outcome
 from orchestrator.pipeline.pipeline import OnStep, Pipeline
 from orchestrator.pipeline.sampler import TaskSampler
-from orchestrator.recorder import Recorder, Span
+from orchestrator.trace.recorder import Recorder, Span
 from orchestrator.staleness import StalenessController
 from orchestrator.trainer.simulated import SimulatedTrainer, UniformCost
 

@@ -38,7 +38,7 @@ def test_an_evaluation_on_its_own_engine_sees_one_policy_version(tmp_path: Path,
     the step it began after (version N after step N), while rollout goes on with newer ones.
     ``shared`` evaluates on the rollout engine, where a run like this one shows tokens of other
     versions (the weights of the step before, updates landing mid-evaluation)."""
-    from orchestrator.recorder import read_spans, spans_path
+    from orchestrator.trace.recorder import read_spans, spans_path
 
     steps = 4
     cfg = quick_config("smoke", "eval.every=1", f"pipeline.num_steps={steps}",

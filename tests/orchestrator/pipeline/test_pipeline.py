@@ -20,7 +20,7 @@ from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
-from orchestrator.recorder import Recorder, Span
+from orchestrator.trace.recorder import Recorder, Span
 from orchestrator.types import (
     FinishReason,
     Generation,

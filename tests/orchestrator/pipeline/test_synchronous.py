@@ -33,7 +33,7 @@ from orchestrator.config.run import run_config
 from orchestrator.config.schema import WarmStartConfig
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.episodes.rollout import sample_seed
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.run.loop import RunParts, RunResult, run_session
 from orchestrator.run.warmstart import warm_start
 from orchestrator.trainer.torch_trainer import TorchTrainer

@@ -22,7 +22,7 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.pipeline.evaluation import evaluate
 from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trace.writer import TraceWriter, workload_record
 from orchestrator.types import (
     EpisodeTiming,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trace.timeline import PID, trace_events
 
 

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from orchestrator.builders import run
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trace import NAMESPACE, TraceDir, iter_records
 from orchestrator.trace.summarize import summarize
 from orchestrator.trace.timeline import trace_events

@@ -17,7 +17,7 @@ from envs.arithmetic import ArithmeticSpec
 from orchestrator.algo.grpo import GRPO
 from orchestrator.config.schema import RolloutConfig
 from orchestrator.episodes.rollout import EpisodeRunner
-from orchestrator.recorder import Recorder
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trainer import TorchTrainer, token_batch
 from orchestrator.trainer.batch import shared_prefix
 from orchestrator.types import Group

@@ -20,8 +20,8 @@ in progress. Whole-run totals per stage stay available (:meth:`~Recorder.seconds
 
 Files. With ``codec`` (``zst`` or ``gz``; a run directory's ``spans/``), ``path`` is a folder
 of compressed segments, ``spans.<n>.jsonl.zst``: each flush ends a compressed block, and a new
-segment starts every :data:`~orchestrator.jsonl.ROLL_STEPS` flushes
-(:mod:`orchestrator.jsonl`), so a crash loses at most what was written since the last
+segment starts every :data:`~orchestrator.trace.jsonl.ROLL_STEPS` flushes
+(:mod:`orchestrator.trace.jsonl`), so a crash loses at most what was written since the last
 flush, inside the segment being written. Without it, ``path`` is one plain JSONL file
 (``run.codec=none``, and tests).
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from orchestrator.jsonl import ROLL_STEPS, Codec, SegmentWriter, check_codec, read_lines
+from orchestrator.trace.jsonl import ROLL_STEPS, Codec, SegmentWriter, check_codec, read_lines
 
 SEGMENT_STEM = "spans"
 SPANS_DIR = "spans"  # a run directory's folder of compressed span segments

@@ -1,4 +1,4 @@
-"""Timed spans, streamed to their JSONL file and read back (orchestrator/recorder.py), and the
+"""Timed spans, streamed to their JSONL file and read back (orchestrator/trace/recorder.py), and the
 timeline a run directory builds from that file."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
-from orchestrator.recorder import Recorder, read_spans
+from orchestrator.trace.recorder import Recorder, read_spans
 from orchestrator.run.directory import RunDir
 from orchestrator.trace import timeline
 from orchestrator.trace.timeline import trace_events, write_timeline

@@ -1,11 +1,12 @@
-"""The shared/exclusive lock around weight updates (orchestrator/rwlock.py): the pipeline's gate."""
+"""The shared/exclusive lock around weight updates (orchestrator/engines/rwlock.py): the pipeline's
+gate."""
 
 from __future__ import annotations
 
 import anyio
 import pytest
 
-from orchestrator.rwlock import ReadWriteLock
+from orchestrator.engines.rwlock import ReadWriteLock
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,7 @@
 """How a run's JSONL streams are stored: compressed, rolled into segments, cut-tolerant.
 
 A run writes two kinds of JSONL streams that grow with its length: its PolyTrace step records
-(:mod:`orchestrator.trace.writer`) and its spans (:class:`~orchestrator.recorder.Recorder`).
+(:mod:`orchestrator.trace.writer`) and its spans (:class:`~orchestrator.trace.recorder.Recorder`).
 Both go through a :class:`SegmentWriter`: lines are compressed as they are written into one
 compressed stream per *segment* file (:data:`ROLL_STEPS` train steps each, then the next file
 starts), and every :meth:`~SegmentWriter.flush` (once per train step) ends a compressed block
