@@ -39,7 +39,8 @@ from orchestrator.config.read import section
 from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import build_policy
 from orchestrator.trainer.batch import token_batch
-from orchestrator.trainer.torch_trainer import LogprobAgreement, TorchTrainer
+from orchestrator.trainer.logprobs import LogprobAgreement
+from orchestrator.trainer.torch_trainer import TorchTrainer
 from orchestrator.types import Generation, SamplingParams
 
 PRECISIONS = ("fp32", "mixed", "bf16")

@@ -108,7 +108,8 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.policy import build_tokenizer
 from orchestrator.trace.recorder import Recorder
-from orchestrator.trainer.torch_trainer import TorchTrainer, shared_prefix
+from orchestrator.trainer.batch import shared_prefix
+from orchestrator.trainer.torch_trainer import TorchTrainer
 from orchestrator.types import Group, SamplingParams
 
 EXPERIMENT = "rg_smol"

@@ -19,7 +19,7 @@ from orchestrator.engines.torch_engine import TorchEngine
 from orchestrator.models.policy import Policy
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.trace.recorder import Span, read_spans, spans_path
-from orchestrator.trainer.torch_trainer import shared_prefix
+from orchestrator.trainer.batch import shared_prefix
 from orchestrator.types import FinishReason, Group, Trajectory
 from orchestrator.weights.update import WeightUpdate
 

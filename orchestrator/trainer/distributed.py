@@ -55,9 +55,10 @@ import torch.distributed as dist
 
 from orchestrator.errors import ConfigError
 from orchestrator.models.policy import Policy
+from orchestrator.trainer.logprobs import LogprobAgreement
 from orchestrator.trainer.lora import adapter_update
 from orchestrator.trainer.snapshot import SHARDS, TRAINER_STATE, load_shards
-from orchestrator.trainer.torch_trainer import LogprobAgreement, TorchTrainer
+from orchestrator.trainer.torch_trainer import TorchTrainer
 from orchestrator.weights.update import WeightUpdate
 
 

@@ -3,25 +3,20 @@
 :meth:`TorchTrainer.step` awaits the blocking torch work in a worker thread, so the event
 loop stays free. :meth:`TorchTrainer.weights` hands out the model's own tensors by reference
 (no copy); the next step waits until the engines have released them (see
-:mod:`orchestrator.weights.update`). The version counts optimiser steps: a batch trained at version
-``v`` produces version ``v + 1``.
+:mod:`orchestrator.weights.update`). The version counts optimiser steps: a batch trained at
+version ``v`` produces version ``v + 1``.
 
 Per step: the algorithm's advantages from each group's rewards (``algo``; GRPO's group
-normalisation by default), then ``num_minibatches`` optimiser updates over the batch. With a single update the proximal policy is the current one (its
-log-probs are the detached forward pass); with several it is recomputed once, up front.
-Each update accumulates gradients over micro-batches, normalised by the trained tokens of
-the whole minibatch so token-level aggregation does not depend on how it is split.
+normalisation by default), then ``num_minibatches`` optimiser updates over the batch. With a
+single update the proximal policy is the current one (its log-probs are the detached forward
+pass); with several it is recomputed once, up front. Each update accumulates gradients over
+micro-batches, normalised by the trained tokens of the whole minibatch so token-level
+aggregation does not depend on how it is split.
 
-The LM head and the log-softmax over the vocabulary run only at the positions whose target
-is trained (``TokenBatch.mask``; the loss, the entropy metric and the log-prob agreement use
-no others), through ``transformers``' ``logits_to_keep``: prompt positions, observations and
-padding go through the decoder layers only. A model whose forward takes no ``logits_to_keep``
-computes every position's logits and the trainer keeps the trained ones (same results).
-
-The samples of a group share their prompt, which ``share_prefix`` computes once: the groups
-packed into one row, a block each (:mod:`~orchestrator.trainer.packing`), where that computes
-fewer FLOPs, else in two passes (the prompts, then every sample's own tokens on top of their
-cache).
+The batch a step works on is :mod:`~orchestrator.trainer.batch`'s (every per-token field by
+name, the proximal and reference log-probs included); the forward passes that give its
+log-probs, whatever the layout (trained positions only, a group's prompt once),
+:mod:`~orchestrator.trainer.logprobs`'s.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,11 +37,11 @@ import torch
 from orchestrator.algo.base import Algorithm, LossInputs
 from orchestrator.errors import ConfigError
 from orchestrator.faults import kill_point
-from orchestrator.models.policy import PASSTHROUGH_MASK, Policy, cache_argument, keeps_logits
+from orchestrator.models.policy import Policy
 from orchestrator.trainer.base import Trainer, TrainStats
 from orchestrator.trainer.batch import TokenBatch, generation_cap, shared_prefix, token_batch
+from orchestrator.trainer.logprobs import LogprobAgreement, TokenLogprobs
 from orchestrator.trainer.lora import LoraConfig, adapter_update
-from orchestrator.trainer.packing import attending_by_group, pack_by_group, packing_pays
 from orchestrator.trainer.precision import Precision
 from orchestrator.trainer.snapshot import SHARDS, TrainerSnapshot, load_shards
 from orchestrator.types import Group
@@ -65,66 +60,6 @@ def _numbers(values: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
         return {}
     device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
     return dict(zip(values, torch.stack([t.to(device) for t in tensors]).tolist(), strict=True))
-
-
-def _placed(keep: torch.Tensor, values: torch.Tensor,
-            into: torch.Tensor | None = None) -> torch.Tensor:
-    """``values`` (one per True of ``keep``, a host mask, in row order) at their places in
-    ``into`` (default: zeros) shaped like ``keep``, differentiably. By positions found on the
-    host: a mask on the device (``masked_scatter``) makes its backward wait for the GPU to
-    count the mask (``masked_select``)."""
-    at = keep.flatten().nonzero().squeeze(1).to(values.device, non_blocking=True)
-    base = values.new_zeros(keep.numel()) if into is None else into.flatten()
-    return base.index_put((at,), values).view(keep.shape)
-
-
-class LogprobAgreement:
-    """How far the engine's behaviour log-probs are from the trainer's, on the same weights.
-
-    Tokens sampled by the weights the trainer holds at the start of a step (their version is
-    the trainer's) must get the same log-prob from both; a gap means the engine and trainer
-    disagree (dtype, kernels, a tokenisation or weight-sync bug) and makes every importance
-    ratio wrong. Reported as ``engine/logprob_diff`` (mean absolute difference) and
-    ``engine/logprob_diff_max``; a mean above ``trainer.logprob_diff_warn`` is logged.
-    """
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.count = 0.0
-        self.max = 0.0
-        self._parts: list[torch.Tensor] = []  # per add: (sum, count, max) on the device
-
-    def add(self, trainer_logprobs: torch.Tensor, batch: TokenBatch) -> None:
-        """Kept on the device; read once, by :meth:`settle`."""
-        device = trainer_logprobs.device
-        on_policy = batch.on_policy.to(device, non_blocking=True)
-        behaviour = batch.behaviour_logprobs.to(device, non_blocking=True)
-        gap = (trainer_logprobs.detach() - behaviour).abs() * on_policy
-        if gap.numel():
-            self._parts.append(torch.stack([gap.sum(), on_policy.sum(), gap.max()]).double())
-
-    def settle(self) -> LogprobAgreement:
-        """The sums and the maximum as numbers (one wait for the device)."""
-        if self._parts:
-            parts = torch.stack(self._parts).cpu()
-            self._parts = []
-            self.total += float(parts[:, 0].sum())
-            self.count += float(parts[:, 1].sum())
-            worst = float(parts[:, 2].max()) if not parts[:, 2].isnan().any() else math.nan
-            if not math.isnan(self.max) and (math.isnan(worst) or worst > self.max):
-                self.max = worst  # a NaN (an engine gone wrong) stays: max() would skip it
-        return self
-
-    def metrics(self, warn_above: float) -> dict[str, float]:
-        self.settle()
-        if not self.count:
-            return {}
-        mean = self.total / self.count
-        if mean > warn_above or math.isnan(mean):
-            log.warning("engine and trainer log-probs differ by %.3g on average on the same "
-                        "weights (trainer.logprob_diff_warn=%g): check dtypes and weight sync",
-                        mean, warn_above)
-        return {"engine/logprob_diff": mean, "engine/logprob_diff_max": self.max}
 
 
 def adamw(params: Iterable[torch.nn.Parameter], **options: Any) -> torch.optim.AdamW:
@@ -202,11 +137,9 @@ class TorchTrainer(Trainer):
         self.model = self._prepare(self.model)
         self._reference_model = None if reference is None else self._prepare_reference(reference)
         self._reference_started = False
-        self._keeps_logits = keeps_logits(self.model)
-        # Groups pack into one row through transformers' attention interface.
-        self._packs = isinstance(getattr(self.model.config, "_attn_implementation", None), str)
-        self._cache_argument = cache_argument(self.model)
-        self._flops_cache: tuple[float, float] | None = None
+        # the forward passes: the policy's, the proximal pass and the reference policy's
+        self.forward = TokenLogprobs(self.model, self.device, self.precision, self.temperature,
+                                     share_prefix, self._autocasts)
         # The parameters as the optimisers must hold them: under trainer ranks, FSDP2's sharded
         # ones (while gathered, model.parameters() gives temporary unsharded tensors, and an
         # optimiser built from those would step nothing that lasts).
@@ -226,167 +159,15 @@ class TorchTrainer(Trainer):
 
     # -- forward ---------------------------------------------------------------------
 
-    def _logits(self, model: torch.nn.Module, keep: torch.Tensor,
-                **inputs: Any) -> tuple[torch.Tensor, Any]:
-        """``model``'s logits at the positions ``keep`` (bool, ``[rows, width]``) marks, in row
-        order (``[kept, vocab]``), and its output (its cache)."""
-        with self.precision.autocast(self.device) if self._autocasts else nullcontext():
-            if self._keeps_logits:
-                out = model(**inputs, logits_to_keep=self._on(keep))
-                return out.logits, out
-            out = model(**inputs)
-        if keep.device.type == "cpu":  # found on the host: indexing does not wait for the GPU
-            return out.logits.flatten(0, 1)[self._on(keep.flatten().nonzero().squeeze(1))], out
-        return out.logits[keep], out
-
     def _on(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the trainer's device, copied without waiting for the GPU."""
-        return t.to(self.device, non_blocking=True)
+        return self.forward.on(t)
 
     def _logprobs(self, batch: TokenBatch, model: torch.nn.Module | None = None,
                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs of the targets and the entropy at each trained position
-        (``[rows, width]``, zero where no target is trained) under ``model`` (default: the
-        policy; the reference policy too), whatever layout computes them."""
-        model = self.model if model is None else model
-        if self.share_prefix and int(batch.prefix.max()) > 1:
-            return self._shared_prefix_logprobs(batch, model, entropy_grad)
-        keep = batch.mask > 0
-        logits, _ = self._logits(model, keep, input_ids=self._on(batch.inputs),
-                                 attention_mask=self._on(batch.attention))
-        logp, entropy = self._score(logits, self._on(batch.targets[keep]),
-                                    entropy_grad=entropy_grad)
-        return _placed(keep, logp), _placed(keep, entropy)
-
-    def _score(self, logits: torch.Tensor, targets: torch.Tensor,
-               rows: torch.Tensor | None = None,
-               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each target's log-prob and the entropy of its distribution (differentiable with
-        ``entropy_grad``); ``rows``: the row of ``logits`` each target reads (default: one row
-        per target, in order)."""
-        scaled = logits.float() if self.temperature == 1 else logits.float() / self.temperature
-        logp_all = torch.log_softmax(scaled, dim=-1)
-        with nullcontext() if entropy_grad else torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-        if rows is None:
-            return logp_all.gather(-1, targets[..., None]).squeeze(-1), entropy
-        return logp_all[rows, targets], entropy[rows]
-
-    @property
-    def _flops(self) -> tuple[float, float]:
-        """What a token and an attention pair cost the decoder layers (:func:`packing_pays`):
-        ``2 x`` the weights outside the embeddings, ``4 x heads x head size x layers``."""
-        if self._flops_cache is None:
-            output = getattr(self.model, "get_output_embeddings", lambda: None)()
-            tables = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Embedding)]
-            tables += [output.weight] if isinstance(output, torch.nn.Module) else []
-            embeddings = {id(t): t.numel() for t in tables}  # a tied LM head counts once
-            weights = sum(p.numel() for p in self.model.parameters()) - sum(embeddings.values())
-            config = self.model.config
-            heads = getattr(config, "num_attention_heads", 0)
-            head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // max(heads, 1)
-            self._flops_cache = (2.0 * weights,
-                                 4.0 * heads * head_dim * getattr(config, "num_hidden_layers", 0))
-        return self._flops_cache
-
-    @property
-    def _dtype(self) -> torch.dtype:
-        return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
-
-    def _shared_prefix_logprobs(self, batch: TokenBatch, model: torch.nn.Module,
-                                entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_logprobs` with each group's shared prefix run once, not once per sample:
-        the groups packed into one row, a block each, where that computes less
-        (:mod:`~orchestrator.trainer.packing`), else in two passes."""
-        lengths = batch.attention.sum(1).tolist()
-        group, prefix = batch.group.tolist(), batch.prefix.tolist()
-        token_flops, pair_flops = self._flops
-        if self._packs and packing_pays(lengths, group, prefix, token_flops, pair_flops):
-            return self._packed_logprobs(batch, lengths, group, prefix, model, entropy_grad)
-        return self._two_pass_logprobs(batch, model, entropy_grad)
-
-    def _packed_logprobs(self, batch: TokenBatch, lengths: list[int], group: list[int],
-                         prefix: list[int], model: torch.nn.Module,
-                         entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every group in one row, each a block of its prefix then its samples' own tokens,
-        attending within its block and kept apart by its mask
-        (:func:`~orchestrator.trainer.packing.pack_by_group`)."""
-        dev = self.device
-        trained = batch.mask > 0
-        packing = pack_by_group(batch.inputs, lengths, trained, group, prefix)
-        with attending_by_group(model) as inner:
-            logits, _ = self._logits(
-                model, packing.keep, input_ids=self._on(packing.input_ids),
-                position_ids=self._on(packing.position_ids), use_cache=False,
-                attention_mask=self._on(PASSTHROUGH_MASK),
-                group_blocks=packing.blocks(self._dtype, dev, inner),
-            )
-        logp, entropy = self._score(logits, self._on(batch.targets[trained]), self._on(packing.rows),
-                                    entropy_grad)
-        return _placed(trained, logp), _placed(trained, entropy)
-
-    def _two_pass_logprobs(self, batch: TokenBatch, model: torch.nn.Module,
-                           entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefixes in one pass, then every row's own tokens on top of their keys and values.
-
-        The prefixes go through the model once (batch ``[groups, longest prefix]``, right
-        padded); their keys and values, still in the autograd graph, are repeated for each
-        row, and the rows' own tokens run on top of them at their true positions. The last
-        prefix position predicts every row's first own token: the prefix pass computes the
-        LM head there alone, the rows' pass at their trained positions. With a group of 4
-        sharing a 10-token prompt before ~5 tokens each, the trainer computes 30 positions
-        instead of 60.
-        """
-        # Every index and mask is found on the host, from the batch's own copy, and copied
-        # once: on the device, unique(), boolean indexing and the shapes they give would each
-        # make the host wait for the GPU.
-        groups, row_group = torch.unique(batch.group, return_inverse=True)
-        first_row = torch.full((len(groups),), len(batch), dtype=torch.long)
-        first_row.scatter_reduce_(0, row_group, torch.arange(len(batch)), "amin")
-        group_prefix = batch.prefix[first_row].clamp(min=1)  # a row with none shares its first token
-        prefix = group_prefix[row_group]
-        longest = int(group_prefix.max())
-        columns = torch.arange(longest)
-        prefix_attention = (columns < group_prefix[:, None]).long()
-        last = columns == group_prefix[:, None] - 1  # predicts each row's token `prefix`
-        head_logits, head = self._logits(model, last,
-                                         input_ids=self._on(batch.inputs[first_row, :longest]),
-                                         attention_mask=self._on(prefix_attention), use_cache=True)
-        cache = getattr(head, self._cache_argument)
-        on_rows = self._on(row_group)
-        for layer in cache.layers:  # each row sees its group's prefix (gradients flow back)
-            layer.keys = layer.keys.index_select(0, on_rows)
-            layer.values = layer.values.index_select(0, on_rows)
-
-        # Trained target positions: the last prefix one (from the prefix pass), then the rows'.
-        full = batch.inputs.shape[1]
-        trained = batch.mask > 0
-        position = torch.arange(full)
-        first = trained & (position == prefix[:, None] - 1)
-        rest = trained & (position >= prefix[:, None])
-        logp, entropy = self._score(head_logits[self._on(row_group[first.any(1)])],
-                                    self._on(batch.targets[first]), entropy_grad=entropy_grad)
-        logp_full, entropy_full = _placed(first, logp), _placed(first, entropy)
-
-        own = batch.attention.sum(1) - prefix  # each row's inputs after its prefix
-        width = int(own.max())
-        if width > 0:
-            offsets = torch.arange(width)
-            positions = prefix[:, None] + offsets
-            valid = offsets < own[:, None]
-            at = positions.clamp(max=full - 1)
-            logits, _ = self._logits(
-                model, valid & rest.gather(1, at),
-                input_ids=self._on(batch.inputs.gather(1, at)),
-                attention_mask=self._on(torch.cat([prefix_attention[row_group], valid.long()], dim=1)),
-                position_ids=self._on(positions),
-                **{self._cache_argument: cache},
-            )
-            logp, entropy = self._score(logits, self._on(batch.targets[rest]),
-                                        entropy_grad=entropy_grad)
-            logp_full = _placed(rest, logp, into=logp_full)
-            entropy_full = _placed(rest, entropy, into=entropy_full)
-        return logp_full, entropy_full
+        """Per-token log-probs of the targets and the entropies (:class:`TokenLogprobs`) under
+        ``model`` (default: the policy)."""
+        return self.forward.logprobs(batch, self.model if model is None else model, entropy_grad)
 
     def _micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
         size = self.micro_batch_size
@@ -705,8 +486,9 @@ class TorchTrainer(Trainer):
         with self._accumulating():
             for mb in self._micro_batches(batch) if batch is not None else ():
                 keep = mb.mask > 0  # the head runs at the trained tokens only
-                logits, _ = self._logits(self.model, keep, input_ids=self._on(mb.inputs),
-                                         attention_mask=self._on(mb.attention))
+                logits, _ = self.forward.logits(self.model, keep,
+                                                input_ids=self._on(mb.inputs),
+                                                attention_mask=self._on(mb.attention))
                 nll = torch.nn.functional.cross_entropy(
                     logits.float(), self._on(mb.targets[keep]), reduction="sum")
                 loss = nll / max(num_tokens, 1.0)

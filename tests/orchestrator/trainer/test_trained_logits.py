@@ -16,11 +16,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from orchestrator.algo.base import LossInputs
 from orchestrator.algo.grpo import GRPO
-from orchestrator.models.policy import Policy, tiny_policy
+from orchestrator.models.policy import Policy, keeps_logits, tiny_policy
 from orchestrator.models.tokenizer import CharTokenizer
-from orchestrator.trainer import TorchTrainer, token_batch, torch_trainer
+from orchestrator.trainer import TorchTrainer, logprobs, token_batch
 from orchestrator.trainer.batch import TokenBatch
-from orchestrator.trainer.torch_trainer import keeps_logits
 
 TEMPERATURE = 0.7
 TIGHT = {"atol": 1e-6, "rtol": 1e-6}
@@ -43,7 +42,7 @@ def share(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bo
     """Whether groups share their prefix, and how: in two passes (the prefixes, then each
     row's own tokens) or packed into one row, a block per group; each layout whatever its cost."""
     if request.param != "unshared":
-        monkeypatch.setattr(torch_trainer, "packing_pays", lambda *_: request.param == "packed")
+        monkeypatch.setattr(logprobs, "packing_pays", lambda *_: request.param == "packed")
     return request.param != "unshared"
 
 
@@ -204,7 +203,7 @@ def test_the_engine_gap_keeps_a_nan_in_its_max() -> None:
     """An engine gone wrong (NaN log-probs) shows in engine/logprob_diff_max, not only the mean."""
     from types import SimpleNamespace
 
-    from orchestrator.trainer.torch_trainer import LogprobAgreement
+    from orchestrator.trainer.logprobs import LogprobAgreement
 
     agreement = LogprobAgreement()
     ones = torch.ones(1, 3)
@@ -227,7 +226,8 @@ def test_the_passes_read_nothing_back_from_the_device(share: bool) -> None:
     batch = trainer._batch_of(make_groups())
     assert batch is not None and int(batch.prefix.max()) > 1  # the groups share prompts
     trainer.model.to("meta")
-    trainer.device, trainer._keeps_logits = torch.device("meta"), False
+    trainer.device = trainer.forward.device = torch.device("meta")
+    trainer.forward.keeps_logits = False
     logp, entropy = trainer._logprobs(batch, entropy_grad=True)
     (logp.sum() + entropy.sum()).backward()
     assert logp.device.type == "meta" and logp.shape == batch.mask.shape
