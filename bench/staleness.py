@@ -53,8 +53,8 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
-from orchestrator.trace.recorder import Recorder
 from orchestrator.staleness import admission_budget
+from orchestrator.trace.recorder import Recorder
 
 MEDIAN_TOKENS = 64
 SIGMA = 1.2

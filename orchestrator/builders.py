@@ -53,12 +53,12 @@ from orchestrator.models.policy import build_tokenizer, model_context
 from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline.evaluation import evaluate
 from orchestrator.pipeline.sampler import TaskSampler
-from orchestrator.trace.recorder import Recorder
 from orchestrator.run.checkpoint import CheckpointStore
 from orchestrator.run.directory import RunDir
 from orchestrator.run.loop import Checkpointer, RunParts, RunResult, run_session, summarise
 from orchestrator.run.resume import restore
 from orchestrator.run.warmstart import warm_start
+from orchestrator.trace.recorder import Recorder
 from orchestrator.weights.update import WeightUpdate
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from envs.base import Message, Reward
-from envs.dataset import BadRows, DatasetSpec, DatasetTask
+from envs.dataset import DatasetSpec
+from envs.dataset_files import BadRows, DatasetTask
 from envs.errors import EnvConfigError
 from envs.reward_functions import Term, parse_reward
 from orchestrator.config.read import CONF, check_target, explain, section, typed

@@ -78,8 +78,8 @@ from orchestrator.engines.placement import Placement
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline.evaluation import evaluate
-from orchestrator.trace.recorder import Recorder
 from orchestrator.run.directory import write_json, write_jsonl
+from orchestrator.trace.recorder import Recorder
 from orchestrator.types import EvalSample, Evaluation
 from orchestrator.weights.update import WeightUpdate
 

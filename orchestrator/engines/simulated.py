@@ -44,8 +44,8 @@ import anyio
 from anyio import AsyncContextManagerMixin
 
 from orchestrator.engines.base import InferenceEngine
-from orchestrator.errors import ConfigError
 from orchestrator.engines.rwlock import ReadWriteLock
+from orchestrator.errors import ConfigError
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights.update import WeightUpdate
 

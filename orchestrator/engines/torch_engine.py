@@ -49,17 +49,13 @@ not wait for it, and no third thread runs beside the trainer's step and the engi
 cores, computed while paused it cost the default experiment 6.8% of its samples/s, in a thread
 of its own 3 to 5%, in the step about nothing measurable (``docs/attestation.md``).
 
-Sampling: a request whose ``SamplingParams.seed`` is set draws its uniform variates from a
-stream of its own, seeded by it, so what it samples does not depend on which requests share
-its steps or in what order they came (the pipeline seeds every sample:
-:func:`~orchestrator.episodes.rollout.sample_seed`); the others share the engine's generator
-(``engine.seed``).
+Sampling (:mod:`~orchestrator.engines.sampling`): one token a row at its temperature,
+top-p and top-k; a request whose ``SamplingParams.seed`` is set draws from a stream of its own.
 
-Prefix cache (:class:`PrefixCache`): a finished sequence's keys and values are parked; an
-episode's next turn, which extends them with an observation, takes them back and only its
-new tokens go through the model, in the next step with everyone else's, instead of
-prefilling the whole conversation again. Identical newcomers (a group's samples of one
-prompt) are computed once and their cache rows copied.
+Prefix cache (:mod:`~orchestrator.engines.prefix_cache`): an episode's next turn takes back
+the keys and values of its previous one; identical newcomers (a group's samples of one prompt)
+are computed once and their cache rows copied. The requests and the resident batch are
+:mod:`~orchestrator.engines.torch_requests`'s.
 
 Limits: a prefix is reused only by a request that extends a whole finished sequence (an
 episode's next turn; not a shared system prompt); prefills are not chunked (a step with a
@@ -73,12 +69,9 @@ vLLM is the engine for throughput.
 from __future__ import annotations
 
 import logging
-import random
-import threading
-from collections import OrderedDict, defaultdict, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Self
 
@@ -88,7 +81,11 @@ from anyio import AsyncContextManagerMixin
 from anyio.abc import TaskGroup
 
 from orchestrator.engines.base import InferenceEngine
+from orchestrator.engines.prefix_cache import PrefixCache, continues_prefix
+from orchestrator.engines.rwlock import ReadWriteLock
+from orchestrator.engines.sampling import sample
 from orchestrator.engines.slot_cache import ATTENTION, SlotCache
+from orchestrator.engines.torch_requests import Batch, Pending, Request, known
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.models.policy import (
     PASSTHROUGH_MASK,
@@ -96,7 +93,6 @@ from orchestrator.models.policy import (
     cache_argument,
     forward_parameters,
 )
-from orchestrator.engines.rwlock import ReadWriteLock
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights.delta import Delta, DeltaUnusable, LoadCounter, Loaded, apply
 from orchestrator.weights.fingerprint import fingerprint
@@ -106,126 +102,6 @@ log = logging.getLogger(__name__)
 BATCHING = ("continuous", "waves")
 # Turns of the event loop without a new request after which a burst is taken to be complete
 SETTLE_TURNS = 2
-
-
-class _Pending:
-    """The fingerprint of the weights just loaded, computed once: by the engine's next decoding
-    step, in its thread, before it samples a token of those weights (:meth:`TorchEngine.
-    _advance`), or by whoever needs it first (an idle engine's :meth:`TorchEngine.attested`).
-    Not in a thread of its own: beside the trainer's step and the engine's, a third thread on
-    two cores cost the default experiment 3 to 5% of its samples/s (docs/attestation.md)."""
-
-    def __init__(self, compute: Callable[[], str]) -> None:
-        self._compute = compute
-        self._lock = threading.Lock()
-        self.value: str | None = None
-
-    def run(self) -> str:
-        with self._lock:
-            if self.value is None:
-                self.value = self._compute()
-            return self.value
-
-    async def result(self) -> str:
-        return self.value if self.value is not None else await anyio.to_thread.run_sync(self.run)
-
-
-async def _known(print_: str | _Pending | None) -> str | None:
-    """A fingerprint, once the engine's thread has computed it."""
-    return await print_.result() if isinstance(print_, _Pending) else print_
-
-
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    budget: int = 0  # tokens it may generate: max_tokens, capped by the context
-    start_version: int = 0
-    done: anyio.Event = field(default_factory=anyio.Event)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    # version -> the fingerprint of its weights (pending until the engine's step computes it)
-    fingerprints: dict[int, str | _Pending | None] = field(default_factory=dict)
-    finish_reason: FinishReason | None = None
-    fed: int = 0  # tokens of prompt + generated that are in the KV cache
-    # its own uniform variates when ``sampling.seed`` is set: what it samples then depends on
-    # its seed alone, not on the requests it shares a step with or its row among them
-    rng: random.Random | None = None
-
-    def __post_init__(self) -> None:
-        if self.sampling.seed is not None:
-            self.rng = random.Random(self.sampling.seed)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.token_ids)
-
-    def token(self, i: int) -> int:
-        """Token ``i`` of prompt + generated."""
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.token_ids[i - n]
-
-    def add(self, token: int, logprob: float, version: int,
-            fingerprint: str | _Pending | None = None) -> None:
-        """Record one sampled token; it stops on a stop token or at its budget."""
-        if fingerprint is not None:
-            self.fingerprints.setdefault(version, fingerprint)
-        if not self.token_ids:
-            self.start_version = version
-        self.token_ids.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(version)
-        if token in self.sampling.stop_token_ids:
-            self.finish_reason = FinishReason.STOP
-        elif len(self.token_ids) >= self.budget:
-            self.finish_reason = FinishReason.LENGTH
-
-    def finish(self, reason: FinishReason) -> None:
-        """End it and hand it out now."""
-        self.finish_reason = reason
-        self.done.set()
-
-    async def attested(self) -> None:
-        """Its versions' fingerprints, once the engine has computed them."""
-        for version, print_ in self.fingerprints.items():
-            self.fingerprints[version] = await _known(print_)
-
-    def result(self) -> Generation:
-        assert self.finish_reason is not None
-        return Generation(
-            token_ids=tuple(self.token_ids),
-            logprobs=tuple(self.logprobs),
-            versions=tuple(self.versions),
-            finish_reason=self.finish_reason,
-            start_version=self.start_version,
-            fingerprints=tuple(sorted(self.fingerprints.items())),
-        )
-
-
-@dataclass
-class _Batch:
-    """The resident sequences in cache row order, their KV cache, and the admitted ones
-    waiting for their prefill. Row ``i`` holds its first ``rows[i].length - 1`` tokens in the
-    last columns of the cache's window; its last sampled token is the next decode's input."""
-
-    cache: SlotCache
-    rows: list[_Request] = field(default_factory=list)
-    version: int = -1  # the weights that filled the cache
-    joining: list[_Request] = field(default_factory=list)
-    stopped: list[_Request] = field(default_factory=list)  # finished, not handed out yet
-
-    @property
-    def decoding(self) -> bool:
-        return any(not r.finished for r in self.rows)
-
-    @property
-    def active(self) -> int:
-        return sum(not r.finished for r in self.rows) + len(self.joining)
 
 
 class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
@@ -278,7 +154,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         self.version = 0
         self._weights = AdapterMerger()
         self._attest = attest  # engine.attest: fingerprint the weights after every load
-        self._held_print: str | _Pending | None = None  # :attr:`fingerprint`
+        self._held_print: str | Pending | None = None  # :attr:`fingerprint`
         self._copied: Callable[[], None] | None = None  # releases the update being loaded
         self.loads = LoadCounter()  # bytes each load pulled, deltas applied and failed
         if weights is not None:
@@ -289,8 +165,8 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.prefill_limit_after = prefill_limit_after
         self.prefill_limit_tokens = prefill_limit_tokens
-        self._held: deque[_Request] = deque()  # received, not admitted yet: first in line
-        self._send, self._receive = anyio.create_memory_object_stream[_Request](queue_size)
+        self._held: deque[Request] = deque()  # received, not admitted yet: first in line
+        self._send, self._receive = anyio.create_memory_object_stream[Request](queue_size)
         self._step_gate = ReadWriteLock()
         self._paused = False
         self._task_group: TaskGroup | None = None
@@ -333,7 +209,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
             raise EngineClosed("the torch engine is not running; use it as `async with engine:`")
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
-        request = _Request(list(prompt_ids), sampling)
+        request = Request(list(prompt_ids), sampling)
         try:
             await self._send.send(request)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError) as e:
@@ -416,22 +292,22 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
 
     def _fingerprint(self) -> None:
         """The attestation: from the tensors the engine now holds, not the update it was sent;
-        computed by the next decoding step or when asked (:class:`_Pending`)."""
+        computed by the next decoding step or when asked (:class:`Pending`)."""
         if not self._attest:
             return
-        self._held_print = _Pending(lambda: fingerprint(self._weights.served(self.model)))
+        self._held_print = Pending(lambda: fingerprint(self._weights.served(self.model)))
 
     @property
     def fingerprint(self) -> str | None:
         """The fingerprint of the weights the engine holds (None: ``attest`` off); waits for
         the one computed after the last load (in an event loop, :meth:`attested` first)."""
-        if isinstance(self._held_print, _Pending):
+        if isinstance(self._held_print, Pending):
             self._held_print = self._held_print.run()
         return self._held_print
 
     async def attested(self) -> str | None:
         """:attr:`fingerprint`, without blocking the event loop while it is computed."""
-        self._held_print = await _known(self._held_print)
+        self._held_print = await known(self._held_print)
         return self._held_print
 
     def metrics(self) -> dict[str, float]:
@@ -450,7 +326,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
     # -- scheduling (event loop) -------------------------------------------------------
 
     async def _scheduler(self) -> None:
-        batch = _Batch(SlotCache(self.max_batch_size, self.device))
+        batch = Batch(SlotCache(self.max_batch_size, self.device))
         async with self._receive:
             try:
                 async for request in self._receive:  # idle until a request comes
@@ -461,7 +337,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
                     await anyio.to_thread.run_sync(self._park_drained, batch)
                     # Drained: the next batch reuses the buffers (growing them again from
                     # one slot, every step of a run, cost more than the decode steps did).
-                    batch = _Batch(batch.cache.cleared())
+                    batch = Batch(batch.cache.cleared())
             finally:
                 self._abort(batch)
 
@@ -482,7 +358,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
             grown = self._receive.statistics().current_buffer_used > waiting
             quiet = 0 if grown else quiet + 1
 
-    async def _step(self, batch: _Batch) -> None:
+    async def _step(self, batch: Batch) -> None:
         """One token for every resident sequence, under the gate so a pause waits for it."""
         async with self._step_gate:
             self._admit(batch)  # after the gate: requests that came while paused join now
@@ -494,7 +370,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
                 batch.stopped.append(request)
         self._hand_out(batch)
 
-    def _hand_out(self, batch: _Batch) -> None:
+    def _hand_out(self, batch: Batch) -> None:
         """Results go out as soon as their sequence stops (waves: once the whole wave has)."""
         if self.batching == "waves" and batch.decoding:
             return
@@ -502,7 +378,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
             request.done.set()
         batch.stopped.clear()
 
-    def _admit(self, batch: _Batch) -> None:
+    def _admit(self, batch: Batch) -> None:
         """Move waiting requests into the batch while it has room (waves: only between waves).
 
         While a resident sequence has generated ``prefill_limit_after`` tokens or more, a
@@ -535,15 +411,15 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
                     prefilled += len(ids)
             self._join(batch, request)
 
-    def _resumes(self, batch: _Batch, request: _Request) -> bool:
+    def _resumes(self, batch: Batch, request: Request) -> bool:
         """Whether ``request`` extends a parked sequence, or one that finished in the last
         step (parked at the start of the next)."""
         ids = request.prompt_ids
         return bool(self.prefixes.extended(ids)) or any(
-            r.finished and _continues_prefix(ids, tuple(r.prompt_ids + r.token_ids)[: r.fed])
+            r.finished and continues_prefix(ids, tuple(r.prompt_ids + r.token_ids)[: r.fed])
             for r in batch.rows)
 
-    def _join(self, batch: _Batch, request: _Request) -> None:
+    def _join(self, batch: Batch, request: Request) -> None:
         room = self.max_positions - len(request.prompt_ids)
         request.budget = max(0, min(request.sampling.max_tokens, room))
         if request.budget == 0:  # no room to generate: done before it starts
@@ -552,7 +428,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         else:
             batch.joining.append(request)
 
-    def _abort(self, batch: _Batch) -> None:
+    def _abort(self, batch: Batch) -> None:
         """Fail every unfinished admitted and waiting request (the engine is closing); the
         finished ones still go out."""
         cut = [r for r in batch.rows + batch.joining if not r.finished] + list(self._held)
@@ -569,10 +445,10 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
 
     # -- one step (worker thread) ------------------------------------------------------
 
-    def _advance(self, batch: _Batch) -> tuple[list[int], list[float]]:
+    def _advance(self, batch: Batch) -> tuple[list[int], list[float]]:
         """Drop finished rows, then one forward pass for the resident rows and the joining
         ones; returns one sampled token and its log-prob per row of ``batch.rows``."""
-        if isinstance(self._held_print, _Pending):
+        if isinstance(self._held_print, Pending):
             self._held_print.run()  # the weights' fingerprint before any token of theirs
         with torch.inference_mode():
             self._drop_finished(batch)
@@ -590,12 +466,12 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
             tokens, logprobs = self._sample(logits, batch.rows)
         return tokens.tolist(), logprobs.tolist()
 
-    def _park_drained(self, batch: _Batch) -> None:
+    def _park_drained(self, batch: Batch) -> None:
         """The last rows of a drained batch finished too: their prefixes are parked as well."""
         with torch.inference_mode():
             self._drop_finished(batch)
 
-    def _drop_finished(self, batch: _Batch) -> None:
+    def _drop_finished(self, batch: Batch) -> None:
         keep = [i for i, r in enumerate(batch.rows) if not r.finished]
         if len(keep) < len(batch.rows):
             if self.prefixes.max_tokens:
@@ -605,7 +481,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
             batch.rows = [batch.rows[i] for i in batch.cache.retain(keep)]
             batch.cache.trim(max((r.fed for r in batch.rows), default=1))
 
-    def _forward(self, batch: _Batch) -> torch.Tensor:
+    def _forward(self, batch: Batch) -> torch.Tensor:
         """One forward pass over every row's tokens not yet in the cache: a resident row's
         last sampled token; a joining row's prompt and tokens so far, or, when it extends a
         parked sequence (an episode's next turn), only what follows it. The joining rows
@@ -614,10 +490,10 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         prompt arrive together) is computed once and its cache rows copied. Returns the
         logits of every row's next token."""
         cache = batch.cache
-        computed: list[_Request] = []
+        computed: list[Request] = []
         prefixes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by id(request)
-        first: dict[tuple[int, ...], _Request] = {}
-        twins: list[tuple[_Request, _Request]] = []  # (request, the one it copies)
+        first: dict[tuple[int, ...], Request] = {}
+        twins: list[tuple[Request, Request]] = []  # (request, the one it copies)
         for request in batch.joining:
             kv = self.prefixes.take(request, self.version) if self.prefixes else None
             if kv is not None:
@@ -661,7 +537,7 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         batch.rows, batch.joining = rows + [r for r, _ in twins], []
         return logits
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, rows: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         params = [r.sampling for r in rows]
         temperatures = [p.temperature for p in params]
         temperature = torch.tensor(temperatures, dtype=logits.dtype)
@@ -691,151 +567,3 @@ class TorchEngine(AsyncContextManagerMixin, InferenceEngine):
         if not torch.isfinite(out[1]).all():  # pragma: no cover - a NaN model is a bug upstream
             raise FloatingPointError("the policy produced non-finite log-probabilities")
         return out[0].long(), out[1]
-
-
-def truncate(logits: torch.Tensor, top_p: torch.Tensor | None = None,
-             top_k: torch.Tensor | None = None) -> torch.Tensor:
-    """``logits`` with every token outside each row's top-``k`` (``k = 0``: all) and outside
-    its nucleus (the smallest set of likeliest tokens whose probability reaches ``top_p``;
-    1: all) set to −inf. Ties at the edge of the top k are all kept."""
-    if top_k is not None:
-        vocab = logits.shape[-1]
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        kth = logits.topk(int(k.max()), -1).values.gather(-1, (k - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        ordered, order = logits.sort(-1, descending=True)
-        probs = torch.softmax(ordered.double(), -1)
-        before = probs.cumsum(-1) - probs  # the mass of the likelier tokens
-        drop = before >= top_p[:, None]  # the nucleus was full before this token
-        drop[:, 0] = False
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits
-
-
-def sample(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator,
-           uniform: bool | None = None, greedy: bool | None = None,
-           variates: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-           top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits`` at the row's ``temperature`` (0: greedy), and its
-    log-probability. A draw inverts the row's cumulative distribution at a uniform variate,
-    summed in float64 so that rounding cannot reach a token of probability 0; the
-    log-probability is the token's logit less the log of that sum, in float64 too (closer to
-    a float64 ``log_softmax`` than a float32 one is). Four passes over the vocabulary, where
-    ``torch.multinomial`` draws an exponential variate per entry (docs/real-model.md has the
-    figures). ``uniform`` (every temperature is 1) and ``greedy`` (some row is greedy), when
-    the caller knows them, spare a wait for the device to find out. ``variates``: the uniform
-    variates in [0, 1) (float64, ``[rows, 1]``), when the caller has drawn them (per-request
-    seeds); else they are drawn from ``generator``. ``top_p`` / ``top_k`` (per row; None: off)
-    truncate the temperature-scaled distribution (:func:`truncate`) before the draw, and the
-    log-probability is then the token's under the truncated, renormalised distribution it was
-    drawn from (what vLLM's ``processed_logprobs`` gives)."""
-    if uniform is None:
-        uniform = bool((temperature == 1).all())
-    if greedy is None:
-        greedy = bool((temperature <= 0).any())
-    greedy_rows = temperature <= 0
-    if not uniform:
-        logits = logits / torch.where(greedy_rows, torch.ones_like(temperature), temperature)[:, None]
-    if top_p is not None or top_k is not None:
-        logits = truncate(logits, top_p, top_k)
-    shifted = logits - logits.amax(-1, keepdim=True)
-    cdf = torch.cumsum(shifted.exp(), -1, dtype=torch.float64)
-    total = cdf[:, -1:]
-    u = (torch.rand((len(cdf), 1), generator=generator, dtype=cdf.dtype, device=cdf.device)
-         if variates is None else variates)
-    tokens = torch.searchsorted(cdf, u * total, right=True).squeeze(-1)
-    tokens.clamp_(max=cdf.shape[-1] - 1)
-    if greedy:
-        tokens = torch.where(greedy_rows, shifted.argmax(-1), tokens)
-    chosen = shifted.gather(-1, tokens[:, None]).double() - total.log()
-    return tokens, chosen.squeeze(-1).to(logits.dtype)
-
-
-# -- the prefix cache --------------------------------------------------------------------------
-
-
-HEAD = 8  # ids a parked sequence is found by
-
-
-class PrefixCache:
-    """Finished sequences' keys and values, kept for the next turn of their episode.
-
-    A multi-turn episode's next request is its previous prompt and completion plus an
-    observation. Without this, every turn prefills the whole conversation again. A finished
-    sequence's cached keys and values (prompt + completion, less its last token, which never
-    went through the model) are parked under those token ids, newest last; a request whose
-    ids extend a parked sequence (of the same weights) takes it and only its new tokens go
-    through the model, fed by the decode steps (one per step, in the running batch). Oldest
-    entries go first past ``max_tokens`` parked tokens; a weight update drops them all (they
-    were computed by the old weights); 0 turns it off.
-    """
-
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self.tokens = 0
-        self.version = -1
-        self.hits = 0  # requests that resumed a parked sequence
-        self.reused = 0  # tokens they did not prefill again
-        self._entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = \
-            OrderedDict()
-        # the parked keys by their first HEAD ids (a shorter key: by itself), so a request
-        # looks at its own episode's, not at every parked sequence
-        self._heads: defaultdict[tuple[int, ...], set[tuple[int, ...]]] = defaultdict(set)
-
-    def __bool__(self) -> bool:
-        return bool(self._entries)
-
-    def park(self, requests: Sequence[_Request], kvs: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
-             version: int) -> None:
-        self._at(version)
-        for request, kv in zip(requests, kvs, strict=True):
-            if request.finish_reason is FinishReason.ABORTED or request.fed == 0:
-                continue
-            key = tuple((request.prompt_ids + request.token_ids)[: request.fed])
-            if key in self._entries:
-                self._remove(key)
-            self._entries[key] = kv
-            self._heads[key[:HEAD]].add(key)
-            self.tokens += len(key)
-        while self.tokens > self.max_tokens:
-            self._remove(next(iter(self._entries)))
-
-    def take(self, request: _Request, version: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The keys and values (per layer ``[heads, tokens, head_dim]``) of the longest parked
-        sequence ``request`` extends (they leave the store: the request's row holds them
-        now), or None."""
-        self._at(version)
-        extended = self.extended(request.prompt_ids + request.token_ids)
-        if not extended:
-            return None
-        best = max(extended, key=len)
-        self.hits += 1
-        self.reused += len(best)
-        return self._remove(best)
-
-    def extended(self, ids: Sequence[int]) -> list[tuple[int, ...]]:
-        """The parked sequences that ``ids`` continue past their end."""
-        candidates = (key for n in range(1, min(HEAD, len(ids)) + 1)
-                      for key in self._heads.get(tuple(ids[:n]), ()))
-        return [key for key in candidates if _continues_prefix(ids, key)]
-
-    def _remove(self, key: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        self.tokens -= len(key)
-        bucket = self._heads[key[:HEAD]]
-        bucket.discard(key)
-        if not bucket:
-            del self._heads[key[:HEAD]]
-        return self._entries.pop(key)
-
-    def _at(self, version: int) -> None:
-        if version != self.version:  # computed by other weights: of no use now
-            self._entries.clear()
-            self._heads.clear()
-            self.tokens, self.version = 0, version
-
-
-def _continues_prefix(ids: Sequence[int], key: tuple[int, ...]) -> bool:
-    """Whether ``ids`` continue the sequence ``key`` past its end."""
-    n = len(key)
-    return n < len(ids) and ids[n - 1] == key[-1] and tuple(ids[:n]) == key

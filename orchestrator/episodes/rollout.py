@@ -42,8 +42,8 @@ from orchestrator.engines.base import InferenceEngine
 from orchestrator.episodes.trajectory import TrajectoryBuilder
 from orchestrator.errors import ConfigError
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.trace.recorder import Recorder
 from orchestrator.trace.episode import EpisodeTrace
+from orchestrator.trace.recorder import Recorder
 from orchestrator.types import (
     EpisodeTiming,
     EvalSample,

@@ -46,8 +46,8 @@ from orchestrator.gateway.protocol import (
     assistant_message,
 )
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.trace.recorder import Recorder
 from orchestrator.trace.episode import EpisodeTrace
+from orchestrator.trace.recorder import Recorder
 from orchestrator.types import EpisodeTiming, FinishReason, Generation, SamplingParams, Trajectory
 
 AGENT_TOOL = "agent"  # the name of the span between two calls of one segment

@@ -82,13 +82,13 @@ from envs.base import Task
 from orchestrator.algo.filters import GroupFilter
 from orchestrator.config.schema import PipelineConfig
 from orchestrator.engines.base import sync_weights
+from orchestrator.engines.rwlock import ReadWriteLock
 from orchestrator.episodes.rollout import EpisodeRunner, sample_seed
 from orchestrator.errors import RunAborted
 from orchestrator.faults import add_faults, kill_point
 from orchestrator.gateway import Gateway, agent_gateway, run_agent_group
 from orchestrator.pipeline.outcomes import GroupLedger, Outcome
 from orchestrator.pipeline.sampler import TaskSampler
-from orchestrator.engines.rwlock import ReadWriteLock
 from orchestrator.staleness import StalenessController
 from orchestrator.trainer.base import Trainer
 from orchestrator.types import Evaluation, FinishReason, StepReport, TimedGroup

@@ -79,8 +79,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from envs.replay import EpisodePlan
-from orchestrator.trace.recorder import Recorder
 from orchestrator.replay.model import ServerParams
+from orchestrator.trace.recorder import Recorder
 from orchestrator.types import StepReport
 
 

@@ -58,12 +58,12 @@ from orchestrator.config.schema import PipelineConfig, ReplayConfig, RolloutConf
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline.sampler import TaskSampler
-from orchestrator.trace.recorder import Recorder
 from orchestrator.replay.engine import busy_seconds, replay_engine, replay_router
 from orchestrator.replay.fit import EngineFit
 from orchestrator.replay.plans import load_plans, open_trace
 from orchestrator.replay.tokenizer import ReplayTokenizer
 from orchestrator.run.loop import RunParts, RunResult, run_session
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trainer.simulated import SimulatedTrainer, TokenCost
 from orchestrator.types import StepReport
 from orchestrator.weights.update import WeightUpdate

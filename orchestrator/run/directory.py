@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from envs.base import Clock
-from orchestrator.trace.jsonl import CODEC, Codec
 from orchestrator.loggers.base import JsonlMetrics, Logger
 from orchestrator.models.tokenizer import Tokenizer
-from orchestrator.trace.recorder import PLAIN_SPANS, SPANS_DIR, Recorder, spans_path
+from orchestrator.trace.jsonl import CODEC, Codec
 from orchestrator.trace.reader import RUN_TRACE
+from orchestrator.trace.recorder import PLAIN_SPANS, SPANS_DIR, Recorder, spans_path
 from orchestrator.trace.timeline import write_timeline
 from orchestrator.trace.writer import TraceWriter
 from orchestrator.types import Evaluation, StepReport

@@ -45,10 +45,10 @@ from orchestrator.models.tokenizer import Tokenizer
 from orchestrator.pipeline.evaluation import evaluate
 from orchestrator.pipeline.pipeline import PeriodicEval, Pipeline
 from orchestrator.pipeline.sampler import TaskSampler
-from orchestrator.trace.recorder import Recorder
 from orchestrator.run.best import KeepBest
 from orchestrator.run.checkpoint import CheckpointStore
 from orchestrator.run.resume import RunState, capture_rng, link_trainer_files
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trainer.base import Snapshot, Trainer
 from orchestrator.types import Evaluation, StepReport
 from orchestrator.weights.update import WeightUpdate

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.trace.recorder import read_spans, spans_path
 from orchestrator.trace.reader import TraceDir, find_trace_dirs
+from orchestrator.trace.recorder import read_spans, spans_path
 
 
 def tail(values: list[float]) -> dict[str, float]:

@@ -23,8 +23,8 @@ from orchestrator.builders import run
 from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
-from orchestrator.trace.recorder import Recorder
 from orchestrator.run.warmstart import demonstration_tokens
+from orchestrator.trace.recorder import Recorder
 
 LOCAL = {"_target_": "sandboxes.local.LocalSandboxConfig", "timeout_s": 2.0, "max_timeout_s": 2.0}
 DOCKER = "sandboxes.docker.DockerSandboxConfig"

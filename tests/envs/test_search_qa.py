@@ -21,8 +21,8 @@ from orchestrator.builders import run
 from orchestrator.config.schema import RolloutConfig
 from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
-from orchestrator.trace.recorder import Recorder
 from orchestrator.run.warmstart import demonstration_tokens
+from orchestrator.trace.recorder import Recorder
 from sandboxes.search import SearchClient, SearchError, SearchServer
 
 

@@ -44,11 +44,11 @@ from anyio.abc import TaskStatus
 
 from orchestrator.engines.base import InferenceEngine
 from orchestrator.engines.router import EngineRouter, EnginesLost, Keeper, PrefixAffinity, Replica
+from orchestrator.engines.rwlock import ReadWriteLock
 from orchestrator.errors import EngineClosed, RunAborted, first_line
 from orchestrator.launch.ray.actors import ActorInfo, Synced
 from orchestrator.launch.ray.remote import RayActorError, result
 from orchestrator.launch.ray.spans import Reply, SpanCollector
-from orchestrator.engines.rwlock import ReadWriteLock
 from orchestrator.types import Generation, SamplingParams
 from orchestrator.weights.delta import LoadCounter
 from orchestrator.weights.update import WeightUpdate

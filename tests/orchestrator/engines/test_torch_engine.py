@@ -16,14 +16,11 @@ import pytest
 import torch
 from helpers import engine_for, threads_held
 
-from orchestrator.engines.torch_engine import (
-    BATCHING,
-    PrefixCache,
-    SlotCache,
-    TorchEngine,
-    _Request,
-    sample,
-)
+from orchestrator.engines.prefix_cache import PrefixCache
+from orchestrator.engines.sampling import sample
+from orchestrator.engines.slot_cache import SlotCache
+from orchestrator.engines.torch_engine import BATCHING, TorchEngine
+from orchestrator.engines.torch_requests import Request
 from orchestrator.errors import ConfigError, EngineClosed
 from orchestrator.types import FinishReason, Generation, SamplingParams
 from orchestrator.weights.update import WeightUpdate
@@ -759,8 +756,8 @@ async def test_a_weight_update_drops_the_cached_prefixes(make_policy: Any) -> No
 def test_the_prefix_cache_gives_the_longest_parked_sequence_a_request_extends() -> None:
     """Parked sequences shorter and longer than the ids they are found by, of two episodes:
     a request takes the longest it extends, and an evicted or taken one is found no more."""
-    def parked(ids: list[int]) -> _Request:
-        request = _Request(ids, SamplingParams())
+    def parked(ids: list[int]) -> Request:
+        request = Request(ids, SamplingParams())
         request.fed = len(ids)
         return request
 
@@ -773,15 +770,15 @@ def test_the_prefix_cache_gives_the_longest_parked_sequence_a_request_extends() 
     store.park([parked(k) for k in keys], [kv(len(k)) for k in keys], version=0)
     assert store.tokens == 3 + 12 + 16 + 14 + 2
     assert set(store.extended(episode[:16])) == {tuple(episode[:3]), tuple(episode[:12])}
-    taken = store.take(_Request(episode, SamplingParams()), version=0)
+    taken = store.take(Request(episode, SamplingParams()), version=0)
     assert taken is not None and taken[0][0].shape[1] == 16
-    assert store.take(_Request(episode, SamplingParams()), version=0)[0][0].shape[1] == 12
+    assert store.take(Request(episode, SamplingParams()), version=0)[0][0].shape[1] == 12
     # the other episode's first 8 ids are this one's: it extends its own and the shortest
     assert set(store.extended(other[:15])) == {tuple(other[:14]), tuple(episode[:3])}
     store.park([parked(list(range(100, 142)))], [kv(42)], version=0)  # 61 > 60: the oldest goes
     assert store.tokens == 14 + 2 + 42 and store.extended(episode) == []
     assert store.extended([7, 7, 1]) == [(7, 7)]
-    store.take(_Request([1, 2, 3], SamplingParams()), version=1)  # other weights: all go
+    store.take(Request([1, 2, 3], SamplingParams()), version=1)  # other weights: all go
     assert not store and store.extended([7, 7, 1]) == []
 
 

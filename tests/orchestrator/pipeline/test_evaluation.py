@@ -25,9 +25,9 @@ from orchestrator.config.schema import EvalConfig, RolloutConfig
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.errors import ConfigError
 from orchestrator.pipeline.evaluation import evaluate, majority, pass_at_k, score
-from orchestrator.trace.recorder import Recorder
 from orchestrator.run.checkpoint import CheckpointStore
 from orchestrator.run.resume import RunState
+from orchestrator.trace.recorder import Recorder
 from orchestrator.types import EvalSample, Evaluation
 
 

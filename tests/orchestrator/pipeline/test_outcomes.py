@@ -26,8 +26,8 @@ from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.pipeline.outcomes import GroupLedger, Outcome
 from orchestrator.pipeline.pipeline import OnStep, Pipeline
 from orchestrator.pipeline.sampler import TaskSampler
-from orchestrator.trace.recorder import Recorder, Span
 from orchestrator.staleness import StalenessController
+from orchestrator.trace.recorder import Recorder, Span
 from orchestrator.trainer.simulated import SimulatedTrainer, UniformCost
 
 pytestmark = pytest.mark.anyio

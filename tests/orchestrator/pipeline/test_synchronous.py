@@ -33,9 +33,9 @@ from orchestrator.config.run import run_config
 from orchestrator.config.schema import WarmStartConfig
 from orchestrator.engines.base import InferenceEngine, sync_weights
 from orchestrator.episodes.rollout import sample_seed
-from orchestrator.trace.recorder import Recorder
 from orchestrator.run.loop import RunParts, RunResult, run_session
 from orchestrator.run.warmstart import warm_start
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trainer.torch_trainer import TorchTrainer
 from orchestrator.types import Group, SamplingParams, StepReport, Trajectory
 

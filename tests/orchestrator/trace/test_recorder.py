@@ -19,9 +19,9 @@ from orchestrator.engines.simulated import SimulatedEngine
 from orchestrator.episodes.rollout import EpisodeRunner
 from orchestrator.models.tokenizer import CharTokenizer
 from orchestrator.pipeline.pipeline import Pipeline, TaskSampler
-from orchestrator.trace.recorder import Recorder, read_spans
 from orchestrator.run.directory import RunDir
 from orchestrator.trace import timeline
+from orchestrator.trace.recorder import Recorder, read_spans
 from orchestrator.trace.timeline import trace_events, write_timeline
 from orchestrator.types import StepReport
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.trace import TraceDir
 from orchestrator.trace import recorder as recorder_module
+from orchestrator.trace.__main__ import main
 from orchestrator.trace.jsonl import finished, read_lines
 from orchestrator.trace.recorder import Recorder, read_spans, spans_path
-from orchestrator.trace import TraceDir
-from orchestrator.trace.__main__ import main
 from orchestrator.trace.writer import TraceWriter, drop_steps_from
 from orchestrator.types import EpisodeTiming, FinishReason, Group, GroupTiming, Trajectory
 

@@ -10,8 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from orchestrator.builders import run
-from orchestrator.trace.recorder import Recorder
 from orchestrator.trace import NAMESPACE, TraceDir, iter_records
+from orchestrator.trace.recorder import Recorder
 from orchestrator.trace.summarize import summarize
 from orchestrator.trace.timeline import trace_events
 from orchestrator.trace.writer import TraceWriter, loss_mask_rle, workload_record
