@@ -78,6 +78,11 @@ class InferenceEngine(ABC):
         return self.fingerprint
 
     @property
+    def engines(self) -> list[InferenceEngine]:
+        """The engines that serve this one's requests: itself (a router's: its replicas')."""
+        return [self]
+
+    @property
     def context_length(self) -> int | None:
         """The most positions a sequence may have (prompt + generated); None: not known here."""
         return None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import cast
 
 import anyio
 
@@ -77,9 +78,10 @@ def cache_misses(engine: InferenceEngine) -> int:
 
 
 def _replicas(engine: InferenceEngine) -> list[SimulatedEngine]:
-    engines = engine.engines if isinstance(engine, EngineRouter) else [engine]
-    assert all(isinstance(e, SimulatedEngine) for e in engines), "not a replay engine"
-    return engines  # type: ignore[return-value]
+    """The replay's engines behind ``engine`` (one, or a router's replicas): every one a
+    :class:`SimulatedEngine` with the fluid server model and plan replies (``replay_parts``
+    builds no other)."""
+    return cast(list[SimulatedEngine], engine.engines)
 
 
 def _server(engine: SimulatedEngine) -> FluidServer:

@@ -167,8 +167,9 @@ def test_engines_holds_engines_only() -> None:
     packages import is the import contracts' business: ``lint-imports``)."""
     engines = REPO / "orchestrator" / "engines"
     assert sorted(p.name for p in engines.glob("*.py")) == [
-        "__init__.py", "base.py", "placement.py", "router.py", "simulated.py", "slot_cache.py",
-        "torch_engine.py", "vllm_engine.py", "vllm_transfer.py", "vllm_worker.py"]
+        "__init__.py", "base.py", "placement.py", "prefix_cache.py", "router.py", "rwlock.py",
+        "sampling.py", "simulated.py", "slot_cache.py", "torch_engine.py", "torch_requests.py",
+        "vllm_engine.py", "vllm_transfer.py", "vllm_worker.py"]
 
 
 def test_the_fit_command_saves_a_fit_a_replay_loads(tmp_path: Path,
