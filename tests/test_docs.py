@@ -82,3 +82,16 @@ def test_the_configuration_reference_is_generated_from_the_schema_and_conf() -> 
     assert PAGE.read_text() == page(), (
         "docs/config-reference.md is out of date: run "
         "python -m orchestrator.commands.config_reference")
+
+
+def test_the_policy_loss_table_is_generated_from_the_registry() -> None:
+    """Adding a loss is its class and a YAML: its row in docs/algorithms.md comes from its
+    registration (orchestrator.algo.losses.LOSSES), never typed by hand."""
+    from orchestrator.algo.losses import LOSSES
+    from orchestrator.commands.config_reference import LOSS_PAGE, loss_table, with_loss_table
+
+    text = LOSS_PAGE.read_text()
+    assert text == with_loss_table(text), (
+        "docs/algorithms.md's loss table is out of date: run "
+        "python -m orchestrator.commands.config_reference")
+    assert all(f"| `{name}` (" in loss_table() for name in LOSSES) and len(LOSSES) >= 4

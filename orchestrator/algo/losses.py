@@ -4,12 +4,10 @@ Each is a callable ``(inputs, old) -> PerToken``: ``old`` is the log-prob the ra
 against, ``r_t = exp(log pi_theta - old)`` — the proximal policy's in the decoupled mode, the
 engine's behaviour policy's in the bypass mode (:mod:`~orchestrator.algo.corrections`).
 
-| class | per-token loss (A: the advantage) | source |
-| --- | --- | --- |
-| `PPOClip` | max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); with `dual_clip` c, for A < 0 at most -A c | PPO; clip-higher (DAPO); dual-clip (arXiv 1912.09729) |
-| `GSPO` | PPOClip on the sequence ratio s = exp(mean_t log r_t), each token's gradient that of sg(s) pi_theta / sg(pi_theta) | arXiv 2507.18071 |
-| `CISPO` | -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_theta | arXiv 2506.13585 |
-| `SAPO` | -A (4 / tau) sigmoid(tau (r - 1)), tau by the sign of A | arXiv 2511.20347 |
+Every loss is registered with :func:`policy_loss` and a :class:`LossCard` (its per-token
+formula, its paper, what it logs): :data:`LOSSES` is the registry, from which the table in
+``docs/algorithms.md`` is generated (``python -m orchestrator.commands.config_reference``) and
+which the presets test reads. Adding a loss is its class here and a YAML in ``conf/algo/``.
 
 At a ratio of exactly 1 — the decoupled mode with one update per batch, where pi_prox is the
 policy being trained — GSPO's clip, CISPO's cap, SAPO's gate and PPO's dual clip never act:
@@ -19,12 +17,45 @@ start. A loss may also name the aggregations its paper allows (:func:`check_aggr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from orchestrator.algo.base import LossInputs, masked_mean
 from orchestrator.errors import ConfigError
+
+L = TypeVar("L", bound=type)
+
+
+@dataclass(frozen=True)
+class LossCard:
+    """What the docs say of a policy loss, kept beside its code."""
+
+    formula: str  # the per-token loss; A: the advantage, r: the ratio, sg: stop-gradient
+    paper: str
+    logs: tuple[str, ...] = ()  # metrics per trained token, its own first
+    sequence_logs: tuple[str, ...] = ()  # metrics per sequence
+
+    @property
+    def own(self) -> str:
+        """The metric only this loss logs, which a run with it shows every step."""
+        return (self.logs + self.sequence_logs)[0]
+
+
+LOSSES: dict[str, type] = {}  # class name -> class: every registered policy loss
+
+
+def policy_loss(card: LossCard) -> Callable[[L], L]:
+    """Register a policy loss class (``algo.loss._target_``) with its :class:`LossCard`."""
+
+    def register(cls: L) -> L:
+        cls.card = card  # type: ignore[attr-defined]
+        LOSSES[cls.__name__] = cls
+        return cls
+
+    return register
 
 
 @dataclass(frozen=True)
@@ -69,6 +100,10 @@ def cannot_act(algorithm: object, updates: int) -> str | None:
             f"gradient; set trainer.num_minibatches > 1 or algo.mode=bypass")
 
 
+@policy_loss(LossCard(
+    "max(−A r, −A clip(r, 1−ε_low, 1+ε_high)); with `dual_clip` c, at most −A c when A < 0",
+    "PPO; clip-higher (DAPO); dual-clip arXiv 1912.09729",
+    logs=("clip_fraction", "ratio", "dual_clip_fraction")))
 class PPOClip:
     """PPO's clipped surrogate with asymmetric bounds (clip-higher) and optional dual clip."""
 
@@ -105,6 +140,9 @@ def clipped_surrogate(ratio: torch.Tensor, inputs: LossInputs, eps_low: float, e
     return PerToken(loss * mask, metrics)
 
 
+@policy_loss(LossCard(
+    "PPOClip on s = exp(mean_t log r_t), gradient of sg(s) · π_θ/sg(π_θ) per token",
+    "arXiv 2507.18071", sequence_logs=("sequence_clip_fraction", "sequence_ratio")))
 class GSPO:
     """Group Sequence Policy Optimisation: the clip acts on each sequence's length-normalised
     ratio, so all of a sequence's tokens are kept or clipped together (the paper's bounds are
@@ -135,6 +173,9 @@ class GSPO:
         return PerToken(out.loss, {"ratio": out.metrics["ratio"]}, seq)
 
 
+@policy_loss(LossCard(
+    "−sg(clip(r, 1−ε_low, 1+ε_high)) · A · log π_θ: every token keeps a gradient",
+    "arXiv 2506.13585", logs=("clip_fraction",)))
 class CISPO:
     """Clipped IS-weight Policy Optimisation: every token keeps a gradient, ``log pi_theta``
     weighted by its clipped, stop-gradient ratio ``clip(r, 1 - eps_low, 1 + eps_high)``, the
@@ -160,6 +201,9 @@ class CISPO:
         return PerToken(-weight * inputs.advantages * inputs.logprobs * mask, metrics)
 
 
+@policy_loss(LossCard(
+    "−A · (4/τ) σ(τ(r−1)), τ by the sign of A: a soft gate whose gradient is 1 at r = 1",
+    "arXiv 2511.20347", logs=("gate_weight",)))
 class SAPO:
     """Soft Adaptive Policy Optimisation: a smooth gate instead of a hard clip,
     ``f(r) = 4 / tau * sigmoid(tau (r - 1))`` (its gradient is 1 at r = 1 and fades as r moves

@@ -1,4 +1,5 @@
-"""The configuration reference page, ``docs/config-reference.md``, generated from the code.
+"""The configuration reference page, ``docs/config-reference.md``, generated from the code (and
+the policy-loss table of ``docs/algorithms.md``, from the losses' registry).
 
 The plain sections come from :mod:`orchestrator.config.schema` (each key's type, default, bounds and
 meaning); each option of a ``_target_`` group from its file in ``conf/`` (its keys and values,
@@ -271,15 +272,51 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def loss_table() -> str:
+    """The policy-loss table of ``docs/algorithms.md``, from the registry
+    (:data:`orchestrator.algo.losses.LOSSES`: each loss's constructor and card)."""
+    from orchestrator.algo.losses import LOSSES
+
+    rows = ["| `_target_` (`orchestrator.algo.losses.`) | per-token loss | paper | logs |",
+            "| --- | --- | --- | --- |"]
+    for name, cls in LOSSES.items():
+        card = cls.card  # type: ignore[attr-defined]
+        keys = ", ".join(f"`{p}`" for p in inspect.signature(cls).parameters)
+        logs = ", ".join(f"`{m}`" for m in card.logs)
+        if card.sequence_logs:
+            logs = ", ".join([*([logs] if logs else []),
+                              ", ".join(f"`{m}`" for m in card.sequence_logs) + " (per sequence)"])
+        rows.append(f"| `{name}` ({keys}) | {card.formula} | {card.paper} | {logs} |")
+    return "\n".join(rows) + "\n"
+
+
+LOSS_PAGE = PAGE.parent / "algorithms.md"
+LOSS_MARKS = ("<!-- the policy losses: generated from orchestrator.algo.losses.LOSSES -->\n",
+              "<!-- end of the policy losses -->\n")
+
+
+def with_loss_table(text: str) -> str:
+    """``text`` (``docs/algorithms.md``) with its table between :data:`LOSS_MARKS` anew."""
+    start, end = LOSS_MARKS
+    if start not in text or end not in text:
+        raise SystemExit(f"{LOSS_PAGE} has no {start.strip()} … {end.strip()} to write into")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return head + start + loss_table() + end + tail
+
+
 def main() -> None:
     check = "--check" in sys.argv[1:]
-    text = page()
+    pages = {PAGE: page(), LOSS_PAGE: with_loss_table(LOSS_PAGE.read_text())}
     if check:
-        if PAGE.read_text() != text:
-            sys.exit(f"{PAGE} is out of date: run python -m orchestrator.commands.config_reference")
+        stale = [str(path) for path, text in pages.items() if path.read_text() != text]
+        if stale:
+            sys.exit(f"{', '.join(stale)} out of date: run "
+                     f"python -m orchestrator.commands.config_reference")
         return
-    PAGE.write_text(text)
-    print(f"wrote {PAGE}")
+    for path, text in pages.items():
+        path.write_text(text)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
