@@ -349,9 +349,12 @@ class ProcessRank(RankHandle):
         with self._lock:
             try:
                 self._conn.send((method, args))
-            except (BrokenPipeError, OSError) as error:
-                raise RankLost(f"trainer rank {self.rank} (pid {self.process.pid}) is gone "
-                               f"(exit code {self.process.exitcode})") from error
+            except (BrokenPipeError, OSError) as error:  # it died before the call was sent
+                self.process.join(timeout=5)
+                raise RankLost(
+                    f"trainer rank {self.rank} (pid {self.process.pid}) was gone before {method} "
+                    f"(exit code {self.process.exitcode}); the run ends here: resume it from its "
+                    f"last checkpoint with resume=<run_dir>") from error
             return self._receive(method)
 
     def kill(self) -> None:

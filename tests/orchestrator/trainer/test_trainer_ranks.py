@@ -204,11 +204,17 @@ def test_sharded_checkpoints_resume_at_another_world_size(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow  # left out of scripts/test.sh --quick
-def test_a_dead_rank_ends_the_run_in_one_line() -> None:
+@pytest.mark.parametrize("gone", [False, True], ids=["dies", "gone_before_the_call"])
+def test_a_dead_rank_ends_the_run_in_one_line(gone: bool) -> None:
+    """Whether the rank dies while the call waits for it or was gone before it was sent (its
+    pipe broken: the second path, once without the advice), one line that says to resume."""
     with LocalLauncher() as launcher:
         group = launcher.trainer(recipe(world_size=2))
         assert isinstance(group, RankGroup)
-        group.handles[1].process.kill()  # type: ignore[attr-defined]
+        process = group.handles[1].process  # type: ignore[attr-defined]
+        process.kill()
+        if gone:
+            process.join(timeout=30)
         with pytest.raises(RankLost) as lost:
             anyio.run(group.step, make_groups())
         message = str(lost.value)
