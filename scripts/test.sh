@@ -18,7 +18,10 @@
 # each test cost (wall and CPU seconds); python tests/cpu_report.py <folder> sums it by file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-workers=(-n "${POLYRL_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder)
+# A process that crashes ends the run (--max-worker-restart=0): xdist would otherwise start a
+# new one and run the crashed test again (a retry that hides the crash), and after a crash it
+# once left the run waiting until CI's time limit.
+workers=(-n "${POLYRL_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder --max-worker-restart=0)
 if [ "${1:-}" = "--quick" ]; then
   shift
   bash scripts/setup.sh
