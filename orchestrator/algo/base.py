@@ -87,6 +87,14 @@ class Advantages:
     trained: list[list[bool]] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def per_sample(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The values (and trained flags) of every sample, groups one after the other: what a
+        batch's rows index by their sample (:meth:`~orchestrator.trainer.batch.TokenBatch.with_advantages`)."""
+        values = torch.tensor([v for group in self.values for v in group], dtype=torch.float64)
+        if self.trained is None:
+            return values, None
+        return values, torch.tensor([t for group in self.trained for t in group], dtype=torch.bool)
+
 
 class Algorithm(ABC):
     needs_proximal: bool = True  # several minibatches: recompute pi_prox before the first update

@@ -30,6 +30,7 @@ class TokenBatch:
     on_policy: torch.Tensor  # float: 1.0 where a trained token was sampled by the current weights
     group: torch.Tensor  # long, per row: the rows of a group may share a prefix
     prefix: torch.Tensor  # long, per row: its group's shared, untrained prefix (0: none)
+    sample: torch.Tensor  # long, per row: its sample's index among the step's (every rank's)
     # computed before the step's first update, on the trainer's device (None: not needed):
     proximal_logprobs: torch.Tensor | None = None  # the policy's at the step's start
     reference_logprobs: torch.Tensor | None = None  # the frozen reference policy's
@@ -42,15 +43,17 @@ class TokenBatch:
         return TokenBatch(**{f.name: None if (value := getattr(self, f.name)) is None
                              else value[rows] for f in fields(self)})
 
-    def with_advantages(self, advantages: Sequence[float],
-                        trained: Sequence[bool] | None = None) -> TokenBatch:
-        """One advantage per row; rows not ``trained`` lose their mask (and are not counted)."""
+    def with_advantages(self, values: torch.Tensor,
+                        trained: torch.Tensor | None = None) -> TokenBatch:
+        """Each row's advantage taken by its :attr:`sample` index from ``values`` (one per
+        sample of the step, as :meth:`~orchestrator.algo.base.Advantages.per_sample` gives
+        them); rows whose sample is not ``trained`` lose their mask (and are not counted)."""
         width = self.mask.shape[1]
-        adv = torch.tensor(list(advantages), dtype=torch.float32)[:, None].expand(-1, width)
+        adv = values.to(torch.float32)[self.sample][:, None].expand(-1, width).contiguous()
         if trained is None:
-            return replace(self, advantages=adv.contiguous())
-        keep = torch.tensor(list(trained), dtype=torch.float32)[:, None]
-        return replace(self, advantages=adv.contiguous(), mask=self.mask * keep,
+            return replace(self, advantages=adv)
+        keep = trained.to(torch.float32)[self.sample][:, None]
+        return replace(self, advantages=adv, mask=self.mask * keep,
                        on_policy=self.on_policy * keep)
 
 
@@ -76,11 +79,12 @@ def token_batch(
     on_policy: Sequence[Sequence[bool]] | None = None,
     group: Sequence[int] | None = None,
     prefix: Sequence[int] | None = None,
+    sample: Sequence[int] | None = None,
 ) -> TokenBatch:
     """The batch of these sequences: each right-padded to the longest less one, its inputs
     and the targets one position on; per token its trained mask, behaviour log-prob and
-    whether the current weights sampled it; per row its advantage, group and shared prefix
-    (defaults: zeros, a group each, no prefix)."""
+    whether the current weights sampled it; per row its advantage, group, shared prefix and
+    sample index (defaults: zeros, a group each, no prefix, the row's own index)."""
     width = max(len(s) for s in sequences) - 1
     n = len(sequences)
 
@@ -104,6 +108,7 @@ def token_batch(
         on_policy=current[:, 1:] * mask[:, 1:],
         group=torch.tensor(group if group is not None else range(n), dtype=torch.long),
         prefix=torch.tensor(prefix if prefix is not None else [0] * n, dtype=torch.long),
+        sample=torch.tensor(sample if sample is not None else range(n), dtype=torch.long),
     )
 
 

@@ -248,10 +248,10 @@ class RankTrainer(TorchTrainer):
     def _share_sizes(self, sizes: Sequence[int]) -> list[int]:
         return balance(sizes, self.spec.world_size)[self.rank]
 
-    def _all_sum(self, values: Sequence[float]) -> list[float]:
-        t = torch.tensor(list(values), dtype=torch.float64, device=self._comm_device)
+    def _all_sum_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        t = values.to(self._comm_device)
         dist.all_reduce(t)
-        return t.tolist()
+        return t.cpu()
 
     def _all_sum_named(self, values: Mapping[str, float]) -> dict[str, float]:
         everyone: list[Any] = [None] * self.spec.world_size

@@ -22,6 +22,7 @@ log-probs, whatever the layout (trained positions only, a group's prompt once),
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -201,7 +202,7 @@ class TorchTrainer(Trainer):
         self._warm_optimizer = None
         algorithm = self.algorithm
         mine = self._share(groups)  # all of them here; a rank's part in a group of ranks
-        batch = self._batch_of([groups[i] for i in mine])
+        batch = self._batch_of(groups, mine)
         # Eval mode (no dropout): the engine samples without it, and the importance weight and
         # the clip ratio compare log-probs that must be deterministic. Gradients still flow.
         self.model.eval()
@@ -209,13 +210,9 @@ class TorchTrainer(Trainer):
         agreement = LogprobAgreement()
         cap = generation_cap(groups)  # over every group: each rank's loss divides alike
         batch = self._before_updates(batch, agreement)
-        advantages = algorithm.advantages(groups, self._penalties(groups, mine, batch, cap))
+        advantages = algorithm.advantages(groups, self._penalties(groups, batch, cap))
         if batch is not None:
-            rows = [(g, i) for g in mine for i in range(len(groups[g]))]  # (group, sample)
-            batch = batch.with_advantages(
-                [advantages.values[g][i] for g, i in rows],
-                None if advantages.trained is None else
-                [advantages.trained[g][i] for g, i in rows])
+            batch = batch.with_advantages(*advantages.per_sample())
 
         sums: dict[str, Any] = {}  # tensors on the device until the step's end
         grad_norm = 0.0
@@ -321,24 +318,21 @@ class TorchTrainer(Trainer):
                         [self._logprobs(mb, reference)[0] for mb in self._micro_batches(batch)]))
         return batch
 
-    def _penalties(self, groups: Sequence[Group], mine: Sequence[int], batch: TokenBatch | None,
+    def _penalties(self, groups: Sequence[Group], batch: TokenBatch | None,
                    cap: float | None) -> list[list[float]] | None:
         """Per sample of every group, what the algorithm subtracts from its reward (a KL
-        penalty), summed over the ranks (each fills its own groups' samples)."""
+        penalty): each rank puts its rows' at their samples, and the ranks' are summed."""
         if not self.algorithm.penalises_reward:
             return None
-        starts = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
-        values = [0.0] * sum(len(g) for g in groups)
+        values = torch.zeros(sum(len(g) for g in groups), dtype=torch.float64)
         if batch is not None and batch.proximal_logprobs is not None:
             # before the advantages are set: the batch's are zeros, which a penalty does not read
             penalty = self.algorithm.reward_penalty(self._loss_inputs(
                 batch, batch.proximal_logprobs, float(batch.mask.sum()), generation_cap=cap))
             if penalty is not None:
-                at = [starts[g] + i for g in mine for i in range(len(groups[g]))]
-                for index, value in zip(at, penalty.tolist(), strict=True):
-                    values[index] = value
-        values = self._all_sum(values)
-        return [values[s:s + len(g)] for s, g in zip(starts, groups, strict=True)]
+                values[batch.sample] = penalty.detach().to("cpu", torch.float64)
+        values = self._all_sum_tensor(values)
+        return [part.tolist() for part in values.split([len(g) for g in groups])]
 
     # -- the reference policy ---------------------------------------------------------------
 
@@ -373,8 +367,12 @@ class TorchTrainer(Trainer):
             with self.model.disable_adapter():
                 yield self.model
 
-    def _batch_of(self, groups: Sequence[Group]) -> TokenBatch | None:
-        """The groups' samples, one per row (their advantages are set later)."""
+    def _batch_of(self, groups: Sequence[Group], mine: Sequence[int]) -> TokenBatch | None:
+        """The samples of the groups at ``mine``, one per row, each knowing its index among
+        all ``groups``' samples (their advantages are set later, by it)."""
+        starts = [0, *itertools.accumulate(len(g) for g in groups)]
+        sample = [starts[g] + i for g in mine for i in range(len(groups[g]))]
+        groups = [groups[g] for g in mine]
         trajectories = [t for g in groups for t in g.trajectories]
         if not trajectories:
             return None
@@ -388,6 +386,7 @@ class TorchTrainer(Trainer):
             prefix=[p for g in groups for p in [shared_prefix(
                 [t.token_ids for t in g.trajectories], [t.loss_mask for t in g.trajectories]
             )] * len(g.trajectories)],
+            sample=sample,
         )
 
     # -- what a rank of a group of ranks changes (orchestrator.trainer.distributed) -------
@@ -406,7 +405,11 @@ class TorchTrainer(Trainer):
 
     def _all_sum(self, values: Sequence[float]) -> list[float]:
         """``values`` summed over the ranks (here: themselves)."""
-        return list(values)
+        return self._all_sum_tensor(torch.tensor(list(values), dtype=torch.float64)).tolist()
+
+    def _all_sum_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (on the CPU) summed over the ranks, elementwise (here: themselves)."""
+        return values
 
     def _all_sum_named(self, values: Mapping[str, float]) -> dict[str, float]:
         return dict(values)

@@ -84,6 +84,21 @@ def test_pack_without_behaviour_or_advantages_fills_zeros() -> None:
     assert batch.advantages.tolist() == [[0.0, 0.0]]
 
 
+def test_each_row_takes_its_own_samples_advantage_whatever_rows_the_batch_holds() -> None:
+    """A rank's batch holds some of the step's samples, in its own order: each row's advantage
+    (and whether it is trained) is its sample's, by the index the row carries."""
+    from orchestrator.algo.base import Advantages
+
+    advantages = Advantages(values=[[0.5, -0.5], [2.0, 0.0, -2.0]],
+                            trained=[[True, True], [True, False, True]])
+    batch = token_batch([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[False, True, True]] * 3, pad_id=0,
+                        sample=[4, 0, 3])  # the second group's last and middle, the first's first
+    batch = batch.with_advantages(*advantages.per_sample())
+    assert batch.advantages.tolist() == [[-2.0, -2.0], [0.5, 0.5], [0.0, 0.0]]
+    assert batch.mask.tolist() == [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]  # sample 3 is not trained
+    assert batch.slice(slice(1, 3)).sample.tolist() == [0, 3]
+
+
 # -- RL steps ----------------------------------------------------------------------------------
 
 
