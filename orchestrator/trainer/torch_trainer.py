@@ -367,9 +367,11 @@ class TorchTrainer(Trainer):
             with self.model.disable_adapter():
                 yield self.model
 
-    def _batch_of(self, groups: Sequence[Group], mine: Sequence[int]) -> TokenBatch | None:
-        """The samples of the groups at ``mine``, one per row, each knowing its index among
-        all ``groups``' samples (their advantages are set later, by it)."""
+    def _batch_of(self, groups: Sequence[Group],
+                  mine: Sequence[int] | None = None) -> TokenBatch | None:
+        """The samples of the groups at ``mine`` (default: all), one per row, each knowing its
+        index among all ``groups``' samples (their advantages are set later, by it)."""
+        mine = range(len(groups)) if mine is None else mine
         starts = [0, *itertools.accumulate(len(g) for g in groups)]
         sample = [starts[g] + i for g in mine for i in range(len(groups[g]))]
         groups = [groups[g] for g in mine]
