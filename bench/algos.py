@@ -39,7 +39,11 @@ deviation: the presets at k = 1 for ``--steps`` (800) steps, held-out accuracy (
 greedy) every ``--every`` (100) steps, at half and at all the steps, and the RL minutes to
 ``--target`` (0.8) accuracy; the sweep over ``--ks`` x the three corrections for
 ``--sweep-steps`` (300) steps, where k = 8 is far enough off-policy for corrections to matter
-(16 prompts a step, so ``(k + 1) x 16`` workers). A preset *learns* when every seed gains
+(16 prompts a step, so ``(k + 1) x 16`` workers). A preset that makes n updates a batch (its
+paper's schedule, ``trainer.num_minibatches``) takes the experiment's learning rate over n for
+each (``--no-scale-lr``: the experiment's): AdamW moves a weight about ``lr`` an update, so n
+updates at the rate tuned for one move the weights n times as far a batch, and on this 64-sample
+batch that collapsed ``dapo`` (16 updates) in one seed of five. A preset *learns* when every seed gains
 ``--gain`` (0.3) over its own accuracy before RL; a difference between two means no larger than
 the larger of their standard deviations is printed as a tie. Last line ``presets_learning=``,
 the share of presets that learn (the line before: the count, ``<n>/<n>``).
@@ -135,17 +139,16 @@ def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: in
     """One run (``reuse``: a finished run directory of the same length is read instead);
     ``base``: the experiment (the default one: none)."""
     run_dir = out / name
-    summary_file = run_dir / "summary.json"
-    if reuse and summary_file.is_file() and json.loads(summary_file.read_text())["steps"] == steps:
-        print(f"[bench.algos] {name}: read from {run_dir}", flush=True)
-        return read(run_dir, name, steps)
-    shutil.rmtree(run_dir, ignore_errors=True)
     args = [sys.executable, "-m", "orchestrator", *base, *extra, *overrides,
             f"pipeline.num_steps={steps}", f"eval.every={every}", "eval.engine=shared",
             "checkpoint.every=0",
             "checkpoint.every_s=0", "logger=none", "progress=false", f"hydra.run.dir={run_dir}"]
     if eval_tasks is not None:
         args.append(f"eval.num_tasks={eval_tasks}")
+    if reuse and finished(run_dir, args[3:]):
+        print(f"[bench.algos] {name}: read from {run_dir}", flush=True)
+        return read(run_dir, name, steps)
+    shutil.rmtree(run_dir, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
     log = out / f"{name}.log"
     out.mkdir(parents=True, exist_ok=True)
@@ -158,6 +161,15 @@ def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: in
                          f"{log.read_text()[-2000:]}")
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # 1 GB a run; read() needs none
     return read(run_dir, name, steps)
+
+
+def finished(run_dir: Path, overrides: Sequence[str]) -> bool:
+    """Whether ``run_dir`` holds a finished run started with exactly ``overrides``."""
+    import yaml
+
+    saved = run_dir / ".hydra" / "overrides.yaml"
+    return (run_dir / "summary.json").is_file() and saved.is_file() \
+        and yaml.safe_load(saved.read_text()) == list(overrides)
 
 
 def read(run_dir: Path, name: str, steps: int) -> Result:
@@ -209,21 +221,49 @@ def staleness(ks: Sequence[int], out: Path, steps: int, every: int, eval_tasks: 
     return results
 
 
-def updates_per_batch(run_dir: Path) -> str:
-    """``trainer.num_minibatches`` as the run composed it (its ``.hydra/config.yaml``)."""
+def updates_and_lr(run_dir: Path) -> str:
+    """``trainer.num_minibatches (trainer.lr)`` as the run composed them (its
+    ``.hydra/config.yaml``)."""
     from omegaconf import OmegaConf
 
     composed = run_dir / ".hydra" / "config.yaml"
-    return str(OmegaConf.load(composed).trainer.num_minibatches) if composed.is_file() else "?"
+    if not composed.is_file():
+        return "?"
+    trainer = OmegaConf.load(composed).trainer
+    return f"{trainer.num_minibatches} ({trainer.lr:.3g})"
+
+
+def schedule(overrides: Sequence[str]) -> tuple[int, float]:
+    """``(trainer.num_minibatches, trainer.lr)`` as a run of the default experiment with
+    ``overrides`` composes them from ``conf/``."""
+    from hydra import compose, initialize_config_dir
+
+    from orchestrator.config.read import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        trainer = compose("config", overrides=list(overrides)).trainer
+    return int(trainer.num_minibatches), float(trainer.lr)
+
+
+def per_update_lr(name: str, extra: Sequence[str]) -> list[str]:
+    """The override that gives each of preset ``name``'s updates the experiment's learning rate
+    divided by its updates per batch (none for one update): AdamW moves each weight about
+    ``lr`` a step whatever the gradient's size, so n updates a batch at the rate tuned for one
+    move the weights n times as far a batch."""
+    updates, lr = schedule([f"algo={name}", *extra])
+    return [] if updates == 1 else [f"trainer.lr={lr / updates:.6g}"]
 
 
 def toy_presets(names: Sequence[str], seeds: int, out: Path, steps: int, every: int,
                 target: float, gain: float, reuse: bool = False,
-                extra: Sequence[str] = ()) -> int:
+                extra: Sequence[str] = (), scale_lr: bool = True) -> int:
     """Each preset at k = 1 on the default experiment, ``seeds`` seeds each; prints the spread
-    table and returns how many presets learn (every seed gains ``gain``)."""
-    runs = {n: [launch(f"{n}_s{seed}", [f"algo={n}", f"seed={seed}"], out / "toy_presets", steps,
-                       every, None, reuse, extra, base=()) for seed in range(seeds)]
+    table and returns how many presets learn (every seed gains ``gain``). ``scale_lr``: each
+    update at the experiment's rate over the preset's updates per batch (:func:`per_update_lr`)."""
+    lrs = {n: per_update_lr(n, extra) if scale_lr else [] for n in names}
+    runs = {n: [launch(f"{n}_s{seed}", [f"algo={n}", f"seed={seed}", *lrs[n]],
+                       out / "toy_presets", steps, every, None, reuse, extra, base=())
+                for seed in range(seeds)]
             for n in names}
     half = steps // 2
     spread = {n: {"before": Spread(tuple(r.before for r in rs)),
@@ -232,7 +272,7 @@ def toy_presets(names: Sequence[str], seeds: int, out: Path, steps: int, every: 
     reference = spread.get("grpo")
     print(f"\npresets at k = 1 on the default experiment, {steps} steps, {seeds} seeds "
           f"(mean ± sd; held-out greedy accuracy)")
-    print(f"| preset | updates | before | step {half} | step {steps} | vs grpo | RL min to "
+    print(f"| preset | updates (lr) | before | step {half} | step {steps} | vs grpo | RL min to "
           f"{target:g} (seeds) | learns (+{gain:g}, every seed) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     learning = 0
@@ -244,7 +284,7 @@ def toy_presets(names: Sequence[str], seeds: int, out: Path, steps: int, every: 
         learning += learns
         versus = "—" if reference is None or n == "grpo" else \
             spread[n]["last"].against(reference["last"])
-        print(f"| {n} | {updates_per_batch(out / 'toy_presets' / rs[0].name)} | "
+        print(f"| {n} | {updates_and_lr(out / 'toy_presets' / rs[0].name)} | "
               f"{spread[n]['before']} | {spread[n]['half']} | {spread[n]['last']} | {versus} | "
               f"{minutes} | {'yes' if learns else 'no'} |")
     return learning
@@ -284,7 +324,7 @@ def toy(args: argparse.Namespace, parts: set[str], names: Sequence[str], ks: Seq
     learning = None
     if "presets" in parts:
         learning = toy_presets(names, args.seeds, out, args.steps, args.every, args.target,
-                               args.gain, args.reuse, extra)
+                               args.gain, args.reuse, extra, scale_lr=args.scale_lr)
     if "staleness" in parts:
         toy_staleness(ks, args.sweep_seeds, out, args.sweep_steps, args.every, args.reuse, extra)
     if learning is not None:
@@ -339,6 +379,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the presets' plot (default: docs/algos.png; none with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="two presets, and the three corrections at k = 4, two steps each")
+    parser.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,
+                        help="--toy: each update of a preset that makes n a batch at the "
+                             "experiment's trainer.lr / n (default; --no-scale-lr: trainer.lr)")
     parser.add_argument("--reuse", action="store_true",
                         help="read the finished runs already in --out instead of running them")
     add_smoke(parser)
