@@ -10,12 +10,11 @@
 # Docker set-up): about a minute and a half after set-up on a 2-core machine.
 #
 # Tests run in POLYRL_TEST_WORKERS processes (pytest-xdist; default 2), a test file to a
-# process, so a file's fixtures are built once; Docker tests take turns: they are one group that
-# one process runs from start to end, started first (tests/conftest.py: schedule). Ray's tests
-# take turns too, in a third pytest process that runs them alone, beside the two (see below).
-# Many tests wait on subprocesses, containers and Ray actors rather than compute, so these
-# processes fit two cores. POLYRL_TEST_WORKERS=0 runs them all in this process, one at a time
-# (for pdb, or -x). POLYRL_TEST_CPU=<folder> records what
+# process, so a file's fixtures are built once; Docker tests take turns, and so do Ray tests:
+# each kind is one group that one process runs from start to end, started first
+# (tests/conftest.py: schedule). Many tests wait on subprocesses, containers and Ray actors rather than
+# compute, so two processes fit two cores. POLYRL_TEST_WORKERS=0 runs
+# them in this process, one at a time (for pdb, or -x). POLYRL_TEST_CPU=<folder> records what
 # each test cost (wall and CPU seconds); python tests/cpu_report.py <folder> sums it by file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,32 +35,7 @@ bash scripts/docker_setup.sh  # Docker engine + sandbox image for tests/sandboxe
 .venv/bin/lint-imports  # the import contracts in pyproject.toml (ARCHITECTURE.md's dependency rule)
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir site  # docs/: a broken link or page fails here (not --quiet: it hides the warnings --strict counts)
 status=0
-if [ "${POLYRL_TEST_WORKERS:-2}" = "0" ]; then
-  .venv/bin/python -m pytest "${workers[@]}" "$@" || status=$?
-else
-  # Ray's group runs in a pytest process of its own, beside the others (--part, tests/conftest.py):
-  # its tests start Ray drivers inside the test process (ray.init, ray.shutdown), and four
-  # times a process that had run them crashed later (a segfault while collecting garbage, in a
-  # test that does not use Ray). A process that runs nothing after Ray's group cannot.
-  ray_out=$(mktemp)
-  .venv/bin/python -m pytest -n 0 --part ray "$@" >"$ray_out" 2>&1 &
-  ray_pid=$!
-  rest_status=0
-  .venv/bin/python -m pytest "${workers[@]}" --part rest "$@" || rest_status=$?
-  echo "test: Ray's group, in a process of its own$(kill -0 "$ray_pid" 2>/dev/null && echo ' (still running)')" >&2
-  ray_status=0
-  wait "$ray_pid" || ray_status=$?
-  cat "$ray_out"
-  rm -f "$ray_out"
-  for part_status in "$rest_status" "$ray_status"; do
-    if [ "$part_status" -ne 0 ] && [ "$part_status" -ne 5 ]; then  # 5: none selected by "$@"
-      status=$part_status
-    fi
-  done
-  if [ "$rest_status" -eq 5 ] && [ "$ray_status" -eq 5 ]; then
-    status=5
-  fi
-fi
+.venv/bin/python -m pytest "${workers[@]}" "$@" || status=$?
 echo "test: engine=vllm's tests in .venv-vllm" >&2
 vllm_status=0
 .venv-vllm/bin/python -m pytest "${workers[@]}" -m vllm "$@" || vllm_status=$?

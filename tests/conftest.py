@@ -22,13 +22,6 @@ from orchestrator.trainer.simulated import SimulatedTrainer, UniformCost
 TAKE_TURNS = ("docker", "ray")  # markers whose tests never run at once
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--part", choices=("all", "ray", "rest"), default="all",
-        help="all: every test; ray: Ray's group alone (the tests marked ray); rest: the others. "
-             "scripts/test.sh runs Ray's group in a pytest process of its own (see there)")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
@@ -37,13 +30,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    if (part := config.getoption("part")) != "all":
-        kept: list[pytest.Item] = []
-        dropped: list[pytest.Item] = []
-        for item in items:
-            (kept if (group(item) == "ray") == (part == "ray") else dropped).append(item)
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
     schedule(items)
 
 

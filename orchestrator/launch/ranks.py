@@ -23,6 +23,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +121,20 @@ class RankHandle(ABC):
 
     rank: int
 
+    def pack(self, method: str, args: tuple[Any, ...]) -> Any:
+        """The call as this kind of handle sends it (by default as it is). :meth:`RankGroup._each`
+        packs a call once, in the caller's thread, and every rank's thread sends that one
+        message: no two threads ever serialise the same arguments (see there)."""
+        return method, args
+
     @abstractmethod
-    def call(self, method: str, *args: Any) -> Any:
-        """Run ``RankServer.<method>(*args)`` on the rank and return its result (blocking);
+    def send(self, message: Any) -> Any:
+        """Run the call :meth:`pack` made on the rank and return its result (blocking);
         raises :class:`RankLost` when the rank is gone."""
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run ``RankServer.<method>(*args)`` on the rank and return its result (blocking)."""
+        return self.send(self.pack(method, args))
 
     def close(self) -> None:  # a handle may hold nothing
         pass
@@ -162,10 +173,15 @@ class RankGroup(TrainerProxy):
         errors: list[tuple[int, BaseException]] = []
         finished = threading.Condition()
         done = [0]
+        # Serialised once, here, not by each rank's thread: two threads pickling the same
+        # objects at once (a step's groups) can leave CPython 3.11 with two instance dicts
+        # sharing one values array, one of them freed with it, and the process then segfaults
+        # in a later garbage collection (found from a core dump of the test suite's crash).
+        message = self.handles[0].pack(method, args)
 
         def one(handle: RankHandle) -> None:
             try:
-                results[handle.rank] = handle.call(method, *args)
+                results[handle.rank] = handle.send(message)
             except BaseException as error:  # noqa: BLE001 - collected and raised below
                 errors.append((handle.rank, error))
             with finished:
@@ -345,10 +361,15 @@ class ProcessRank(RankHandle):
         with self._lock:
             self._receive("its start")
 
-    def call(self, method: str, *args: Any) -> Any:
+    def pack(self, method: str, args: tuple[Any, ...]) -> tuple[str, bytes]:
+        """The call pickled as ``Connection.send`` pickles it (the rank's ``recv`` reads it)."""
+        return method, bytes(ForkingPickler.dumps((method, args)))
+
+    def send(self, message: tuple[str, bytes]) -> Any:
+        method, payload = message
         with self._lock:
             try:
-                self._conn.send((method, args))
+                self._conn.send_bytes(payload)
             except (BrokenPipeError, OSError) as error:  # it died before the call was sent
                 self.process.join(timeout=5)
                 raise RankLost(

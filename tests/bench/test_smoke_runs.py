@@ -54,8 +54,9 @@ def test_algos_toy_smoke_gives_each_figure_over_seeds() -> None:
     _, share, out = run_bench("algos", "--toy", "--parts", "presets,staleness", "--ks", "1",
                               "--sweep-seeds", "1", expect="presets_learning")
     assert 0 <= share <= 1
-    # two seeds of grpo, one update a batch: each figure a mean ± sd
-    assert re.search(r"^\| grpo \| 1 \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|", out, re.MULTILINE)
+    # two seeds of grpo, one update a batch at the experiment's rate: each figure a mean ± sd
+    assert re.search(r"^\| grpo \| 1 \(0\.0001\) \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|", out,
+                     re.MULTILINE)
     assert re.search(r"^presets_learning: [01]/1$", out, re.MULTILINE)
     for correction in ("decoupled", "bypass_tis", "m2po"):
         assert re.search(rf"^\| {correction} \| [\d.]+ ± 0\.00 \(", out, re.MULTILINE)
@@ -69,3 +70,12 @@ def test_eval_smoke_times_evaluation_against_rollout() -> None:
     assert ratio > 0
     assert re.search(r"^eval_rl_cost=\S+ eval_engine_share=\S+ ", out, re.MULTILINE)
     assert len(re.findall(r"^RL (without evaluation|with eval\.every=1)", out, re.MULTILINE)) == 3
+
+
+def test_algos_toy_gives_each_of_n_updates_a_batch_the_rate_over_n() -> None:
+    from bench.algos import per_update_lr, schedule
+
+    assert schedule(["algo=dapo"]) == (16, 1e-4)  # DAPO's 16 updates, the experiment's rate
+    assert per_update_lr("dapo", []) == ["trainer.lr=6.25e-06"]
+    assert per_update_lr("gspo", ["trainer.lr=2e-4"]) == ["trainer.lr=5e-05"]
+    assert per_update_lr("grpo", []) == []  # one update: the rate as it is

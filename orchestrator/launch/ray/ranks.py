@@ -116,7 +116,13 @@ class RayRank(RankHandle):
     def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)
 
-    def call(self, method: str, *args: Any) -> Any:
+    def pack(self, method: str, args: tuple[Any, ...]) -> tuple[str, list[Any]]:
+        """Each argument put in the object store once for every rank (an argument that is an
+        ``ObjectRef`` already goes as it is); the actor gets the values."""
+        return method, [a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args]
+
+    def send(self, message: tuple[str, list[Any]]) -> Any:
+        method, args = message
         try:
             done = result_now(self.actor.call.remote(method, *args))
         except RayActorError as error:

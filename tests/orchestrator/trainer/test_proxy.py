@@ -8,6 +8,8 @@ run the same calls over processes and Ray actors."""
 from __future__ import annotations
 
 import inspect
+import multiprocessing
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +17,7 @@ import anyio
 import pytest
 
 from orchestrator.algo.grpo import GRPO
-from orchestrator.launch.ranks import RankGroup, RankHandle
+from orchestrator.launch.ranks import ProcessRank, RankGroup, RankHandle
 from orchestrator.models.policy import Policy
 from orchestrator.trainer.base import (
     Forwarded,
@@ -70,8 +72,52 @@ class InProcessRank(RankHandle):
         self.rank = rank
         self.server = server
 
-    def call(self, method: str, *args: Any) -> Any:
+    def send(self, message: tuple[str, tuple[Any, ...]]) -> Any:
+        method, args = message
         return getattr(self.server, method)(*args)
+
+
+class PipeRank(ProcessRank):
+    """A local rank's packing and pipe, with a thread at the far end instead of a process."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self._lock = rank, threading.Lock()
+        self._conn, far = multiprocessing.Pipe()
+        threading.Thread(target=self._far_end, args=(far,), daemon=True).start()
+
+    @staticmethod
+    def _far_end(far: Any) -> None:
+        with far:
+            while True:
+                try:
+                    method, args = far.recv()
+                except EOFError:
+                    return
+                far.send(("ok", 0 if method == "version" else (method, len(args))))
+
+
+PICKLED_IN: list[int] = []  # the thread of each Counted pickled
+
+
+class Counted:
+    def __reduce__(self) -> tuple[Any, ...]:
+        PICKLED_IN.append(threading.get_ident())
+        return (Counted, ())
+
+
+def test_a_group_call_is_serialised_once_in_the_callers_thread() -> None:
+    """Each rank's thread sends the one message the group packed. When each thread pickled the
+    call itself, two threads pickled a step's groups at once, which can leave CPython 3.11 with
+    two instance dicts sharing one values array; freeing one corrupted the other, and the test
+    suite's process segfaulted in a later garbage collection (seen in a core dump)."""
+    PICKLED_IN.clear()
+    group = RankGroup([PipeRank(rank) for rank in range(3)])
+    try:
+        assert group._all_now("echo", Counted(), [Counted()]) == [("echo", 2)] * 3
+    finally:
+        for handle in group.handles:
+            handle._conn.close()
+    assert PICKLED_IN == [threading.get_ident()] * 2  # each argument once, here
 
 
 def test_every_proxy_has_every_forwarded_method_with_the_interfaces_signature() -> None:
