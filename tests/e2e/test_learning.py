@@ -8,11 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 from hydra import compose, initialize_config_dir
 
 from orchestrator.builders import run
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
