@@ -164,12 +164,15 @@ def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: in
 
 
 def finished(run_dir: Path, overrides: Sequence[str]) -> bool:
-    """Whether ``run_dir`` holds a finished run started with exactly ``overrides``."""
+    """Whether ``run_dir`` holds a finished run started with exactly ``overrides``. Hydra's
+    ``overrides.yaml`` keeps the task's overrides alone, so ``hydra.*`` ones (the run
+    directory) are left out of the comparison."""
     import yaml
 
     saved = run_dir / ".hydra" / "overrides.yaml"
+    task = [o for o in overrides if not o.startswith("hydra.")]
     return (run_dir / "summary.json").is_file() and saved.is_file() \
-        and yaml.safe_load(saved.read_text()) == list(overrides)
+        and yaml.safe_load(saved.read_text()) == task
 
 
 def read(run_dir: Path, name: str, steps: int) -> Result:

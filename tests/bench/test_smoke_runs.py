@@ -6,6 +6,7 @@ evaluation's cost, each on the toy model, each printing its documented headline 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from bench_smoke import run_bench
@@ -50,9 +51,10 @@ def test_algos_smoke_runs_a_preset_and_reads_its_curve() -> None:
 
 
 @pytest.mark.slow
-def test_algos_toy_smoke_gives_each_figure_over_seeds() -> None:
-    _, share, out = run_bench("algos", "--toy", "--parts", "presets,staleness", "--ks", "1",
-                              "--sweep-seeds", "1", expect="presets_learning")
+def test_algos_toy_smoke_gives_each_figure_over_seeds(tmp_path: Path) -> None:
+    args = ("--toy", "--parts", "presets,staleness", "--ks", "1", "--sweep-seeds", "1",
+            "--out", str(tmp_path))
+    _, share, out = run_bench("algos", *args, expect="presets_learning")
     assert 0 <= share <= 1
     # two seeds of grpo, one update a batch at the experiment's rate: each figure a mean ± sd
     assert re.search(r"^\| grpo \| 1 \(0\.0001\) \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|", out,
@@ -61,6 +63,13 @@ def test_algos_toy_smoke_gives_each_figure_over_seeds() -> None:
     for correction in ("decoupled", "bypass_tis", "m2po"):
         assert re.search(rf"^\| {correction} \| [\d.]+ ± 0\.00 \(", out, re.MULTILINE)
     assert re.search(r"^k = 1: highest mean \w+; against it: ", out, re.MULTILINE)
+    # --reuse reads each finished run back (2 grpo seeds, 3 corrections) and runs none again
+    _, again, reread = run_bench("algos", *args, "--reuse", expect="presets_learning")
+    assert len(re.findall(r"^\[bench\.algos\] \w+: read from ", reread, re.MULTILINE)) == 5
+    assert "pipeline.num_steps" not in reread  # no run was started
+    assert again == share
+    assert [line for line in reread.splitlines() if line.startswith("|")] == \
+        [line for line in out.splitlines() if line.startswith("|")]
 
 
 @pytest.mark.slow
