@@ -145,7 +145,7 @@ def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: in
             "checkpoint.every_s=0", "logger=none", "progress=false", f"hydra.run.dir={run_dir}"]
     if eval_tasks is not None:
         args.append(f"eval.num_tasks={eval_tasks}")
-    if reuse and finished(run_dir, args[3:]):
+    if reuse and finished(run_dir, args[3:], steps):
         print(f"[bench.algos] {name}: read from {run_dir}", flush=True)
         return read(run_dir, name, steps)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -163,16 +163,19 @@ def launch(name: str, overrides: Sequence[str], out: Path, steps: int, every: in
     return read(run_dir, name, steps)
 
 
-def finished(run_dir: Path, overrides: Sequence[str]) -> bool:
-    """Whether ``run_dir`` holds a finished run started with exactly ``overrides``. Hydra's
-    ``overrides.yaml`` keeps the task's overrides alone, so ``hydra.*`` ones (the run
-    directory) are left out of the comparison."""
+def finished(run_dir: Path, overrides: Sequence[str], steps: int) -> bool:
+    """Whether ``run_dir`` holds a run started with exactly ``overrides`` that trained all its
+    ``steps``. Hydra's ``overrides.yaml`` keeps the task's overrides alone, so ``hydra.*`` ones
+    (the run directory) are left out of the comparison. A run stopped early (SIGTERM, a crash)
+    writes its ``summary.json`` too, with the steps it reached: it is not finished."""
     import yaml
 
     saved = run_dir / ".hydra" / "overrides.yaml"
+    summary = run_dir / "summary.json"
     task = [o for o in overrides if not o.startswith("hydra.")]
-    return (run_dir / "summary.json").is_file() and saved.is_file() \
-        and yaml.safe_load(saved.read_text()) == task
+    return summary.is_file() and saved.is_file() \
+        and yaml.safe_load(saved.read_text()) == task \
+        and json.loads(summary.read_text()).get("steps") == steps
 
 
 def read(run_dir: Path, name: str, steps: int) -> Result:
