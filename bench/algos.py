@@ -11,14 +11,20 @@ staleness sweep of three off-policy corrections.
 Every run is ``python -m orchestrator experiment=dataset_smol`` (SmolLM2-135M-Instruct, the
 shipped arithmetic Parquet files, math-verify; its base model's greedy held-out accuracy is
 about 0.14) in its own process, as a user would start it, one after the other on the same
-cores, with the same seed, batch (4 prompts x 8 samples), learning rate and evaluation
-(``eval.every`` steps, the held-out file, greedy, on the rollout engine: ``eval.engine=shared``,
-as the runs in the docs were measured). Periodic checkpoints are off (the same for every run). Curves are read back from each run directory by
+cores, with the same seed, batch (4 prompts x 8 samples) and evaluation (``eval.every`` steps,
+the held-out file, greedy, on the rollout engine: ``eval.engine=shared``, as the runs in the
+docs were measured). A preset that makes n updates a batch (its paper's schedule,
+``trainer.num_minibatches``) takes the experiment's learning rate over n for each (``--no-scale-lr``:
+the experiment's), as under ``--toy`` below. Periodic checkpoints are off (the same for every run). Curves are read back from each run directory by
 :func:`bench.rg_smol_curve.curve`: held-out accuracy against RL wall time.
 
 1. **Presets** (``presets``): each preset at k = 1 for ``--steps`` steps. The table gives the
-   accuracy before RL, the best within the budget, the last, and the RL minutes to reach
-   ``+--gain`` (0.15) over the run's own accuracy before RL. The plot (``--png``) has every
+   updates a batch and their learning rate, the accuracy before RL, at half the steps, the
+   best within the budget, the last, the RL minutes to reach ``+--gain`` (0.15) over the
+   run's own accuracy before RL, and how much the loss acted: the mean a step of the metric
+   only that loss logs (its ``LossCard``'s: the clipped fraction of tokens for PPO's clip and
+   CISPO's cap, of sequences for GSPO, the gate's weight for SAPO; 0 clipped at one update a
+   batch, where every ratio to the proximal policy is 1). The plot (``--png``) has every
    preset's curve.
 2. **Staleness** (``staleness``): k in ``--ks`` (0, 1, 4, 8) for the default decoupled loss
    (``algo=grpo``), the bypass mode with token TIS (``algo=grpo algo.mode=bypass``) and M2PO
@@ -87,6 +93,12 @@ class Result:
     points: list[tuple[float, int, float]]  # (RL minutes, step, held-out accuracy)
     seconds_per_step: float
     staleness: float  # mean over the steps
+    acts: tuple[str, float] = ("", 0.0)  # the loss's own metric, its mean over the steps
+
+    @property
+    def acted(self) -> str:
+        """``<metric> <mean>``: how much the loss's clip, cap or gate acted a step."""
+        return f"{self.acts[0]} {self.acts[1]:.3f}" if self.acts[0] else "?"
 
     @property
     def before(self) -> float:
@@ -186,23 +198,46 @@ def read(run_dir: Path, name: str, steps: int) -> Result:
     if summary.get("eval_after") is not None and points[-1][1] != steps:
         points.append((summary["rl_seconds"] / 60, steps, float(summary["eval_after"])))
     staleness = sum(r.get("staleness/mean", 0.0) for r in rows) / max(len(rows), 1)
-    return Result(name, points, summary["rl_seconds"] / max(summary["steps"], 1), staleness)
+    own = own_metric(run_dir)
+    values = [r[f"train/{own}"] for r in rows if f"train/{own}" in r]
+    return Result(name, points, summary["rl_seconds"] / max(summary["steps"], 1), staleness,
+                  (own, sum(values) / len(values)) if own and values else ("", 0.0))
+
+
+def own_metric(run_dir: Path) -> str:
+    """The metric only the run's policy loss logs (its ``LossCard``'s: ``clip_fraction`` for
+    PPO's clip and CISPO's cap, ``sequence_clip_fraction`` for GSPO, ``gate_weight`` for SAPO);
+    "" when the run's composed config is gone."""
+    from omegaconf import OmegaConf
+
+    from orchestrator.algo.losses import LOSSES
+
+    composed = run_dir / ".hydra" / "config.yaml"
+    if not composed.is_file():
+        return ""
+    loss = LOSSES.get(str(OmegaConf.load(composed).algo.loss._target_).rsplit(".", 1)[-1])
+    return loss.card.own if loss is not None else ""
 
 
 def presets(names: Sequence[str], out: Path, steps: int, every: int, gain: float,
-            eval_tasks: int | None, reuse: bool = False, extra: Sequence[str] = ()) -> list[Result]:
-    """``extra``: overrides of every run (``--smoke``: the toy model)."""
-    results = [launch(n, [f"algo={n}"], out / "presets", steps, every, eval_tasks, reuse, extra)
-               for n in names]
+            eval_tasks: int | None, reuse: bool = False, extra: Sequence[str] = (),
+            scale_lr: bool = True) -> list[Result]:
+    """``extra``: overrides of every run (``--smoke``: the toy model). ``scale_lr``: each
+    update at the experiment's rate over the preset's updates per batch (:func:`per_update_lr`)."""
+    lrs = {n: per_update_lr(n, [*REAL, *extra]) if scale_lr else [] for n in names}
+    results = [launch(n, [f"algo={n}", *lrs[n]], out / "presets", steps, every, eval_tasks,
+                      reuse, extra) for n in names]
     budget = max(r.points[-1][0] for r in results)
     print(f"\npresets at k = 1, {steps} steps (budget: {budget:.1f} RL minutes, the slowest run)")
-    print(f"| preset | before | best | last | RL min to +{gain:.2f} | s/step |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"| preset | updates (lr) | before | step {steps // 2} | best | last | RL min to "
+          f"+{gain:.2f} | s/step | the loss's own metric, mean a step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         reach = r.minutes_to(gain)
-        print(f"| {r.name} | {r.before:.2f} | {r.best_within(budget):.2f} | "
+        print(f"| {r.name} | {updates_and_lr(out / 'presets' / r.name)} | {r.before:.2f} | "
+              f"{r.at_step(steps // 2):.2f} | {r.best_within(budget):.2f} | "
               f"{r.points[-1][2]:.2f} | {'—' if reach is None else f'{reach:.1f}'} | "
-              f"{r.seconds_per_step:.1f} |")
+              f"{r.seconds_per_step:.1f} | {r.acted} |")
     return results
 
 
@@ -240,8 +275,8 @@ def updates_and_lr(run_dir: Path) -> str:
 
 
 def schedule(overrides: Sequence[str]) -> tuple[int, float]:
-    """``(trainer.num_minibatches, trainer.lr)`` as a run of the default experiment with
-    ``overrides`` composes them from ``conf/``."""
+    """``(trainer.num_minibatches, trainer.lr)`` as a run with ``overrides`` (the default
+    experiment unless they name another) composes them from ``conf/``."""
     from hydra import compose, initialize_config_dir
 
     from orchestrator.config.read import CONF
@@ -279,8 +314,9 @@ def toy_presets(names: Sequence[str], seeds: int, out: Path, steps: int, every: 
     print(f"\npresets at k = 1 on the default experiment, {steps} steps, {seeds} seeds "
           f"(mean ± sd; held-out greedy accuracy)")
     print(f"| preset | updates (lr) | before | step {half} | step {steps} | vs grpo | RL min to "
-          f"{target:g} (seeds) | learns (+{gain:g}, every seed) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"{target:g} (seeds) | learns (+{gain:g}, every seed) | the loss's own metric, mean "
+          f"a step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     learning = 0
     for n, rs in runs.items():
         reached = [m for r in rs if (m := r.minutes_to_accuracy(target)) is not None]
@@ -292,7 +328,8 @@ def toy_presets(names: Sequence[str], seeds: int, out: Path, steps: int, every: 
             spread[n]["last"].against(reference["last"])
         print(f"| {n} | {updates_and_lr(out / 'toy_presets' / rs[0].name)} | "
               f"{spread[n]['before']} | {spread[n]['half']} | {spread[n]['last']} | {versus} | "
-              f"{minutes} | {'yes' if learns else 'no'} |")
+              f"{minutes} | {'yes' if learns else 'no'} | {rs[0].acts[0] or '?'} "
+              f"{Spread(tuple(r.acts[1] for r in rs)).mean:.3f} |")
     return learning
 
 
@@ -386,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="two presets, and the three corrections at k = 4, two steps each")
     parser.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,
-                        help="--toy: each update of a preset that makes n a batch at the "
+                        help="each update of a preset that makes n a batch at the "
                              "experiment's trainer.lr / n (default; --no-scale-lr: trainer.lr)")
     parser.add_argument("--reuse", action="store_true",
                         help="read the finished runs already in --out instead of running them")
@@ -436,7 +473,7 @@ def measure(args: argparse.Namespace, parts: set[str], names: Sequence[str], ks:
     results = []
     if "presets" in parts:
         results = presets(names, out, args.steps, args.every, args.gain, args.eval_tasks,
-                          args.reuse, extra)
+                          args.reuse, extra, scale_lr=args.scale_lr)
         if not args.quick and not args.smoke:
             plot(results, args.gain, args.png or REPO / "docs" / "algos.png")
     sweep = {}

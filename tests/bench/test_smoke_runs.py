@@ -51,7 +51,9 @@ def test_algos_smoke_runs_a_preset_and_reads_its_curve() -> None:
     pytest.importorskip("math_verify", reason="env.reward=math needs the data extra")
     _, share, out = run_bench("algos", expect="presets_learning")
     assert 0 <= share <= 1
-    assert re.search(r"^\| grpo \| [\d.]+ \|", out, re.MULTILINE)
+    # one update a batch: the ratio to the proximal policy is 1, so PPO's clip never acts
+    assert re.search(r"^\| grpo \| 1 \(5e-06\) \| [\d.]+ \| .* \| clip_fraction 0\.000 \|$", out,
+                     re.MULTILINE), out
 
 
 @pytest.mark.slow
@@ -71,8 +73,8 @@ def test_algos_toy_smoke_gives_each_figure_over_seeds(tmp_path: Path) -> None:
     assert "read from" not in out
     assert 0 <= share <= 1
     # two seeds of grpo, one update a batch at the experiment's rate: each figure a mean ± sd
-    assert re.search(r"^\| grpo \| 1 \(0\.0001\) \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|", out,
-                     re.MULTILINE)
+    assert re.search(r"^\| grpo \| 1 \(0\.0001\) \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|.* \| "
+                     r"clip_fraction 0\.000 \|$", out, re.MULTILINE), out
     assert re.search(r"^presets_learning: [01]/1$", out, re.MULTILINE)
     for correction in ("decoupled", "bypass_tis", "m2po"):
         assert re.search(rf"^\| {correction} \| [\d.]+ ± 0\.00 \(", out, re.MULTILINE)
@@ -96,9 +98,11 @@ def test_eval_smoke_times_evaluation_against_rollout() -> None:
 
 
 def test_algos_toy_gives_each_of_n_updates_a_batch_the_rate_over_n() -> None:
-    from bench.algos import per_update_lr, schedule
+    from bench.algos import REAL, per_update_lr, schedule
 
     assert schedule(["algo=dapo"]) == (16, 1e-4)  # DAPO's 16 updates, the experiment's rate
     assert per_update_lr("dapo", []) == ["trainer.lr=6.25e-06"]
     assert per_update_lr("gspo", ["trainer.lr=2e-4"]) == ["trainer.lr=5e-05"]
     assert per_update_lr("grpo", []) == []  # one update: the rate as it is
+    # SmolLM2's experiment: its own rate (5e-6) over the preset's updates
+    assert per_update_lr("gspo", list(REAL)) == ["trainer.lr=1.25e-06"]
