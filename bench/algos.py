@@ -74,9 +74,13 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bench.cli import TOY_MODEL, add_smoke, headline
 from bench.rg_smol_curve import curve
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "stale")
@@ -208,14 +212,12 @@ def own_metric(run_dir: Path) -> str:
     """The metric only the run's policy loss logs (its ``LossCard``'s: ``clip_fraction`` for
     PPO's clip and CISPO's cap, ``sequence_clip_fraction`` for GSPO, ``gate_weight`` for SAPO);
     "" when the run's composed config is gone."""
-    from omegaconf import OmegaConf
-
     from orchestrator.algo.losses import LOSSES
 
-    composed = run_dir / ".hydra" / "config.yaml"
-    if not composed.is_file():
+    config = composed(run_dir)
+    if config is None:
         return ""
-    loss = LOSSES.get(str(OmegaConf.load(composed).algo.loss._target_).rsplit(".", 1)[-1])
+    loss = LOSSES.get(str(config.algo.loss._target_).rsplit(".", 1)[-1])
     return loss.card.own if loss is not None else ""
 
 
@@ -265,13 +267,19 @@ def staleness(ks: Sequence[int], out: Path, steps: int, every: int, eval_tasks: 
 def updates_and_lr(run_dir: Path) -> str:
     """``trainer.num_minibatches (trainer.lr)`` as the run composed them (its
     ``.hydra/config.yaml``)."""
+    config = composed(run_dir)
+    if config is None:
+        return "?"
+    return f"{config.trainer.num_minibatches} ({config.trainer.lr:.3g})"
+
+
+def composed(run_dir: Path) -> DictConfig | None:
+    """The run's configuration as Hydra composed it (``.hydra/config.yaml``), or None when it
+    is gone."""
     from omegaconf import OmegaConf
 
-    composed = run_dir / ".hydra" / "config.yaml"
-    if not composed.is_file():
-        return "?"
-    trainer = OmegaConf.load(composed).trainer
-    return f"{trainer.num_minibatches} ({trainer.lr:.3g})"
+    path = run_dir / ".hydra" / "config.yaml"
+    return OmegaConf.load(path) if path.is_file() else None  # type: ignore[return-value]
 
 
 def schedule(overrides: Sequence[str]) -> tuple[int, float]:

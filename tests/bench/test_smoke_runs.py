@@ -6,14 +6,11 @@ evaluation's cost, each on the toy model, each printing its documented headline 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from bench_smoke import REPO, run_bench
+from bench_smoke import run_bench, start_bench
 
 
 def test_step_profile_smoke_samples_the_trainer_and_the_engine() -> None:
@@ -62,10 +59,7 @@ def test_algos_toy_smoke_gives_each_figure_over_seeds(tmp_path: Path) -> None:
             "--out", str(tmp_path))
     # the first run (grpo_s0) stopped by SIGTERM in its first step, as a bench stopped by hand
     # stops it: the run writes its summary.json at step 1 of 2 and the bench exits non-zero
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
-    stopped = subprocess.run(
-        [sys.executable, "-m", "bench.algos", "--smoke", *args], cwd=REPO, capture_output=True,
-        text=True, timeout=240, check=False, env={**env, "POLYRL_KILL_AT": "train_step@0:TERM"})
+    stopped = start_bench("algos", *args, env={"POLYRL_KILL_AT": "train_step@0:TERM"})
     assert stopped.returncode != 0 and "grpo_s0 failed" in stopped.stderr, stopped.stderr[-2000:]
     assert json.loads((tmp_path / "toy_presets/grpo_s0/summary.json").read_text())["steps"] == 1
     # --reuse runs a stopped run again: only a run that trained all its steps is read back
