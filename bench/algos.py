@@ -342,8 +342,10 @@ def toy_presets(names: Sequence[str], seeds: int, out: Path, steps: int, every: 
 
 
 def toy_staleness(ks: Sequence[int], seeds: int, out: Path, steps: int, every: int,
-                  reuse: bool = False, extra: Sequence[str] = ()) -> None:
-    """The three corrections at each k on the default experiment, ``seeds`` seeds each."""
+                  reuse: bool = False, extra: Sequence[str] = ()) -> float:
+    """The three corrections at each k on the default experiment, ``seeds`` seeds each; returns
+    the decoupled loss's mean at k = 1 (or the smallest k) minus the best correction's at the
+    largest k, after ``steps`` steps."""
     cells: dict[tuple[str, int], list[Result]] = {}
     for k in ks:
         for name, overrides in CORRECTIONS.items():
@@ -368,6 +370,15 @@ def toy_staleness(ks: Sequence[int], seeds: int, out: Path, steps: int, every: i
         best = max(final, key=lambda n: final[n].mean)
         verdicts = ", ".join(f"{n} {final[n].against(final[best])}" for n in final if n != best)
         print(f"k = {k}: highest mean {best}; against it: {verdicts}")
+    seconds = {k: Spread(tuple(r.seconds_per_step for n in CORRECTIONS for r in cells[n, k]))
+               for k in ks}
+    print("seconds a step (every run at k): " + ", ".join(f"k = {k} {seconds[k]} s" for k in ks))
+    base, top = (1 if 1 in ks else min(ks)), max(ks)
+    gap = Spread(tuple(r.at_step(steps) for r in cells["decoupled", base])).mean - max(
+        Spread(tuple(r.at_step(steps) for r in cells[n, top])).mean for n in CORRECTIONS)
+    print(f"k = {base} (decoupled) minus the best correction at k = {top}, mean held-out accuracy "
+          f"after {steps} steps: {gap:+.3f}")
+    return gap
 
 
 def toy(args: argparse.Namespace, parts: set[str], names: Sequence[str], ks: Sequence[int],
@@ -376,11 +387,15 @@ def toy(args: argparse.Namespace, parts: set[str], names: Sequence[str], ks: Seq
     if "presets" in parts:
         learning = toy_presets(names, args.seeds, out, args.steps, args.every, args.target,
                                args.gain, args.reuse, extra, scale_lr=args.scale_lr)
+    gap = None
     if "staleness" in parts:
-        toy_staleness(ks, args.sweep_seeds, out, args.sweep_steps, args.every, args.reuse, extra)
+        gap = toy_staleness(ks, args.sweep_seeds, out, args.sweep_steps, args.every, args.reuse,
+                            extra)
     if learning is not None:
         print(f"presets_learning: {learning}/{len(names)}")
         headline("presets_learning", learning / len(names))
+    elif gap is not None:
+        headline(f"stale_k{max(ks)}_gap", gap)
 
 
 def plot(results: Sequence[Result], gain: float, path: Path) -> None:

@@ -80,6 +80,12 @@ def test_algos_toy_smoke_gives_each_figure_over_seeds(tmp_path: Path) -> None:
     assert again == share
     assert [line for line in reread.splitlines() if line.startswith("|")] == \
         [line for line in out.splitlines() if line.startswith("|")]
+    # the sweep alone prints its own headline: k = 1's decoupled mean minus the best one's
+    _, gap, sweep = run_bench("algos", *args[:2], "staleness", *args[3:], "--reuse",
+                              expect="stale_k1_gap")
+    assert -1 <= gap <= 0  # k = 1 alone: the decoupled one is among those it is compared with
+    assert re.search(r"^seconds a step \(every run at k\): k = 1 [\d.]+ ± [\d.]+ s$", sweep,
+                     re.MULTILINE), sweep
 
 
 @pytest.mark.slow
