@@ -354,28 +354,25 @@ def toy_staleness(ks: Sequence[int], seeds: int, out: Path, steps: int, every: i
                                          f"pipeline.num_workers={(k + 1) * TOY_PROMPTS_PER_STEP}"],
                 out / "toy_staleness", steps, every, None, reuse, extra, base=())
                 for seed in range(seeds)]
+    final = {cell: Spread(tuple(r.at_step(steps) for r in rs)) for cell, rs in cells.items()}
     print(f"\nstaleness sweep on the default experiment: held-out accuracy after {steps} steps, "
           f"{seeds} seeds (mean ± sd; mean staleness reached)")
     print("| correction | " + " | ".join(f"k = {k}" for k in ks) + " |")
     print("| --- |" + " --- |" * len(ks))
     for name in CORRECTIONS:
-        row = []
-        for k in ks:
-            rs = cells[name, k]
-            row.append(f"{Spread(tuple(r.at_step(steps) for r in rs))} "
-                       f"({sum(r.staleness for r in rs) / len(rs):.1f})")
-        print(f"| {name} | " + " | ".join(row) + " |")
+        print(f"| {name} | " + " | ".join(
+            f"{final[name, k]} ({sum(r.staleness for r in cells[name, k]) / seeds:.1f})"
+            for k in ks) + " |")
     for k in ks:
-        final = {n: Spread(tuple(r.at_step(steps) for r in cells[n, k])) for n in CORRECTIONS}
-        best = max(final, key=lambda n: final[n].mean)
-        verdicts = ", ".join(f"{n} {final[n].against(final[best])}" for n in final if n != best)
+        best = max(CORRECTIONS, key=lambda n: final[n, k].mean)
+        verdicts = ", ".join(f"{n} {final[n, k].against(final[best, k])}"
+                             for n in CORRECTIONS if n != best)
         print(f"k = {k}: highest mean {best}; against it: {verdicts}")
     seconds = {k: Spread(tuple(r.seconds_per_step for n in CORRECTIONS for r in cells[n, k]))
                for k in ks}
     print("seconds a step (every run at k): " + ", ".join(f"k = {k} {seconds[k]} s" for k in ks))
     base, top = (1 if 1 in ks else min(ks)), max(ks)
-    gap = Spread(tuple(r.at_step(steps) for r in cells["decoupled", base])).mean - max(
-        Spread(tuple(r.at_step(steps) for r in cells[n, top])).mean for n in CORRECTIONS)
+    gap = final["decoupled", base].mean - max(final[n, top].mean for n in CORRECTIONS)
     print(f"k = {base} (decoupled) minus the best correction at k = {top}, mean held-out accuracy "
           f"after {steps} steps: {gap:+.3f}")
     return gap
