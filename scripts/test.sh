@@ -14,7 +14,10 @@
 # each kind is one group that one process runs from start to end, started first
 # (tests/conftest.py: schedule). Many tests wait on subprocesses, containers and Ray actors rather than
 # compute, so two processes fit two cores. POLYRL_TEST_WORKERS=0 runs
-# them in this process, one at a time (for pdb, or -x). POLYRL_TEST_CPU=<folder> records what
+# them in this process, one at a time (for pdb, or -x). Commands tests run as
+# `python -m <module>` are forked from a server that imported torch and transformers once
+# (tests/forked.py); POLYRL_TEST_FORK=0 starts each in a new interpreter instead.
+# POLYRL_TEST_CPU=<folder> records what
 # each test cost (wall and CPU seconds); python tests/cpu_report.py <folder> sums it by file.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -11,6 +11,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import forked
 import helpers
 import pytest
 from filelock import FileLock
@@ -76,7 +77,8 @@ CPU_ENV = "POLYRL_TEST_CPU"  # a folder: each process writes its tests' CPU seco
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """With ``POLYRL_TEST_CPU=<folder>``: what each test cost, set-up and teardown included:
     wall seconds and CPU seconds of this process and of the subprocesses it waited for (the
-    commands tests run; a Ray cluster's actors are not among them). One JSON file per
+    commands tests run, forked ones included (tests/forked.py); a Ray cluster's actors are not
+    among them). One JSON file per
     process, written at its end; ``python tests/cpu_report.py <folder>`` sums them by file.
     What the test command's time is made of (issue 44's figures) came from these."""
     if not os.environ.get(CPU_ENV):
@@ -88,7 +90,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     def cpu() -> tuple[float, float]:
         own, waited = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
                                                               resource.RUSAGE_CHILDREN))
-        return own.ru_utime + own.ru_stime, waited.ru_utime + waited.ru_stime
+        return own.ru_utime + own.ru_stime, waited.ru_utime + waited.ru_stime + forked.children_cpu_s
 
     started, (own, waited) = time.perf_counter(), cpu()
     yield

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
+
 REPO = Path(__file__).resolve().parents[2]
 HEADLINE = re.compile(r"^([a-z][a-z0-9_]*)=(\S+)$")
 
@@ -18,9 +20,9 @@ def start_bench(name: str, *args: str, python: str = sys.executable, timeout: fl
     """``python -m bench.<name> --smoke *args`` as a user runs it (the test's Hydra and W&B
     variables left out, ``env`` added), whatever its exit status."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
-    return subprocess.run([python, "-m", f"bench.{name}", "--smoke", *args], cwd=REPO,
-                          env={**base, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return forked.run([python, "-m", f"bench.{name}", "--smoke", *args], cwd=REPO,
+                      env={**base, **(env or {})}, capture_output=True, text=True,
+                      timeout=timeout, check=False)
 
 
 def run_bench(name: str, *args: str, python: str = sys.executable, timeout: float = 240,

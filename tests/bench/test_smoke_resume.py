@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from bench_smoke import REPO, run_bench
 
@@ -27,8 +28,8 @@ def orchestrator(*args: str, kill_at: str | None = None) -> subprocess.Completed
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
     if kill_at:
         env["POLYRL_KILL_AT"] = kill_at
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=280, check=False)
+    return forked.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
+                      capture_output=True, text=True, timeout=280, check=False)
 
 
 @pytest.mark.slow

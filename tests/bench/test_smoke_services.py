@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 
+import forked
 import pytest
 from bench_smoke import REPO, run_bench
 from helpers import docker_available
@@ -22,9 +22,9 @@ from bench.cli import REFUSED
 
 def refusal(name: str, env: dict[str, str] | None = None) -> str:
     """``python -m bench.<name> --smoke`` where it cannot measure: its one line on stderr."""
-    done = subprocess.run([sys.executable, "-m", f"bench.{name}", "--smoke"], cwd=REPO,
-                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=120, check=False)
+    done = forked.run([sys.executable, "-m", f"bench.{name}", "--smoke"], cwd=REPO,
+                      env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                      timeout=120, check=False)
     assert done.returncode == REFUSED, (done.returncode, done.stdout[-1000:], done.stderr[-2000:])
     assert "=" not in done.stdout, done.stdout  # no headline it did not measure
     lines = done.stderr.strip().splitlines()

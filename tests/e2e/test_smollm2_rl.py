@@ -7,11 +7,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import forked
 import pytest
 from helpers import REPO
 from hydra import compose, initialize_config_dir
@@ -60,7 +60,7 @@ def test_two_rl_steps_with_the_vllm_engine(tmp_path: Path) -> None:
     # contexts) end with it instead of being collected during the test session.
     # .venv-vllm has no reasoning-gym: the arithmetic env, through the model's chat template.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
-    result = subprocess.run(
+    result = forked.run(
         [sys.executable, "-m", "orchestrator", "experiment=smoke", *SHRUNK, "model=smollm2",
          "warmstart.steps=0", "engine=vllm", "engine.kv_cache_bytes=256MiB",
          "engine.max_model_len=512", "engine.enforce_eager=true", "engine.max_num_seqs=16",

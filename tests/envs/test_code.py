@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import forked
 import pytest
 from helpers import REPO, TOK, docker_available, quick_config, scripted_engine
 
@@ -162,7 +162,7 @@ def test_experiment_code_runs_against_docker(tmp_path: Path) -> None:
 
 @needs_docker
 def test_a_missing_image_is_one_line_naming_the_build_command() -> None:
-    result = subprocess.run(
+    result = forked.run(
         [sys.executable, "-m", "orchestrator", "experiment=code", "sandbox.image=polyrl-missing:0",
          "logger=none", "warmstart.steps=0", "eval.num_tasks=0", "pipeline.num_steps=1"],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False)

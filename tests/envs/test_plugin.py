@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ def test_the_plugin_trains_one_step_as_env_reverse(site: Path, tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
     env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
     run_dir = tmp_path / "run"
-    result = subprocess.run(
+    result = forked.run(
         [sys.executable, "-m", "orchestrator", "experiment=smoke", "env=reverse", "env.length=4",
          "pipeline.num_steps=1", "logger=none", "progress=false", f"hydra.run.dir={run_dir}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
@@ -49,7 +50,7 @@ def test_the_plugin_trains_one_step_as_env_reverse(site: Path, tmp_path: Path) -
 
 def test_without_the_plugin_the_name_is_unknown(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
-    result = subprocess.run(
+    result = forked.run(
         [sys.executable, "-m", "orchestrator", "env=reverse", "logger=none",
          f"hydra.run.dir={tmp_path}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,

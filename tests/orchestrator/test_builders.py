@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from helpers import run_spans
@@ -113,7 +113,7 @@ def test_smoke_from_the_command_line_with_offline_wandb(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("WANDB_API_KEY", "WANDB_MODE") and not k.startswith("HYDRA_")}
     run_dir = tmp_path / "run"
-    result = subprocess.run(
+    result = forked.run(
         [sys.executable, "-m", "orchestrator", "experiment=smoke", "logger=wandb",
          "logger.mode=offline", "progress=false", f"hydra.run.dir={run_dir}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=280, check=False,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ MISTAKES: dict[str, tuple[list[str], list[str]]] = {
 
 def cli(args: list[str], run_dir: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))}
-    return subprocess.run(
+    return forked.run(
         [sys.executable, "-m", "orchestrator", *args, f"hydra.run.dir={run_dir}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
     )

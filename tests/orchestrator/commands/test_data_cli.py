@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 pd = pytest.importorskip("pandas", reason="the data extra (scripts/setup.sh installs it)")
@@ -233,8 +233,8 @@ def test_the_command_line(files: dict[str, Path], tmp_path: Path) -> None:
     """``python -m orchestrator.data`` itself: the figures on stdout, the mean last."""
     completions = write_jsonl(tmp_path / "c.jsonl", [{"completion": "2"}, {"completion": "1"},
                                                      {"completion": "7"}])
-    done = subprocess.run([sys.executable, "-m", "orchestrator.data", "score", files["sums"],
-                           "--completions", completions, "env.reward=exact"], check=False,
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = forked.run([sys.executable, "-m", "orchestrator.data", "score", files["sums"],
+                       "--completions", completions, "env.reward=exact"], check=False,
+                      cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "mean_reward=0.6667"

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from helpers import REPO, quick_config
 
@@ -134,9 +134,9 @@ def test_bad_input_is_one_line(run_dir: Path, tmp_path: Path,
 def test_the_command_line(run_dir: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
     out = tmp_path / "eval.json"
-    done = subprocess.run([sys.executable, "-m", "orchestrator.eval", str(run_dir), "eval.n=2",
-                           "eval.temperature=1.0", "progress=true", "-o", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = forked.run([sys.executable, "-m", "orchestrator.eval", str(run_dir), "eval.n=2",
+                       "eval.temperature=1.0", "progress=true", "-o", str(out)], cwd=REPO, env=env,
+                      capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     evaluation = json.loads(out.read_text())["evaluation"]["overall"]

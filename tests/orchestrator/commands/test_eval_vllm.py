@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from helpers import REPO, quick_config
@@ -42,9 +42,9 @@ def completions(path: Path) -> list[tuple[int, str]]:
 
 def evaluate_with_vllm(target: Path, out: Path, *overrides: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
-    done = subprocess.run([sys.executable, "-m", "orchestrator.eval", str(target), *VLLM,
-                           *overrides, "-o", str(out)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=280, check=False)
+    done = forked.run([sys.executable, "-m", "orchestrator.eval", str(target), *VLLM,
+                       *overrides, "-o", str(out)], cwd=REPO, env=env, capture_output=True,
+                      text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 

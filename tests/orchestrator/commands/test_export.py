@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import warnings
 from dataclasses import replace
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import forked
 import pytest
 import torch
 from helpers import REPO, make_groups, quick_config
@@ -275,8 +275,8 @@ def test_bad_input_is_one_line(plain: Path, tmp_path: Path,
 def test_the_command_line(plain: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
     out = tmp_path / "hf"
-    ok = subprocess.run([sys.executable, "-m", "orchestrator.export", str(plain), "-o", str(out)],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    ok = forked.run([sys.executable, "-m", "orchestrator.export", str(plain), "-o", str(out)],
+                    cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout.strip().splitlines()[-1] == str(out) and (out / "model.safetensors").is_file()
 

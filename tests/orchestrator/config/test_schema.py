@@ -4,11 +4,11 @@ is documented, and a mistake is one line naming the key."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import forked
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -80,7 +80,7 @@ def test_a_mistake_is_one_line_naming_the_key(override: str, message: str) -> No
 
 
 def test_the_command_line_prints_that_line_and_nothing_else() -> None:
-    done = subprocess.run(
+    done = forked.run(
         [sys.executable, "-m", "orchestrator", "experiment=smoke", "logger=none",
          "pipeline.num_workers=-2", "hydra.run.dir=/tmp/polyrl-schema-test"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)

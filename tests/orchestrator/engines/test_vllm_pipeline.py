@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from helpers import REPO, build_hf_checkpoint, run_spans
 
@@ -39,7 +39,7 @@ def test_the_pipeline_trains_with_engine_vllm_from_a_local_checkpoint(tmp_path: 
                                      intermediate_size=128)
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
-    result = subprocess.run(  # weight decay: every version's weights differ from the last
+    result = forked.run(  # weight decay: every version's weights differ from the last
         [sys.executable, "-m", "orchestrator", "experiment=smoke", "engine=vllm", "model=hf",
          f"launcher={launcher}",
          f"model.path={checkpoint}", "model.dtype=float32", "model.device=cpu", "logger=none",

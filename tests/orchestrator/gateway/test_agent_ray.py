@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import forked
 import pytest
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs the ray extra: pip install -e '.[ray]'")
@@ -39,8 +39,8 @@ def test_agent_episodes_train_under_launcher_ray(ray_nodes: Any, tmp_path: Path)
         "launcher.span_flush_s=1", f"hydra.run.dir={tmp_path}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "WANDB_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-m", "orchestrator", *command], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=200, check=False)
+    done = forked.run([sys.executable, "-m", "orchestrator", *command], cwd=REPO, env=env,
+                      capture_output=True, text=True, timeout=200, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     engine_nodes = {node.node_id for node in ray_nodes.worker_nodes}
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

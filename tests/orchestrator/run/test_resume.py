@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from helpers import REPO, run_spans
@@ -41,10 +42,10 @@ def orchestrator(*args: str, kill_at: str | None = None, wait: bool = True
         env["POLYRL_KILL_AT"] = kill_at
     command = [sys.executable, "-m", "orchestrator", *args]
     if not wait:
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=280, check=False)
+        return forked.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return forked.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=280,
+                      check=False)
 
 
 def read_jsonl(path: Path) -> list[dict]:

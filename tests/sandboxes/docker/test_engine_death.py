@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import forked
 import pytest
 from conftest import small_config
 
@@ -130,9 +131,9 @@ async def test_a_session_whose_engine_died_raises_engine_unavailable(
 
 
 def orchestrator(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return forked.Popen([sys.executable, "-m", "orchestrator", *args], cwd=ROOT,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def finish(process: subprocess.Popen[str], timeout: float) -> str:

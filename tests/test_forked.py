@@ -1,0 +1,91 @@
+"""The fork server the tests start commands from (tests/forked.py) gives a command what a new
+interpreter would: the same output, exit status, working directory, environment, ``sys.path``
+and ``__main__``, and a real process to signal. Each case runs both ways and compares."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import forked
+import pytest
+
+PROBE = textwrap.dedent("""
+    import atexit, json, os, random, sys, threading, time
+    threading.Thread(target=lambda: (time.sleep(0.2), print("thread ended"))).start()
+    atexit.register(print, "atexit ran")
+    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[:2],
+                      "probe": os.environ.get("PROBE"), "name": __name__,
+                      "main": sys.modules["__main__"].__file__, "stdin": sys.stdin.read(),
+                      "random": random.random()}))
+    print("to stderr", file=sys.stderr)
+    if "--sleep" in sys.argv:
+        print("ready", flush=True)
+        time.sleep(60)
+    raise SystemExit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
+""")
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> tuple[list[str], dict[str, str], Path]:
+    """``python -m probe`` with the module on PYTHONPATH, run from another directory."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "probe.py").write_text(PROBE)
+    (tmp_path / "cwd").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "lib"), "PROBE": "yes"}
+    return [sys.executable, "-m", "probe"], env, tmp_path / "cwd"
+
+
+def both(args: list[str], **kwargs: object) -> tuple[subprocess.CompletedProcess[str], ...]:
+    plain = subprocess.run(args, check=False, capture_output=True, text=True, timeout=60,  # type: ignore[call-overload]
+                           **kwargs)
+    fork = forked.run(args, capture_output=True, text=True, timeout=60, **kwargs)
+    return plain, fork
+
+
+Probe = tuple[list[str], dict[str, str], Path]
+
+
+def test_a_forked_command_is_what_a_new_interpreter_runs(probe: Probe) -> None:
+    args, env, cwd = probe
+    plain, fork = both([*args, "3", "x"], env=env, cwd=cwd, input="typed")
+    assert fork.returncode == plain.returncode == 3
+    assert fork.stderr == plain.stderr == "to stderr\n"
+    assert fork.stdout.splitlines()[1:] == plain.stdout.splitlines()[1:] == ["thread ended", "atexit ran"]
+    ran, expected = (json.loads(p.stdout.splitlines()[0]) for p in (fork, plain))
+    assert ran.pop("random") != expected.pop("random")  # each process draws its own
+    assert ran == expected
+    assert ran["path0"] == [str(cwd), env["PYTHONPATH"]] and ran["name"] == "__main__"
+    assert ran["argv"] == ["3", "x"] and ran["probe"] == "yes" and ran["stdin"] == "typed"
+
+
+def test_a_forked_command_is_a_process_signals_reach(probe: Probe) -> None:
+    args, env, cwd = probe
+    process = forked.Popen([*args, "--sleep"], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    assert isinstance(process, forked.Popen)
+    assert process.stdout is not None and process.stdout.readline().startswith("{")
+    assert process.stdout.readline() == "ready\n"
+    assert process.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait(timeout=0.01)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == -signal.SIGTERM and err == "to stderr\n"
+    with pytest.raises(subprocess.TimeoutExpired):  # killed, as subprocess.run kills
+        forked.run([*args, "--sleep"], env=env, cwd=cwd, capture_output=True, timeout=0.5)
+
+
+def test_other_commands_and_fork_0_run_a_new_interpreter(
+        probe: Probe, monkeypatch: pytest.MonkeyPatch) -> None:
+    args, env, cwd = probe
+    script = forked.Popen([sys.executable, "-c", "pass"])
+    assert isinstance(script, subprocess.Popen) and script.wait(timeout=60) == 0
+    monkeypatch.setenv(forked.ENABLE_ENV, "0")
+    module = forked.Popen(args, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
+    assert isinstance(module, subprocess.Popen) and module.wait(timeout=60) == 0
