@@ -13,7 +13,8 @@ seen here is not the fork server's.
 What a forked command shares with its server, and a new interpreter would not: the libraries
 above, imported with the environment of the test process that started the server (a variable
 they read at import, such as ``OMP_NUM_THREADS``, is not re-read; no test sets one), and the
-hash seed. Each child reseeds ``random`` and numpy's global generator, as a new process would.
+hash seed. Each child draws ``random`` and numpy's global generator afresh, as a new process
+would.
 """
 
 from __future__ import annotations
@@ -181,9 +182,8 @@ def _reopen_streams(unbuffered: bool) -> None:
 
 
 def _reseed() -> None:
-    import random
-
-    random.seed()  # CPython reseeds at fork too; done again here for certain
+    """numpy's global generator, drawn afresh as in a new process (``random`` reseeds itself
+    at fork)."""
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
 
