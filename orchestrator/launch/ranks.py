@@ -289,8 +289,14 @@ class RankSnapshot:
 # -- local processes (launcher=local) ---------------------------------------------------------
 
 
-def _serve(conn: Any, recipe: TrainerRecipe, threads: int | None, gpu: str | None) -> None:
-    """A rank process: build the server, then answer calls until the pipe closes."""
+def _serve(conn: Any, recipe: TrainerRecipe, threads: int | None, gpu: str | None,
+           environ: dict[str, str]) -> None:
+    """A rank process: build the server, then answer calls until the pipe closes. ``environ``
+    is the driver's environment as the rank was started (a fork server's child has the
+    environment the server started with: a variable set or unset since, such as
+    ``POLYRL_KILL_AT``, would otherwise not reach the rank)."""
+    os.environ.clear()
+    os.environ.update(environ)
     from orchestrator.allocator import keep_freed_memory
 
     keep_freed_memory()
@@ -338,7 +344,10 @@ def _rank_context() -> Any:
     (torch, transformers, the trainer) once per driver process and forks each rank from there:
     a new interpreter per rank (``spawn``) imported them again, about 8 CPU-seconds a rank on
     2 cores. Nothing there starts CUDA at import, so each rank still chooses its GPU
-    (``CUDA_VISIBLE_DEVICES``) before CUDA starts, as under ``spawn``."""
+    (``CUDA_VISIBLE_DEVICES``) before CUDA starts, as under ``spawn``. The server's children
+    have its environment, not the driver's of the moment: :func:`_serve` takes the driver's
+    as each rank starts (what libraries read at import, such as OpenMP's settings, stays as
+    the server had it)."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(RANK_MODULES))
     return context
@@ -352,7 +361,8 @@ class ProcessRank(RankHandle):
         self.rank = rank
         context = _rank_context()
         self._conn, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child, recipe, threads, gpu),
+        self.process = context.Process(target=_serve,
+                                       args=(child, recipe, threads, gpu, dict(os.environ)),
                                        name=f"polyrl-rank-{rank}", daemon=True)
         self.process.start()
         child.close()

@@ -223,6 +223,28 @@ def test_a_dead_rank_ends_the_run_in_one_line(gone: bool) -> None:
             group.snapshot()
 
 
+@pytest.mark.slow  # left out of scripts/test.sh --quick
+def test_a_rank_has_the_drivers_environment_as_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local ranks are forked from a server started once per driver (with the environment of
+    that moment); a variable set since, here the fault point, still reaches a rank started
+    after it, and one unset since no longer does."""
+    process_group(recipe(world_size=1), 1).close()  # the fork server runs from here on
+    monkeypatch.setenv("POLYRL_KILL_AT", "train_step@0")
+    doomed = process_group(recipe(world_size=1), 1)
+    try:
+        with pytest.raises(RankLost, match=r"died during step \(exit code -9\)"):
+            anyio.run(doomed.step, make_groups())
+    finally:
+        doomed.close()
+    monkeypatch.delenv("POLYRL_KILL_AT")
+    spared = process_group(recipe(world_size=1), 1)
+    try:
+        assert anyio.run(spared.step, make_groups()) is not None
+        assert spared.version == 1
+    finally:
+        spared.close()
+
+
 @pytest.mark.timeout(120)  # without the stop, the good rank waits in gloo's 300 s collective
 @pytest.mark.slow  # left out of scripts/test.sh --quick
 def test_a_rank_that_raises_stops_the_rank_waiting_on_it_and_ends_the_run_in_one_line() -> None:
