@@ -344,10 +344,9 @@ def _rank_context() -> Any:
     (torch, transformers, the trainer) once per driver process and forks each rank from there:
     a new interpreter per rank (``spawn``) imported them again, about 8 CPU-seconds a rank on
     2 cores. Nothing there starts CUDA at import, so each rank still chooses its GPU
-    (``CUDA_VISIBLE_DEVICES``) before CUDA starts, as under ``spawn``. The server's children
-    have its environment, not the driver's of the moment: :func:`_serve` takes the driver's
-    as each rank starts (what libraries read at import, such as OpenMP's settings, stays as
-    the server had it)."""
+    (``CUDA_VISIBLE_DEVICES``) before CUDA starts, as under ``spawn``; each rank takes the
+    driver's environment of the moment (:func:`_serve`), though what libraries read at import
+    (OpenMP's settings) stays as the server had it."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(RANK_MODULES))
     return context

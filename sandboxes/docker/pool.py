@@ -340,11 +340,9 @@ class DockerSandboxPool(SandboxPool):
     async def _killed_after_use(self, box: Container) -> bool:
         """Whether a container going without a reset (not kept) was killed from outside since
         its last call: a fault no call saw, counted all the same (``faults/sandbox_lost``).
-        Looked at as a call's loss is (:meth:`_gone`: twice, since a kill takes a moment to
-        show in the container's state, and one look can miss a kill that comes with the
-        cancel of its episode's call: one reading of a bench.chaos kill counted 0
-        on 2026-11-30); an engine that does not answer says nothing here (its outage is
-        counted apart)."""
+        Judged as a call's loss is (:meth:`_gone`: a kill takes a moment to show in the
+        state); an engine that does not answer says nothing here (its outage is counted
+        apart)."""
         if self.link.lost is not None:
             return False
         try:
