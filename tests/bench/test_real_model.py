@@ -97,7 +97,10 @@ def test_real_model_smoke_runs_every_part() -> None:
     pytest.importorskip("trl", reason="its TRL part needs the peers extra (scripts/setup.sh)")
     _, speedup, out = run_bench("real_model", expect="speedup_vs_trl_real")
     assert speedup > 0
-    assert len(re.findall(r"^torch +[12] +[\d.]+ +[\d.]+ +[\d.]+$", out, re.MULTILINE)) == 2
+    # both rows; a decode figure may be nan, which the bench prints where its rounds' noise
+    # exceeded the toy model's decode time (a CI host at load 5.4 gave one on 2026-11-30)
+    rows = re.findall(r"^torch +([12]) +[\d.]+ +[\d.]+ +(?:[\d.]+|nan)$", out, re.MULTILINE)
+    assert rows == ["1", "2"]
     fraction = float(re.search(r"^trainer_bound_fraction=(\S+)$", out, re.MULTILINE).group(1))
     assert fraction > 0
     assert re.search(r"^TRL GRPOTrainer \(1 threads\): 2 steps in ", out, re.MULTILINE)
