@@ -11,7 +11,7 @@ launcher=ray launcher.num_engines=2 resume=auto hydra.run.dir=…``):
   with the other and runs the lost requests again; ``faults/engine_restarts``),
   ``container``: ``docker kill`` of one of the running driver's sandbox containers, one a
   session has run code in when there is one (a call lost with it runs again in a fresh
-  container; one killed between calls is found at its reset; ``faults/sandbox_lost``), ``docker``: the Docker engine frozen 3–6 s (``kill -STOP`` of
+  container; one killed between calls is found at its reset; ``faults/sandbox_lost``), ``docker``: the Docker engine frozen 4.5–7.5 s (``kill -STOP`` of
   dockerd, then ``kill -CONT``, also if this bench fails; the pool's watch sees the outage and
   unanswered calls wait for it; ``faults/docker_unreachable``), and ``driver``: the driver
   SIGKILLed and the same command started again (``resume=auto`` goes on from its last
@@ -96,6 +96,7 @@ from typing import Any
 
 from bench.cli import TOY_MODEL, add_smoke, headline, refuse
 from bench.faulty_engine import ARMED
+from sandboxes.docker.outage import WATCH_PING_S, WATCH_S
 
 REPO = Path(__file__).resolve().parents[1]
 # the counter each kind of fault must show up in (None: nothing to count, only ridden out)
@@ -181,6 +182,13 @@ def attested(run_dir: Path) -> int:
     last = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.endswith("}") and '"time/step"' in line][-1:]
     return int(json.loads(last[0]).get(ATTESTED, 0)) if last else 0
+
+
+# The shortest dockerd freeze: the pool's watch starts a ping at most WATCH_S after the last
+# one answered and counts an outage once one goes WATCH_PING_S unanswered, so a freeze
+# shorter than their sum may go unseen; 1.5 s more for a loaded host's event-loop lag (a
+# freeze drawn from 3-6 s could end as its first unanswered ping was still waiting).
+FREEZE_MIN_S = WATCH_S + WATCH_PING_S + 1.5
 
 
 def dockerd_pid() -> int:
@@ -297,7 +305,7 @@ class Chaos:
         return True
 
     def freeze_docker(self) -> bool:
-        pid, seconds = dockerd_pid(), self.rng.uniform(3.0, 6.0)
+        pid, seconds = dockerd_pid(), self.rng.uniform(FREEZE_MIN_S, FREEZE_MIN_S + 3.0)
         os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(seconds)

@@ -75,9 +75,16 @@ def always_raises(completion: str, answer: str, metadata: Mapping[str, Any]) -> 
 
 
 async def slow_async(completion: str, answer: str, metadata: Mapping[str, Any]) -> float:
+    """Sleeps ``sleep_s``; with ``log`` (a path), appends its ``start end`` (the host's
+    monotonic clock, one for every process) there."""
     import asyncio
+    import time
 
+    started = time.monotonic()
     await asyncio.sleep(float(metadata.get("sleep_s", 0.5)))
+    if "log" in metadata:
+        with open(metadata["log"], "a") as f:  # noqa: ASYNC230 - one short line, once
+            f.write(f"{started} {time.monotonic()}\n")
     return 1.0
 
 
