@@ -67,8 +67,9 @@ the character tokenizer) instead of SmolLM2: the torch engine only at 1 and 2 se
 8 tokens (the least of 2 rounds each), one training step on one group of 2 samples, and 2 RL
 steps a side of 2 prompts x 4 samples with no held-out evaluation, everything on one thread;
 it checks that the benchmark runs, its figures say nothing (on busy cores a decode row can
-have no figure: its rounds' noise exceeds the toy model's decode time). Prints each part's table, then ``engine_vs_vllm=`` (a line
-saying it was not measured where vLLM did not run), ``trainer_bound_fraction=`` and last
+have no figure: its rounds' noise exceeds the toy model's decode time). Prints each part's
+table, then ``engine_vs_vllm=`` (a line saying it was not measured where vLLM did not run),
+``trainer_bound_fraction=`` and last
 ``speedup_vs_trl_real=`` (of the parts that ran).
 
 Limits: one run, one seed, on a machine other processes share (each figure says only what
