@@ -69,8 +69,7 @@ steps a side of 2 prompts x 4 samples with no held-out evaluation, everything on
 it checks that the benchmark runs, its figures say nothing (on busy cores a decode row can
 have no figure: its rounds' noise exceeds the toy model's decode time). Prints each part's
 table, then ``engine_vs_vllm=`` (a line saying it was not measured where vLLM did not run),
-``trainer_bound_fraction=`` and last
-``speedup_vs_trl_real=`` (of the parts that ran).
+``trainer_bound_fraction=`` and last ``speedup_vs_trl_real=`` (of the parts that ran).
 
 Limits: one run, one seed, on a machine other processes share (each figure says only what
 these cores gave it then); the project's periodic checkpoints (model and optimiser, 1.6 GB,
