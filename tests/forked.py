@@ -10,6 +10,14 @@ that the tests use. A command that is not ``[sys.executable, "-m", module, …]`
 with ``POLYRL_TEST_FORK=0``, runs as a plain subprocess: that is the way to check a failure
 seen here is not the fork server's.
 
+A forked command's own ``python -m orchestrator …`` and ``python -m bench.<name> …`` are forked
+from the same server too: a benchmark's runs (``bench.algos``, ``bench.chaos``,
+``bench.resume``'s soak …) are such commands, each of which spent more of its seconds importing
+than running (a two-step toy run of ``bench.algos``: 11 s, 8 of them imports). Inside a forked
+command, :class:`subprocess.Popen` forks those from the server (:func:`_route`) and starts
+anything else as it always does, as it does a command given arguments that :class:`Popen`
+does not take.
+
 What a forked command shares with its server, and a new interpreter would not: the libraries
 above, imported with the environment of the test process that started the server (a variable
 they read at import, such as ``OMP_NUM_THREADS``, is not re-read; no test sets one), and the
@@ -25,6 +33,7 @@ import io
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,8 +108,19 @@ def serve(path: str) -> None:
                 break
             if (connection := children.pop(pid, None)) is not None:
                 _send(connection, {"returncode": os.waitstatus_to_exitcode(status),
-                                   "cpu_s": usage.ru_utime + usage.ru_stime})
+                                   "cpu_s": usage.ru_utime + usage.ru_stime + _forked_cpu_s(path, pid)})
                 connection.close()
+
+
+def _forked_cpu_s(path: str, pid: int) -> float:
+    """The CPU seconds of the commands the command ``pid`` had forked (:func:`_route`): they are
+    the server's children, not its, so its own usage leaves them out."""
+    report = Path(f"{path}.{pid}.cpu")
+    if not report.is_file():
+        return 0.0
+    cpu_s = float(report.read_text())
+    report.unlink()
+    return cpu_s
 
 
 def _send(connection: socket.socket, message: dict[str, Any]) -> None:
@@ -133,11 +153,37 @@ def _child(request: dict[str, Any], fds: list[int], site_path: list[str]) -> Non
         _reopen_streams(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
         _reseed()
         sys.argv = [request["module"], *request["args"]]
+        _route(request["server"])
         code = _run(request["module"])
+        if children_cpu_s:  # for the server's report of this command's CPU seconds
+            Path(f"{request['server']}.{os.getpid()}.cpu").write_text(str(children_cpu_s))
     except BaseException:  # noqa: BLE001 - the child must end here, never in the server's loop
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+ROUTED = ("orchestrator", "bench.")  # the commands a forked command forks from the server too
+POPEN_ARGS = {"cwd", "env", "stdin", "stdout", "stderr", "text", "start_new_session"}  # Popen's
+
+
+def _route(server: str) -> None:
+    """In a forked command: :class:`subprocess.Popen` (and so ``subprocess.run`` and its
+    kin) forks the project's commands (:data:`ROUTED`) from ``server``, unless the command's
+    environment has ``POLYRL_TEST_FORK=0``."""
+    global _attached
+    _attached = server
+    real = subprocess.Popen
+
+    class Routed(real):  # type: ignore[misc, valid-type]
+        def __new__(cls, args: Any, *rest: Any, **kwargs: Any) -> Any:
+            module = _module_of(list(args)) if isinstance(args, list | tuple) and not rest \
+                and set(kwargs) <= POPEN_ARGS else None
+            if module is not None and (module == ROUTED[0] or module.startswith(ROUTED)):
+                return Popen(args, **kwargs)  # not a Routed: __init__ is not called again
+            return super().__new__(cls)
+
+    subprocess.Popen = Routed  # type: ignore[misc]
 
 
 def _run(module: str) -> int:
@@ -215,20 +261,24 @@ class _Server:
                 self.process.kill()
         assert self.process.stdout is not None
         self.process.stdout.close()
-        Path(self.path).unlink(missing_ok=True)
-        os.rmdir(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)  # its socket, and any CPU report left
 
 
 _server: _Server | None = None
 _server_lock = threading.Lock()
+_attached: str | None = None  # in a forked command: its server's path (:func:`_route`)
 
 
-def _the_server() -> _Server:
+def _server_path() -> str:
+    """The fork server's socket: the one this command was forked from, else this process's own
+    (started on first use)."""
     global _server
+    if _attached is not None:
+        return _attached
     with _server_lock:
         if _server is None or _server.process.poll() is not None:
             _server = _Server()
-        return _server
+        return _server.path
 
 
 def enabled() -> bool:
@@ -276,13 +326,13 @@ class Popen:
                 ends.append(fd)
             else:
                 ends.append(spec if isinstance(spec, int) else spec.fileno())
-        server = _the_server()
+        server = _server_path()
         self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self._connection.connect(server.path)
+            self._connection.connect(server)
             request = {"module": self.args[2], "args": self.args[3:], "new_session": start_new_session,
                        "cwd": str(cwd or os.getcwd()), "env": dict(os.environ if env is None else env),
-}
+                       "server": server}
             socket.send_fds(self._connection, [json.dumps(request).encode()], ends)
             self.pid = json.loads(self._connection.recv(1 << 16))["pid"]
         finally:

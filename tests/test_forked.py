@@ -89,3 +89,29 @@ def test_other_commands_and_fork_0_run_a_new_interpreter(
     monkeypatch.setenv(forked.ENABLE_ENV, "0")
     module = forked.Popen(args, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
     assert isinstance(module, subprocess.Popen) and module.wait(timeout=60) == 0
+
+
+OUTER = textwrap.dedent("""
+    import json, os, subprocess, sys
+    done = subprocess.run([sys.executable, "-m", "bench.inner"], capture_output=True, text=True,
+                          timeout=60)
+    print(json.dumps({"pid": os.getpid(), "inner_parent": int(done.stdout),
+                      "inner_exit": done.returncode, "popen": subprocess.Popen.__name__}))
+""")
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_forked_command_forks_the_projects_commands_it_starts(tmp_path: Path, fork: str) -> None:
+    """A benchmark's ``python -m orchestrator`` runs come from the server too (the server's
+    children, not the benchmark's), unless the command's environment says POLYRL_TEST_FORK=0."""
+    (tmp_path / "bench").mkdir()  # a package named as the project's benchmarks, in the cwd
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    (tmp_path / "bench" / "inner.py").write_text("import os\nprint(os.getppid())\nraise SystemExit(4)\n")
+    (tmp_path / "bench" / "outer.py").write_text(OUTER)
+    env = {**os.environ, forked.ENABLE_ENV: fork}
+    done = forked.run([sys.executable, "-m", "bench.outer"], cwd=tmp_path, env=env,
+                      capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    ran = json.loads(done.stdout)
+    assert ran["inner_exit"] == 4 and ran["popen"] == "Routed"
+    assert (ran["inner_parent"] != ran["pid"]) == (fork == "1"), ran
