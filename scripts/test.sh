@@ -17,7 +17,8 @@
 # them in this process, one at a time (for pdb, or -x). Commands tests run as
 # `python -m <module>` are forked from a server that imported torch and transformers once
 # (tests/forked.py), and so are the `python -m orchestrator` runs those commands start (a
-# benchmark's runs); POLYRL_TEST_FORK=0 starts each in a new interpreter instead.
+# benchmark's runs), and so are the Ray actors' processes of the tests marked ray
+# (tests/ray_worker.py); POLYRL_TEST_FORK=0 starts each in a new interpreter instead.
 # POLYRL_TEST_CPU=<folder> records what
 # each test cost (wall and CPU seconds); python tests/cpu_report.py <folder> sums it by file.
 set -euo pipefail

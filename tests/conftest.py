@@ -144,11 +144,19 @@ def take_turns(request: pytest.FixtureRequest) -> Iterator[None]:
     ``ray`` on its memory, across the processes scripts/test.sh runs the tests in (and across
     test runs): some stop the engine or kill containers by label, reaping counts every run's
     leftovers, and two Ray clusters (each an object store of ~30% of memory) with SmolLM2's
-    actors exceed 24 GB. A test with both takes both, in this order."""
+    actors exceed 24 GB. A test with both takes both, in this order.
+
+    A test marked ``ray`` runs with :func:`forked.ray_workers_env` set: the Ray clusters it
+    starts, directly or through the commands it runs, fork their actors' processes from this
+    process's fork server (tests/ray_worker.py)."""
     with ExitStack() as held:
         for marker in TAKE_TURNS:
             if marker in request.keywords:
                 held.enter_context(FileLock(Path(tempfile.gettempdir()) / f"polyrl-tests-{marker}.lock"))
+        if "ray" in request.keywords:
+            patch = held.enter_context(pytest.MonkeyPatch.context())
+            for name, value in forked.ray_workers_env().items():
+                patch.setenv(name, value)
         yield
 
 

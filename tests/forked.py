@@ -18,6 +18,13 @@ command, :class:`subprocess.Popen` forks those from the server (:func:`_route`) 
 anything else as it always does, as it does a command given arguments that :class:`Popen`
 does not take.
 
+Ray's Python workers in the tests are forked from it too: tests marked ``ray`` give the Ray
+clusters they start ``tests/ray_worker.py`` as the job's ``py_executable``
+(:func:`ray_workers_env`), a client that has the server fork Ray's worker script and stands in
+for it before the raylet. Each actor then skips the ~6 CPU-seconds of imports a new
+interpreter pays (half of what a test of ``launcher=ray`` cost). Ray itself is unchanged: the
+raylet starts, registers, signals and reaps its workers as it always does.
+
 What a forked command shares with its server, and a new interpreter would not: the libraries
 above, imported with the environment of the test process that started the server (a variable
 they read at import, such as ``OMP_NUM_THREADS``, is not re-read; no test sets one), and the
@@ -152,9 +159,14 @@ def _child(request: dict[str, Any], fds: list[int], site_path: list[str]) -> Non
         importlib.invalidate_caches()
         _reopen_streams(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
         _reseed()
-        sys.argv = [request["module"], *request["args"]]
+        if (watched := request.get("watch")) is not None:
+            _end_with(watched)
+        target = request.get("script") or request["module"]
+        if request.get("script"):
+            sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script` sets it
+        sys.argv = [target, *request["args"]]
         _route(request["server"])
-        code = _run(request["module"])
+        code = _run(target, script=bool(request.get("script")))
         if children_cpu_s:  # for the server's report of this command's CPU seconds
             Path(f"{request['server']}.{os.getpid()}.cpu").write_text(str(children_cpu_s))
     except BaseException:  # noqa: BLE001 - the child must end here, never in the server's loop
@@ -186,11 +198,28 @@ def _route(server: str) -> None:
     subprocess.Popen = Routed  # type: ignore[misc]
 
 
-def _run(module: str) -> int:
+def _end_with(pid: int) -> None:
+    """End this process (SIGKILL) when process ``pid`` ends: the client standing for it
+    (tests/ray_worker.py) may be killed with a signal it cannot pass on."""
+    import select
+
+    watched = os.pidfd_open(pid)
+
+    def watch() -> None:
+        select.select([watched], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="end-with-client", daemon=True).start()
+
+
+def _run(target: str, script: bool = False) -> int:
     import runpy
 
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if script:
+            runpy.run_path(target, run_name="__main__")
+        else:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
         code: int = 0
     except SystemExit as stop:
         if stop.code is None or isinstance(stop.code, int):
@@ -304,8 +333,12 @@ class Popen:
 
     def __init__(self, args: list[str], *, cwd: str | Path | None = None,
                  env: dict[str, str] | None = None, stdin: Any = None, stdout: Any = None,
-                 stderr: Any = None, text: bool = False, start_new_session: bool = False) -> None:
+                 stderr: Any = None, text: bool = False, start_new_session: bool = False,
+                 server: str | None = None, watch: int | None = None) -> None:
         self.args, self.returncode = [os.fspath(a) for a in args], None
+        script = _module_of(self.args) is None  # [python, script, …] (:func:`start_script`)
+        target = {"script": self.args[1], "args": self.args[2:]} if script else \
+            {"module": self.args[2], "args": self.args[3:]}
         self.stdin = self.stdout = self.stderr = None
         ends: list[int] = []  # the child's stdin, stdout, stderr
         mine: list[int] = []  # what this process closes once the server has them
@@ -326,11 +359,11 @@ class Popen:
                 ends.append(fd)
             else:
                 ends.append(spec if isinstance(spec, int) else spec.fileno())
-        server = _server_path()
+        server = server or _server_path()
         self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._connection.connect(server)
-            request = {"module": self.args[2], "args": self.args[3:], "new_session": start_new_session,
+            request = {**target, "new_session": start_new_session, "watch": watch,
                        "cwd": str(cwd or os.getcwd()), "env": dict(os.environ if env is None else env),
                        "server": server}
             socket.send_fds(self._connection, [json.dumps(request).encode()], ends)
@@ -414,6 +447,29 @@ class Popen:
             if stream is not None:
                 stream.close()
         self.wait()
+
+
+def start_script(server: str, args: list[str], watch: int) -> Popen:
+    """``[python, script, …]`` forked from ``server`` with this process's streams, directory and
+    environment, ended when process ``watch`` ends (tests/ray_worker.py)."""
+    process = object.__new__(Popen)
+    process.__init__(args, server=server, watch=watch)
+    return process
+
+
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # Ray reads a job's runtime_env from it at ray.init
+
+
+def ray_workers_env() -> dict[str, str]:
+    """The environment under which a Ray cluster a test starts forks its Python workers from
+    this process's fork server (tests/ray_worker.py as the job's ``py_executable``), instead
+    of starting each actor as a new interpreter that imports torch and transformers (about 6
+    CPU-seconds each on 2 cores, and tests start dozens). Empty with ``POLYRL_TEST_FORK=0``."""
+    if not enabled():
+        return {}
+    client = Path(__file__).with_name("ray_worker.py")
+    job = {"runtime_env": {"py_executable": f"{sys.executable} {client} {_server_path()}"}}
+    return {RAY_JOB_ENV: json.dumps(job)}
 
 
 def run(args: list[str], *, capture_output: bool = False, timeout: float | None = None,

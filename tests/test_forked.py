@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -115,3 +116,72 @@ def test_a_forked_command_forks_the_projects_commands_it_starts(tmp_path: Path, 
     ran = json.loads(done.stdout)
     assert ran["inner_exit"] == 4 and ran["popen"] == "Routed"
     assert (ran["inner_parent"] != ran["pid"]) == (fork == "1"), ran
+
+
+WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    print(json.dumps({"pid": os.getpid(), "parent": os.getppid(), "argv": sys.argv[1:], "cwd": os.getcwd(),
+                      "probe": os.environ.get("PROBE"), "path0": sys.path[0]}), flush=True)
+    if "--sleep" in sys.argv:
+        time.sleep(60)
+    raise SystemExit(5)
+""")
+
+
+def start_worker(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    """tests/ray_worker.py as the raylet starts it: ``python ray_worker.py <server> <script> …``."""
+    (tmp_path / "worker.py").write_text(WORKER)
+    client = Path(forked.__file__).with_name("ray_worker.py")
+    return subprocess.Popen([sys.executable, str(client), forked._server_path(),
+                             str(tmp_path / "worker.py"), *args], cwd=tmp_path,
+                            env={**os.environ, "PROBE": "yes"}, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_ray_worker_is_forked_from_the_server_and_exits_as_it_did(tmp_path: Path) -> None:
+    client = start_worker(tmp_path, "--flag")
+    out, _ = client.communicate(timeout=60)
+    ran = json.loads(out)
+    assert client.returncode == 5
+    assert forked._server is not None and ran["parent"] == forked._server.process.pid
+    assert ran["argv"] == ["--flag"] and ran["probe"] == "yes" and ran["cwd"] == str(tmp_path)
+    assert ran["path0"] == str(tmp_path)  # as `python script` sets it
+
+
+def test_a_ray_worker_ends_when_the_process_the_raylet_started_is_killed(tmp_path: Path) -> None:
+    """The raylet may SIGKILL the process it started, which cannot pass the signal on."""
+    client = start_worker(tmp_path, "--sleep")
+    assert client.stdout is not None
+    worker = json.loads(client.stdout.readline())
+    assert worker["parent"] != client.pid
+    try:
+        ended = os.pidfd_open(worker["pid"])
+    except ProcessLookupError:
+        pytest.fail("the worker ended before its client was killed")
+    client.kill()
+    assert client.wait(timeout=60) == -signal.SIGKILL
+    client.stdout.close()
+    assert select.select([ended], [], [], 60)[0] == [ended], "the worker outlived its client"
+    os.close(ended)
+
+
+@pytest.mark.ray
+def test_the_tests_ray_actors_are_forked_from_the_server(ray_nodes: object) -> None:
+    """Under a test marked ``ray`` (conftest.py: take_turns), an actor's process comes from this
+    process's fork server, with the job's and the actor's own environment."""
+    import ray
+
+    assert forked.RAY_JOB_ENV in os.environ
+    ray.init(address=ray_nodes.address, logging_level="warning",  # type: ignore[attr-defined]
+             runtime_env={"env_vars": {"JOB_SET": "job"}})
+    try:
+        @ray.remote(num_cpus=0, resources={"engine_node": 0.01})
+        class Probe:
+            def ran(self) -> tuple[int, str | None, str | None]:
+                return os.getppid(), os.environ.get("JOB_SET"), os.environ.get("ACTOR_SET")
+
+        actor = Probe.options(runtime_env={"env_vars": {"ACTOR_SET": "actor"}}).remote()
+        parent, job, own = ray.get(actor.ran.remote(), timeout=120)
+        assert forked._server is not None and parent == forked._server.process.pid
+        assert (job, own) == ("job", "actor")
+    finally:
+        ray.shutdown()
