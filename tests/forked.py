@@ -161,12 +161,12 @@ def _child(request: dict[str, Any], fds: list[int], site_path: list[str]) -> Non
         _reseed()
         if (watched := request.get("watch")) is not None:
             _end_with(watched)
-        target = request.get("script") or request["module"]
-        if request.get("script"):
-            sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script` sets it
-        sys.argv = [target, *request["args"]]
+        script = request.get("script")
+        if script:
+            sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script` sets it
+        sys.argv = [script or request["module"], *request["args"]]
         _route(request["server"])
-        code = _run(target, script=bool(request.get("script")))
+        code = _run(sys.argv[0], script=bool(script))
         if children_cpu_s:  # for the server's report of this command's CPU seconds
             Path(f"{request['server']}.{os.getpid()}.cpu").write_text(str(children_cpu_s))
     except BaseException:  # noqa: BLE001 - the child must end here, never in the server's loop
@@ -327,7 +327,7 @@ class Popen:
     ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate`` and ``kill``."""
 
     def __new__(cls, args: list[str], **kwargs: Any) -> Any:
-        if _module_of(list(args)) is None:
+        if kwargs.get("server") is None and _module_of(list(args)) is None:
             return subprocess.Popen(args, **kwargs)
         return super().__new__(cls)
 
@@ -336,9 +336,8 @@ class Popen:
                  stderr: Any = None, text: bool = False, start_new_session: bool = False,
                  server: str | None = None, watch: int | None = None) -> None:
         self.args, self.returncode = [os.fspath(a) for a in args], None
-        script = _module_of(self.args) is None  # [python, script, …] (:func:`start_script`)
-        target = {"script": self.args[1], "args": self.args[2:]} if script else \
-            {"module": self.args[2], "args": self.args[3:]}
+        target = {"module": self.args[2], "args": self.args[3:]} if self.args[1] == "-m" else \
+            {"script": self.args[1], "args": self.args[2:]}  # (:func:`start_script`)
         self.stdin = self.stdout = self.stderr = None
         ends: list[int] = []  # the child's stdin, stdout, stderr
         mine: list[int] = []  # what this process closes once the server has them
@@ -452,9 +451,7 @@ class Popen:
 def start_script(server: str, args: list[str], watch: int) -> Popen:
     """``[python, script, …]`` forked from ``server`` with this process's streams, directory and
     environment, ended when process ``watch`` ends (tests/ray_worker.py)."""
-    process = object.__new__(Popen)
-    process.__init__(args, server=server, watch=watch)
-    return process
+    return Popen(args, server=server, watch=watch)
 
 
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # Ray reads a job's runtime_env from it at ray.init
