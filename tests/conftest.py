@@ -60,6 +60,13 @@ GROUPS_ENV = "POLYRL_TEST_GROUPS"  # where the workers write each test's group f
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # vLLM's engine core (a process of its own under AsyncLLM) runs the model in-process, with
+    # vLLM's uni executor, as it does by default on one GPU. On CPU vLLM otherwise spawns a
+    # worker process per engine (its multiproc executor, for OpenMP thread binding), a second
+    # interpreter importing vLLM and torch: ~9 CPU-s and ~6 s per engine start on 2 cores, and
+    # the tests start a dozen. A variable a test run sets before any engine starts, inherited
+    # by the commands and Ray actors the tests start; setting it yourself overrides it.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if config.pluginmanager.hasplugin("xdist") and config.getoption("dist", "no") == "loadgroup" \
             and "PYTEST_XDIST_WORKER" not in os.environ:
         os.environ[GROUPS_ENV] = tempfile.mkdtemp(prefix="polyrl-test-groups-")  # workers inherit it
