@@ -23,7 +23,6 @@ from orchestrator.weights.update import WeightUpdate
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; scripts/test.sh runs these in .venv-vllm")
 
-import anyio.lowlevel
 from helpers import VLLM_ENGINE, VLLM_TINY_MODEL
 
 from orchestrator.engines.base import sync_weights
@@ -192,9 +191,11 @@ async def test_requests_in_flight_continue_across_a_pause_under_the_new_weights(
     other = build_policy({**MODEL, "seed": 11})
     with anyio.fail_after(180):
         async with anyio.create_task_group() as tg:
+            held = engine._llm.get_num_unfinished_requests() + len(long_requests)
             tg.start_soon(long_ones)
-            await anyio.lowlevel.checkpoint()  # the long requests are submitted first
-            # A one-token request returns once a step has run with the long ones in it.
+            await _until_held(engine, held)
+            # vLLM schedules first come, first served: a one-token request sent after the long
+            # ones returns once a step has run with them in it (each has a token of version 1).
             await engine.generate(prompts(1, seed=9)[0], SamplingParams(max_tokens=1))
             await engine.pause()
             queued = await _submit_while_paused(engine, tg)
@@ -205,9 +206,18 @@ async def test_requests_in_flight_continue_across_a_pause_under_the_new_weights(
         assert gen.finish_reason is FinishReason.LENGTH and len(gen.token_ids) == 200
         assert gen.start_version == 1
         assert list(gen.versions) == sorted(gen.versions) and gen.versions[-1] == 2
-    assert any(1 in gen.versions for gen in results), "no request was in flight at the pause"
+    assert all(1 in gen.versions for gen in results), "a request had no step before the pause"
     assert queued and set(queued[0].versions) == {2}
     await sync_weights(engine, WeightUpdate.of_module(1, policy.model))
+
+
+async def _until_held(engine: VLLMEngine, count: int) -> None:
+    """Returns once vLLM holds ``count`` unfinished requests. It sends each to its engine core
+    as it registers it, so a request made after this is queued behind them."""
+    llm = engine._llm
+    assert llm is not None
+    while llm.get_num_unfinished_requests() < count:  # bounded by the caller's fail_after
+        await anyio.sleep(0.001)  # a poll of vLLM's count, not a wait for time to pass
 
 
 async def _submit_while_paused(engine: VLLMEngine, tg: Any) -> list[Generation]:
