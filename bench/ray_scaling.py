@@ -1,12 +1,13 @@
 """Throughput against engine nodes on a local multi-node Ray cluster, and weight broadcast.
 
 What runs. A :class:`ray.cluster_utils.Cluster` on this machine: a head node (the driver and
-the trainer; one CPU and the custom resource ``trainer_node``) and four worker nodes (one CPU
-and ``engine_node`` each). For 1, 2 and 4 engines the bench runs the real run loop
+the trainer; one CPU and the custom resource ``head_node``) and four worker nodes (one CPU
+and ``engine_node`` each), or a running cluster of that shape (``--address``: the tests pass
+theirs, :mod:`bench.ray_cluster`). For 1, 2 and 4 engines the bench runs the real run loop
 (:func:`orchestrator.run.loop.run_session`: admission, rollout workers, the freshness check,
 weight sync, the recorder) through ``launcher=ray`` (:class:`~orchestrator.launch.ray.
 RayLauncher`, ``placement=spread``, ``engine.resources={engine_node: 1}``,
-``trainer.resources={trainer_node: 1}``): one engine actor per worker node behind the
+``trainer.resources={head_node: 1}``): one engine actor per worker node behind the
 launcher's router, the trainer in an actor on the head.
 
 The engine (:func:`bench.trace_engine.trace_engine`, named by ``_target_`` in the
@@ -70,11 +71,11 @@ if __name__ == "__main__" and importlib.util.find_spec("ray") is None:  # before
     refuse("ray_scaling", "the ray extra is missing: pip install -e '.[ray]'")
 
 import ray
-from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from bench import fixed_trainer
+from bench.ray_cluster import HEAD, add_address, connected
 from bench.trace_engine import load_shapes, sample_seconds, trace_engine
 from envs.registry import make_spec
 from orchestrator.config.schema import PipelineConfig, RolloutConfig
@@ -142,20 +143,6 @@ def time_scale(seconds: float = SAMPLE_SECONDS) -> float:
     return seconds / mean
 
 
-def start_cluster(workers: int, store_bytes: int = OBJECT_STORE_BYTES) -> Cluster:
-    """A head (the driver and the trainer) and ``workers`` engine nodes, one CPU each."""
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"trainer_node": 1},
-        "object_store_memory": store_bytes, "include_dashboard": False})
-    for _ in range(workers):
-        cluster.add_node(num_cpus=1, resources={"engine_node": 1},
-                         object_store_memory=store_bytes)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="bench", logging_level="warning",
-             log_to_driver=False)
-    return cluster
-
-
 def run(engines: int, steps: int, scale: float, train_seconds: float = TRAIN_SECONDS) -> Result:
     """One run through ``launcher=ray``: ``engines`` engine actors spread over the engine
     nodes, the trainer actor on the head."""
@@ -167,7 +154,7 @@ def run(engines: int, steps: int, scale: float, train_seconds: float = TRAIN_SEC
     result = RunResult(run_dir=None)
     with RayLauncher(num_engines=engines, placement="spread",
                      engine={"num_cpus": 1, "resources": {"engine_node": 1}},
-                     trainer={"num_cpus": 1, "resources": {"trainer_node": 1}}) as launcher:
+                     trainer={"num_cpus": 1, "resources": {HEAD: 1}}) as launcher:
         parts = RunParts(
             spec=spec, tokenizer=CharTokenizer(),
             trainer=launcher.trainer(fixed_trainer.recipe(train_seconds)),
@@ -254,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Samples/s against engine nodes on local Ray.")
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--steps", type=int, default=None, help="train steps per node count")
+    add_address(parser)
     add_smoke(parser)
     args = parser.parse_args(argv)
     size = SMOKE if args.smoke else Size(steps=10 if args.quick else 30,
@@ -269,10 +257,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"train step {size.train_seconds:.2f} s; {steps} steps, {WARMUP_STEPS} warm-up",
           flush=True)
     started = time.perf_counter()
-    cluster = start_cluster(nodes, size.object_store_bytes)
-    print(f"cluster: head + {nodes} engine nodes up in {time.perf_counter() - started:.1f} s",
-          flush=True)
-    try:
+    with connected("ray_scaling", args.address, nodes, "engine_node", size.object_store_bytes):
         results = []
         for count in size.nodes:
             t0 = time.perf_counter()
@@ -291,9 +276,6 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"({typical.gbps_total:.2f} GB/s in all); each: {[round(b.wall, 2) for b in sync]} s, "
               f"after a first (warm-up) of {first.wall:.2f} s ({time.perf_counter() - t0:.1f} s)",
               flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     print(f"{'engines':>7} {'nodes':>5} {'samples/s':>10} {'step_s':>7} {'dropped':>7} "
           f"{'driver_cpu':>10} {'efficiency':>10}")
     base = results[0].samples_per_s

@@ -2,8 +2,9 @@
 weight gather and broadcast per step, and LoRA against full fine-tuning.
 
 What runs. A :class:`ray.cluster_utils.Cluster` on this machine: a head (the driver and a
-stand-in engine actor that pulls the weights) and two worker nodes with one CPU and the custom
-resource ``trainer_node`` each. For each row the bench opens a :class:`RayLauncher` with
+stand-in engine actor that pulls the weights; the custom resource ``head_node``) and two worker
+nodes with one CPU and the custom resource ``trainer_node`` each, or a running cluster of that
+shape (``--address``: the tests pass theirs, :mod:`bench.ray_cluster`). For each row the bench opens a :class:`RayLauncher` with
 ``trainer_ranks=N`` (``placement=spread``, ``trainer.resources={trainer_node: 1}``): N rank
 actors, one per trainer node, one torch thread each, joined into one gloo process group with
 the model sharded by FSDP2, exactly as ``python -m orchestrator launcher=ray
@@ -57,8 +58,8 @@ if __name__ == "__main__" and importlib.util.find_spec("ray") is None:  # before
     refuse("trainer_scaling", "the ray extra is missing: pip install -e '.[ray]'")
 
 import ray
-from ray.cluster_utils import Cluster
 
+from bench.ray_cluster import HEAD, add_address, connected
 from orchestrator.launch.base import TrainerRecipe
 from orchestrator.launch.ray import RayLauncher
 from orchestrator.types import FinishReason, Group, Trajectory
@@ -111,7 +112,7 @@ def batch(seed: int = 0, count: int = GROUPS) -> list[Group]:
     return groups
 
 
-@ray.remote(num_cpus=0, resources={"engine_node": 0.5})
+@ray.remote(num_cpus=0, resources={HEAD: 0.5})
 class Engine:
     """Stands in for an engine actor's weight load: ``update.tensors()`` is its ``ray.get``."""
 
@@ -119,19 +120,6 @@ class Engine:
         started = time.perf_counter()
         update.tensors()
         return time.perf_counter() - started
-
-
-def start_cluster() -> Cluster:
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"engine_node": 1}, "include_dashboard": False,
-        "object_store_memory": OBJECT_STORE_BYTES})
-    for _ in range(2):
-        cluster.add_node(num_cpus=1, resources={"trainer_node": 1},
-                         object_store_memory=OBJECT_STORE_BYTES)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="bench", logging_level="warning",
-             log_to_driver=False)
-    return cluster
 
 
 def measure(ranks: int, lora: bool, steps: int, count: int = GROUPS,
@@ -146,7 +134,7 @@ def measure(ranks: int, lora: bool, steps: int, count: int = GROUPS,
     times, gathers, publishes, pulls = [], [], [], []
     nbytes = 0
     with RayLauncher(num_engines=1, placement="spread", trainer_ranks=ranks,
-                     engine={"num_cpus": 0.01, "resources": {"engine_node": 0.5}},
+                     engine={"num_cpus": 0.01, "resources": {HEAD: 0.5}},
                      trainer={"num_cpus": 1, "resources": {"trainer_node": 1}}) as launcher:
         group = launcher.trainer(recipe)
         anyio.run(group.weights)  # the engines' start (with LoRA: base weights and adapters)
@@ -180,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--groups", type=int, default=None,
                         help=f"groups of {GROUP_SIZE} in the fixed global batch ({GROUPS}; "
                              f"--smoke {SMOKE_GROUPS})")
+    add_address(parser)
     add_smoke(parser)
     args = parser.parse_args(argv)
     steps = args.steps or (1 if args.quick or args.smoke else 4)
@@ -194,11 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # glibc's per-thread arenas grow a torch process's memory by GBs; the cluster's processes
     # inherit this (the machine's memory is shared with everything else running on it)
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")
-    started = time.perf_counter()
-    cluster = start_cluster()
-    print(f"cluster: head + 2 trainer nodes up in {time.perf_counter() - started:.1f} s", flush=True)
     rows = []
-    try:
+    with connected("trainer_scaling", args.address, 2, "trainer_node", OBJECT_STORE_BYTES):
         for ranks, lora in ((1, False), (2, False), (2, True)):
             t0 = time.perf_counter()
             row = measure(ranks, lora, steps, groups, model)
@@ -207,9 +193,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{row.gather:.2f} s, gather+put {row.publish:.2f} s, pull {row.pull:.2f} s, "
                   f"update {row.nbytes / 1e6:.1f} MB ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     load_after = os.getloadavg()
     print(f"params ~{rows[0].params / 1e6:.2g} M; load average after "
           f"{' '.join(f'{x:.2f}' for x in load_after)}")
