@@ -4,7 +4,8 @@
    schema: ``question`` / ``answer``, two-digit sums, written by pyarrow into ``--out``), each
    trained for one step by ``python -m orchestrator experiment=smoke env=dataset`` (no warm
    start, no evaluation) in a subprocess: its wall time from start to exit and its peak
-   resident memory (``ru_maxrss`` of the child). The first read of a Parquet or JSONL file
+   resident memory (the run's own ``ru_maxrss``, which it writes into ``summary.json`` as
+   ``peak_rss_mb``). The first read of a Parquet or JSONL file
    converts it into an Arrow file in ``datasets``' cache; that conversion is timed apart (a run of its
    own before the timed one), since it happens once per file. Figures: seconds to the end of
    the step for each size, and the 1M run's extra resident memory over the 1k run's
@@ -59,7 +60,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import random
 import subprocess
@@ -99,38 +99,24 @@ def write_rows(path: Path, rows: int, seed: int = 0) -> Path:
     return path
 
 
-def run(out: Path, name: str, *overrides: str, peak: bool = False
-        ) -> tuple[float, float, dict[str, float]]:
-    """One ``python -m orchestrator`` run: (wall seconds, peak RSS in MB, its summary.json).
-    The peak is measured only if asked (``peak``: a new interpreter of its own, forked and
-    exec'd here, so its rusage is its own); otherwise it is NaN and the run is a plain
-    subprocess (which the tests' fork server may start)."""
+def run(out: Path, name: str, *overrides: str) -> tuple[float, float, dict[str, float]]:
+    """One ``python -m orchestrator`` run (a subprocess, its output in ``<name>.log``): (wall
+    seconds, its peak RSS in MB, its summary.json). The peak is the run's own
+    (``summary.json``'s ``peak_rss_mb``, its ``ru_maxrss``)."""
     run_dir = out / name
     command = [sys.executable, "-m", "orchestrator", "experiment=smoke", "env=dataset",
                "logger=none", "progress=false", "warmstart.steps=0", "eval.num_tasks=0",
                f"hydra.run.dir={run_dir}", *overrides]
     started = time.perf_counter()
-    if peak:
-        pid = os.fork()
-        if pid == 0:  # the child: exec the run, so its rusage is its own
-            os.chdir(REPO)
-            log = os.open(out / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            os.execv(sys.executable, command)
-        _, status, usage = os.wait4(pid, 0)
-        code, peak_mb = os.waitstatus_to_exitcode(status), usage.ru_maxrss / 1024
-    else:
-        with open(out / f"{name}.log", "w") as log:
-            code = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                  check=False).returncode
-        peak_mb = math.nan
+    with open(out / f"{name}.log", "w") as log:
+        code = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                              check=False).returncode
     wall = time.perf_counter() - started
     if code != 0:
         raise SystemExit(f"{name} failed; see {out / f'{name}.log'}:\n"
                          f"{(out / f'{name}.log').read_text()[-2000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return wall, peak_mb, summary
+    return wall, summary["peak_rss_mb"], summary
 
 
 def size_name(rows: int) -> str:
@@ -150,7 +136,7 @@ def startup(out: Path, large: int = LARGE) -> float:
         path = write_rows(out / f"sums_{rows}.parquet", rows)
         train = f"env.train={path}"
         convert, _, _ = run(out, f"convert_{rows}", train, "pipeline.num_steps=1")
-        wall, peak, _ = run(out, f"startup_{rows}", train, "pipeline.num_steps=1", peak=True)
+        wall, peak, _ = run(out, f"startup_{rows}", train, "pipeline.num_steps=1")
         rss[rows] = peak
         print(f"{rows:>10,} {convert:>10.1f} {wall:>9.1f} {peak:>12.0f}", flush=True)
     return rss[large] - rss[SMALL]

@@ -22,7 +22,9 @@ ends the run after the step in progress, with a checkpoint of it, in
 from __future__ import annotations
 
 import logging
+import resource
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, nullcontext
@@ -482,6 +484,13 @@ async def _stop_on_signal(pipeline: Pipeline, result: RunResult, scope: anyio.Ca
             pipeline.request_stop()
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, MB (the driver's under ``launcher=ray``):
+    its ``ru_maxrss``, which counts kilobytes on Linux and bytes on macOS."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 1024)
+
+
 def summarise(result: RunResult, earlier: Sequence[Mapping[str, Any]] = (),
               checkpointer: Checkpointer | None = None) -> dict[str, Any]:
     """The run's figures. A resumed run's cover the whole run: ``earlier`` are the
@@ -513,6 +522,7 @@ def summarise(result: RunResult, earlier: Sequence[Mapping[str, Any]] = (),
         "dropped_stale": dropped,
         "samples_per_s": samples / max(wall, 1e-9),
         "rl_seconds": wall,
+        "peak_rss_mb": peak_rss_mb(),  # this process's, not the earlier ones' of a resumed run
     }
     if checkpointer is not None:
         summary.update(checkpointer.totals())

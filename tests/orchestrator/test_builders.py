@@ -55,6 +55,7 @@ def check_run_dir(run_dir: Path, num_steps: int) -> None:
     assert s["steps"] == num_steps
     assert 0.0 <= s["reward_last_10pct"] <= 1.0
     assert s["samples_per_s"] > 0
+    assert s["peak_rss_mb"] > 100  # the run's own high-water mark: torch alone is more
 
 
 def smoke_config(*overrides: str) -> DictConfig:
