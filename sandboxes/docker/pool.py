@@ -335,6 +335,7 @@ class DockerSandboxPool(SandboxPool):
             # killed after its episode's last call, or under a call its episode was cancelled
             # in before the kill was found: nothing ran again
             self.stats["lost"] += 1
+            box.accounted = True
         await self._destroy(box)
 
     async def _killed_after_use(self, box: Container) -> bool:
@@ -409,22 +410,31 @@ class DockerSandboxPool(SandboxPool):
         self._live.add(box)
         return box
 
-    async def _remove(self, container: Any) -> None:
+    async def _remove(self, container: Any) -> bool | None:
+        """Remove ``container``: True if this removed it, False if it was gone or going already
+        (killed, and Docker's auto-remove begun), None if unknown (no engine to ask)."""
         if self.link.lost is not None:
-            return  # left to the next start's reaper and to its lifetime
+            return None  # left to the next start's reaper and to its lifetime
+        removed = None
         try:
-            await self.link.call(engine.remove, self.client, container.id)
+            removed = await self.link.call(engine.remove, self.client, container.id)
         except EngineUnavailable:
-            return  # the pool is lost now: the next call says so
+            return None  # the pool is lost now: the next call says so
         except ENGINE_ERRORS as e:  # the reaper and the lifetime catch it later
             log.warning("sandbox pool: could not remove %s: %s", container.name, e)
         self.stats["destroyed"] += 1
+        return removed
 
     async def _destroy(self, box: Container) -> None:
         if box not in self._live:
             return
         self._live.discard(box)
         box.channel.close()
-        await self._remove(box.container)
+        if await self._remove(box.container) is False and not box.accounted and not self._closed:
+            # running when last looked at, gone before this removal: killed from outside in
+            # between (after its episode's last call), a fault all the same
+            self.stats["lost"] += 1
+            box.accounted = True
+            log.warning("sandbox pool: a container was killed from outside as it was removed")
         self._notify()
         self._fill()

@@ -27,7 +27,7 @@ import pytest
 from conftest import small_config
 
 from sandboxes.api import EngineUnavailable
-from sandboxes.docker import DockerSandboxPool
+from sandboxes.docker import DockerSandboxPool, engine
 from sandboxes.docker.engine import LABEL_PID, LABEL_RUN, labelled, reap, remove
 
 pytestmark = pytest.mark.docker
@@ -327,6 +327,31 @@ async def test_a_container_killed_after_its_last_call_is_counted_when_it_goes(
             async with pool.session() as sb:  # a clean one that goes is not counted
                 assert (await sb.exec("x = 1")).ok
             await destroyed(pool, 2)
+            assert pool.metrics()["faults/sandbox_lost"] == 1.0
+
+
+@pytest.mark.anyio
+async def test_a_container_killed_between_the_look_and_its_removal_is_counted(
+        docker_client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kill lands after the pool's look as the container goes (it was running) and before
+    the pool removes it: found by the removal (Docker's auto-remove has begun, or is done), and
+    counted. bench.chaos's smoke once killed a container in that gap: injected, not counted."""
+    pool = DockerSandboxPool(small_config(reuse=False))
+    looked = pool._killed_after_use
+
+    async def look_then_kill(box: Any) -> bool:
+        killed = await looked(box)  # running: False
+        await anyio.to_thread.run_sync(docker_client.api.kill, box.id)
+        while await anyio.to_thread.run_sync(engine.is_running, docker_client, box.id):
+            await anyio.sleep(0.01)  # bounded by fail_after: the kill shows in its state
+        return killed
+
+    monkeypatch.setattr(pool, "_killed_after_use", look_then_kill)
+    with anyio.fail_after(60):
+        async with pool:
+            async with pool.session() as sb:
+                await used_container(sb)
+            await destroyed(pool, 1)
             assert pool.metrics()["faults/sandbox_lost"] == 1.0
 
 
