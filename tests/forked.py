@@ -48,6 +48,8 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -185,7 +187,24 @@ def _route(server: str) -> None:
     environment has ``POLYRL_TEST_FORK=0``."""
     global _attached
     _attached = server
+    subprocess.Popen = _routing(subprocess.Popen)  # type: ignore[misc]
+
+
+@contextmanager
+def routed() -> Iterator[None]:
+    """In this process, for the block, as in a forked command (:func:`_route`): for a test that
+    calls a benchmark's own functions, whose runs are ``python -m orchestrator`` commands
+    (``bench.chaos``'s soak), so that those fork from this process's server too."""
     real = subprocess.Popen
+    subprocess.Popen = _routing(real)  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        subprocess.Popen = real  # type: ignore[misc]
+
+
+def _routing(real: type[subprocess.Popen[Any]]) -> type[subprocess.Popen[Any]]:
+    """``real``, save that the project's commands it is given are forked (:class:`Popen`)."""
 
     class Routed(real):  # type: ignore[misc, valid-type]
         def __new__(cls, args: Any, *rest: Any, **kwargs: Any) -> Any:
@@ -195,7 +214,7 @@ def _route(server: str) -> None:
                 return Popen(args, **kwargs)  # not a Routed: __init__ is not called again
             return super().__new__(cls)
 
-    subprocess.Popen = Routed  # type: ignore[misc]
+    return Routed
 
 
 def _end_with(pid: int) -> None:

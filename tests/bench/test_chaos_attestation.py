@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import forked
 import pytest
 
 pytest.importorskip("ray", reason="bench.chaos runs launcher=ray: pip install -e '.[ray]'")
@@ -25,8 +26,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 def test_each_attestation_fault_is_detected_and_the_audit_can_tell(ray_nodes: Any,
                                                                    tmp_path: Path) -> None:
-    results = soak(0, True, 0, tmp_path, phases=(replace(ATTEST, clean_steps=5), ATTEST_LORA),
-                   address=ray_nodes.address)
+    with forked.routed():  # its runs fork from the tests' server, as a forked bench's do
+        results = soak(0, True, 0, tmp_path, phases=(replace(ATTEST, clean_steps=5), ATTEST_LORA),
+                       address=ray_nodes.address)
     faults = [f for r in results.values() for f in r["attestation"]]
     assert {f["kind"] for f in faults if f["first_trained_step"] is not None} == set(ATTESTATION)
     for result in results.values():
